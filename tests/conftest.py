@@ -1,0 +1,79 @@
+"""Fixtures shared by every test: a real Postgres and the embedded SQLite catalog.
+
+Catalog tests take the ``engine`` fixture, which is parametrized over both backends, so each
+such test runs once on Postgres and once on SQLite. With ``BATCHD_TEST_DATABASE_URL`` unset
+the run starts its own Postgres (see ``tests/pgserver.py``); without Postgres binaries it
+fails and says what to install. It never skips.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+
+from batchd_server.catalog import migrate
+from batchd_server.catalog.db import make_engine
+
+from pgserver import PostgresUnavailable, ThrowawayPostgres
+
+BACKENDS = ("postgres", "sqlite")
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> Iterator[str]:
+    """URL of a Postgres database in which the tests may create and drop databases."""
+    given = os.environ.get("BATCHD_TEST_DATABASE_URL")
+    if given:
+        yield given
+        return
+    try:
+        server = ThrowawayPostgres.start()
+    except PostgresUnavailable as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield server.url("postgres")
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_admin_url: str) -> Iterator[str]:
+    """A fresh, empty Postgres database for one test, dropped afterwards."""
+    name = f"batchd_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        yield make_url(pg_admin_url).set(database=name).render_as_string(hide_password=False)
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'catalog.db'}"
+
+
+@pytest.fixture(params=BACKENDS)
+def catalog_url(request: pytest.FixtureRequest) -> str:
+    """An empty catalog database URL (no schema yet), once per backend."""
+    fixture = "pg_url" if request.param == "postgres" else "sqlite_url"
+    return request.getfixturevalue(fixture)
+
+
+@pytest.fixture
+def engine(catalog_url: str) -> Iterator[Engine]:
+    """An engine on a catalog migrated to head, once per backend."""
+    eng = make_engine(catalog_url)
+    migrate.upgrade(eng)
+    try:
+        yield eng
+    finally:
+        eng.dispose()
