@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Quick start, command 2: install the test tools into .venv, lint, type-check and run every
+# test. Tests use a private throwaway Postgres (initdb + pg_ctl in a temp dir) unless
+# BATCHD_TEST_DATABASE_URL names one. Extra arguments go to pytest.
+set -euo pipefail
+source "$(dirname "$0")/_venv.sh"
+cd "$repo"
+python -m pip install --quiet -r requirements/test.txt
+echo "==> ruff" >&2
+ruff check .
+ruff format --check .
+echo "==> mypy" >&2
+mypy client/src server/src
+echo "==> pytest" >&2
+python -m pytest "$@"
