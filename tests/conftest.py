@@ -77,3 +77,37 @@ def engine(catalog_url: str) -> Iterator[Engine]:
         yield eng
     finally:
         eng.dispose()
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` are deselected, loudly, on machines without CUDA.
+
+    Set BATCHD_TEST_GPU=1 to run them anyway: they then fail, never skip, without a device.
+    """
+    if os.environ.get("BATCHD_TEST_GPU") == "1" or _cuda_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        config.hook.pytest_deselected(items=gpu)
+        config.stash[_GPU_DESELECTED] = len(gpu)
+
+
+_GPU_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    n = config.stash.get(_GPU_DESELECTED, 0)
+    if n:
+        terminalreporter.write_line(
+            f"{n} gpu-marked tests deselected: no CUDA device here "
+            "(run them on a CUDA machine, or force with BATCHD_TEST_GPU=1)"
+        )

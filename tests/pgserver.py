@@ -59,7 +59,9 @@ def _unprivileged_user() -> str | None:
             return name
         except KeyError:
             continue
-    raise PostgresUnavailable("running as root and no 'postgres' or 'nobody' user exists to run initdb")
+    raise PostgresUnavailable(
+        "running as root and no 'postgres' or 'nobody' user exists to run initdb"
+    )
 
 
 @dataclass
@@ -95,8 +97,16 @@ class ThrowawayPostgres:
             os.chown(workdir, pw.pw_uid, pw.pw_gid)
         server = cls(bindir=bindir, workdir=workdir, user=user)
         init = server._run(
-            "initdb", "-D", str(server.datadir), "-U", "batchd", "--auth=trust",
-            "-E", "UTF8", "--no-locale", "--no-sync",
+            "initdb",
+            "-D",
+            str(server.datadir),
+            "-U",
+            "batchd",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-locale",
+            "--no-sync",
         )
         if init.returncode != 0:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -107,11 +117,20 @@ class ThrowawayPostgres:
             "-c max_connections=200 -c shared_buffers=128MB"
         )
         started = server._run(
-            "pg_ctl", "-D", str(server.datadir), "-o", opts, "-w", "-t", "60",
-            "-l", str(server.workdir / "postgres.log"), "start",
+            "pg_ctl",
+            "-D",
+            str(server.datadir),
+            "-o",
+            opts,
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(server.workdir / "postgres.log"),
+            "start",
         )
         if started.returncode != 0:
-            log = (server.workdir / "postgres.log")
+            log = server.workdir / "postgres.log"
             text = log.read_text() if log.exists() else ""
             server.stop()
             raise PostgresUnavailable(f"pg_ctl start failed:\n{started.stderr}\n{text}")

@@ -68,9 +68,7 @@ samples = sa.Table(
     sa.Column("byte_size", sa.BigInteger, nullable=True),
     sa.Column("attrs", Json, nullable=True),
     sa.UniqueConstraint("dataset_id", "key"),
-    sa.CheckConstraint(
-        "(byte_offset IS NULL) = (byte_length IS NULL)", name="byte_range_complete"
-    ),
+    sa.CheckConstraint("(byte_offset IS NULL) = (byte_length IS NULL)", name="byte_range_complete"),
     sa.CheckConstraint("weight >= 0", name="weight_nonnegative"),
     # "All verified rows of one split of one dataset, ordered by id" is the query every
     # session starts with: equality on the first three columns, then id order.

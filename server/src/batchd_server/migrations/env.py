@@ -23,7 +23,9 @@ def _run(connection: sa.Connection) -> None:
     context.configure(connection=connection, target_metadata=metadata, compare_type=True)
     with context.begin_transaction():
         if connection.dialect.name == "postgresql":
-            connection.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK_ID})
+            connection.execute(
+                sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK_ID}
+            )
         context.run_migrations()
 
 

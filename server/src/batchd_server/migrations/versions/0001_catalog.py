@@ -26,10 +26,14 @@ def upgrade() -> None:
         sa.Column("id", sa.Integer, sa.Identity(), primary_key=True),
         sa.Column("name", sa.String(255), nullable=False),
         sa.Column("version", sa.String(64), nullable=False),
-        sa.Column("root", sa.Text, nullable=False, comment="directory or URI prefix of sample paths"),
+        sa.Column(
+            "root", sa.Text, nullable=False, comment="directory or URI prefix of sample paths"
+        ),
         sa.Column("description", sa.Text, nullable=False, server_default=""),
         sa.Column("attrs", Json, nullable=True, comment="e.g. {'classes': [...]} from imagefolder"),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+        sa.Column(
+            "created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
         sa.PrimaryKeyConstraint("id", name="pk_datasets"),
         sa.UniqueConstraint("name", "version", name="uq_datasets_name_version"),
         sqlite_autoincrement=True,
@@ -70,8 +74,12 @@ def upgrade() -> None:
         sa.Column("kind", sa.String(32), nullable=False, comment="missing, corrupt, escape, ..."),
         sa.Column("message", sa.Text, nullable=False),
         sa.Column("count", sa.Integer, nullable=False, server_default="1"),
-        sa.Column("first_seen", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
-        sa.Column("last_seen", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+        sa.Column(
+            "first_seen", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
+        sa.Column(
+            "last_seen", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
         sa.PrimaryKeyConstraint("id", name="pk_sample_errors"),
         sa.ForeignKeyConstraint(
             ["sample_id"], ["samples.id"], name="fk_sample_errors_sample_id", ondelete="CASCADE"
