@@ -1,0 +1,263 @@
+"""Bind and start the gRPC server, refusing addresses that someone else holds.
+
+gRPC's defaults would let a second server share a TCP port (SO_REUSEPORT is on) and would
+silently unlink a unix socket a live server is listening on and take its place. Neither is
+what an operator means, so here SO_REUSEPORT is off and a unix socket path is probed before
+binding; a failed bind becomes an error that names the address and the reason.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import stat
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import grpc
+
+from batchd._proto.batchd.v1 import loader_pb2_grpc
+from batchd_server.api.servicer import LoaderServicer
+from batchd_server.catalog.db import make_engine
+from batchd_server.config import ServerConfig
+from batchd_server.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
+    from sqlalchemy.engine import Engine
+
+__all__ = ["DEFAULT_MAX_WORKERS", "ListenAddress", "RunningServer", "build_server"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_WORKERS = 16
+"""RPC threads. Each open stream will hold one for its whole life (grpc's sync server)."""
+
+# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
+_MAX_UNIX_PATH_BYTES = 107
+_LISTEN_HINT = "use unix:///path/to/grpc.sock or host:port (port 0 picks a free one)"
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """A parsed ``--listen`` value."""
+
+    grpc_address: str
+    """What gRPC binds: ``unix:///absolute/path`` or ``host:port``."""
+    unix_path: Path | None = None
+    host: str | None = None
+    port: int | None = None
+
+    @classmethod
+    def parse(cls, listen: str) -> ListenAddress:
+        """Parse ``unix:///abs.sock``, ``unix:relative.sock`` or ``host:port``.
+
+        Raises:
+            InvalidArgument: it is neither.
+        """
+        if listen.startswith("unix:"):
+            rest = listen.removeprefix("unix:")
+            if rest.startswith("//"):
+                rest = rest.removeprefix("//")
+                if not rest.startswith("/"):
+                    raise InvalidArgument(
+                        f"listen address {listen!r}: unix:// needs an absolute path "
+                        "(unix:///run/batchd/grpc.sock); for a relative one write unix:grpc.sock"
+                    )
+            if not rest:
+                raise InvalidArgument(
+                    f"listen address {listen!r} has no socket path; {_LISTEN_HINT}"
+                )
+            path = Path(rest).absolute()
+            return cls(grpc_address=f"unix://{path}", unix_path=path)
+        host, sep, port_text = listen.rpartition(":")
+        if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+            raise InvalidArgument(f"listen address {listen!r} is not valid; {_LISTEN_HINT}")
+        if host.startswith("[") != host.endswith("]"):
+            raise InvalidArgument(
+                f"listen address {listen!r}: write IPv6 hosts in brackets, as in [::1]:50051"
+            )
+        return cls(grpc_address=listen, host=host, port=int(port_text))
+
+
+class RunningServer:
+    """A started gRPC server and what it owns; stop it with :meth:`stop` or ``with``."""
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        executor: futures.ThreadPoolExecutor,
+        engine: Engine,
+        address: str,
+        port: int | None,
+    ) -> None:
+        self._server = server
+        self._executor = executor
+        self._engine = engine
+        self.address = address
+        """The target a client passes (``unix:///path`` or ``host:port``, port resolved)."""
+        self.port = port
+        """The bound TCP port, or None on a unix socket."""
+        self._stopped = False
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """Refuse new calls, give running ones ``grace_s`` seconds, then cancel them.
+
+        Idempotent. gRPC removes the unix socket file.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._server.stop(grace_s).wait()
+        finally:
+            # A handler stuck in a database call must not hang shutdown; its thread ends
+            # when the call returns.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._engine.dispose()
+
+    def wait_for_termination(self, timeout_s: float | None = None) -> bool:
+        """Block until the server stops; False if ``timeout_s`` passed first."""
+        return bool(self._server.wait_for_termination(timeout_s))
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"RunningServer(address={self.address!r}{', stopped' if self._stopped else ''})"
+
+
+def _check_unix_path(listen: str, path: Path) -> None:
+    """Refuse a socket path that is too long, has no directory, or that a live server holds."""
+    size = len(str(path).encode())
+    if size > _MAX_UNIX_PATH_BYTES:
+        raise InvalidArgument(
+            f"cannot listen on {listen!r}: the socket path is {size} bytes, the limit is "
+            f"{_MAX_UNIX_PATH_BYTES}; choose a shorter path"
+        )
+    if not path.parent.is_dir():
+        raise FailedPrecondition(
+            f"cannot listen on {listen!r}: directory {path.parent} does not exist; create it "
+            "(in Kubernetes, mount a volume shared with the trainer there)"
+        )
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FailedPrecondition(
+            f"cannot listen on {listen!r}: {path} exists and is not a socket; "
+            "remove it or choose another path"
+        )
+    # gRPC unlinks an existing socket file before binding, which would steal the path from
+    # a live server. A socket nobody accepts on is left over from a dead one: reuse it.
+    # (A server starting between this probe and the bind can still race us; the probe is
+    # for the operator's mistake of starting two, not for that.)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return
+        except OSError as e:
+            raise FailedPrecondition(
+                f"cannot listen on {listen!r}: cannot check whether {path} is in use "
+                f"({e.strerror or e}); choose another path"
+            ) from e
+    raise FailedPrecondition(
+        f"cannot listen on {listen!r}: another server is already listening on {path}; "
+        "stop it or choose another path"
+    )
+
+
+def _tcp_bind_problem(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound, found by trying with a plain socket."""
+    try:
+        infos = socket.getaddrinfo(
+            host.removeprefix("[").removesuffix("]"),
+            port,
+            type=socket.SOCK_STREAM,
+            flags=socket.AI_PASSIVE,
+        )
+    except socket.gaierror as e:
+        return f"host {host!r} does not resolve ({e.strerror})"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind(sockaddr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (
+                        f"port {port} is already in use (batchd never shares a port: "
+                        "SO_REUSEPORT is off)"
+                    )
+                if e.errno == errno.EADDRNOTAVAIL:
+                    return f"{host} is not an address of this machine"
+                if e.errno == errno.EACCES:
+                    return f"port {port} is privileged; use one >= 1024"
+                return e.strerror or str(e)
+    return "gRPC could not bind it (set GRPC_VERBOSITY=debug to see why)"
+
+
+def build_server(
+    config: ServerConfig, listen: str, *, max_workers: int = DEFAULT_MAX_WORKERS
+) -> RunningServer:
+    """Start the Loader service on ``listen`` over the catalog at ``config.database_url``.
+
+    Args:
+        config: The server's configuration.
+        listen: ``unix:///path/to/grpc.sock``, ``unix:relative.sock`` or ``host:port``
+            (``host:0`` binds a free port; :attr:`RunningServer.address` has it).
+        max_workers: Threads serving RPCs.
+
+    Raises:
+        InvalidArgument: ``listen`` or ``max_workers`` is malformed.
+        FailedPrecondition: the address is taken (by a live server on that unix socket, or
+            any process on that TCP port) or cannot be bound; the message says which.
+    """
+    if max_workers < 1:
+        raise InvalidArgument(f"max_workers={max_workers} must be >= 1")
+    where = ListenAddress.parse(listen)
+    if where.unix_path is not None:
+        _check_unix_path(listen, where.unix_path)
+
+    engine = make_engine(config.database_url)
+    executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="batchd-rpc")
+    server = grpc.server(executor, options=[("grpc.so_reuseport", 0)])
+    loader_pb2_grpc.add_LoaderServicer_to_server(LoaderServicer(engine), server)
+    try:
+        try:
+            bound = server.add_insecure_port(where.grpc_address)
+        except RuntimeError:
+            bound = 0  # grpcio raises now; it used to return 0 (grpc/grpc#16920)
+        if bound == 0:
+            if where.unix_path is not None:
+                problem = "gRPC could not bind the socket (set GRPC_VERBOSITY=debug to see why)"
+            else:
+                assert where.host is not None and where.port is not None
+                problem = _tcp_bind_problem(where.host, where.port)
+            raise FailedPrecondition(f"cannot listen on {listen!r}: {problem}")
+        server.start()
+    except BaseException:
+        server.stop(None)
+        executor.shutdown(wait=False, cancel_futures=True)
+        engine.dispose()
+        raise
+
+    if where.unix_path is not None:
+        address, port = where.grpc_address, None
+    else:
+        address, port = f"{where.host}:{bound}", bound
+    logger.info("batchd-server listening on %s", address)
+    return RunningServer(server, executor, engine, address, port)

@@ -1,0 +1,59 @@
+"""The Loader service: parse the request, call the catalog, build the reply."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd_server.api.status import map_errors
+from batchd_server.catalog import queries
+from batchd_server.catalog.queries import DatasetSummary
+from batchd_server.errors import InvalidArgument
+
+if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
+    from sqlalchemy.engine import Engine
+
+__all__ = ["LoaderServicer"]
+
+
+def _dataset_message(summary: DatasetSummary) -> loader_pb2.Dataset:
+    msg = loader_pb2.Dataset(
+        name=summary.name,
+        version=summary.version,
+        root=summary.root,
+        description=summary.description,
+        classes=summary.classes,
+        splits=[
+            loader_pb2.Split(name=s.name, samples=s.samples, verified=s.verified)
+            for s in summary.splits
+        ],
+    )
+    # A naive created_at (SQLite keeps no zone) is UTC: the column's default is the
+    # database's now(), which SQLite reports in UTC.
+    msg.created_at.FromDatetime(summary.created_at)
+    return msg
+
+
+class LoaderServicer(loader_pb2_grpc.LoaderServicer):
+    """Serves the catalog RPCs from the catalog behind ``engine``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @map_errors
+    def ListDatasets(
+        self, request: loader_pb2.ListDatasetsRequest, context: grpc.ServicerContext
+    ) -> loader_pb2.ListDatasetsResponse:
+        summaries = queries.list_datasets(self._engine)
+        return loader_pb2.ListDatasetsResponse(datasets=[_dataset_message(s) for s in summaries])
+
+    @map_errors
+    def DescribeDataset(
+        self, request: loader_pb2.DescribeDatasetRequest, context: grpc.ServicerContext
+    ) -> loader_pb2.DescribeDatasetResponse:
+        if not request.name:
+            raise InvalidArgument("DescribeDataset needs a dataset name; got an empty one")
+        summary = queries.describe_dataset(self._engine, request.name, request.version or None)
+        return loader_pb2.DescribeDatasetResponse(dataset=_dataset_message(summary))
