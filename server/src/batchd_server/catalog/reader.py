@@ -1,0 +1,513 @@
+"""Load one split of a dataset into compact numpy arrays (DESIGN.md §4.2).
+
+A session starts by reading every verified row of its split, in id order, once. The rows
+land in a handful of flat numpy arrays (48 bytes per sample plus the path bytes), never in
+one Python object per sample, so the result can be placed in shared memory for the workers
+without pickling and without copy-on-write growth.
+
+On Postgres the rows come out of one ``COPY (SELECT ...) TO STDOUT``. The numeric columns
+are packed by the query into one fixed-width hex field (see ``split_query``), so the client
+parses each chunk of output with a few vectorised numpy passes: find the newlines, gather
+the hex, reinterpret it as big-endian integers and floats, and cut out the paths. Only rows
+whose path needed a COPY escape (a backslash, tab, newline, ...) take a per-row slow path.
+Elsewhere (the embedded SQLite catalog) the same rows come from one streamed SELECT.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import sqlalchemy as sa
+from numpy.lib.stride_tricks import sliding_window_view
+from sqlalchemy.engine import Engine
+
+from batchd_server.catalog.db import connect, is_postgres
+from batchd_server.catalog.migrate import require_schema
+from batchd_server.catalog.queries import DatasetRef, resolve_dataset
+from batchd_server.catalog.schema import samples
+from batchd_server.errors import InvalidArgument, NotFound, SnapshotMismatch
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "Snapshot", "SplitArrays", "load_split", "split_query"]
+
+DEFAULT_CHUNK_BYTES: Final = 32 << 20
+"""Query output parsed at a time; bounds the transient memory of a load."""
+
+_INT64_MAX: Final = (1 << 63) - 1
+_TOKEN_RE: Final = re.compile(r"s1\.([0-9]{1,19})\.([0-9]{1,19})")
+
+# Numeric columns as the Postgres query packs them: big-endian, in this order. Nulls are
+# COALESCEd to -1 in SQL, so every record has the same width.
+_PACKED: Final = np.dtype(
+    [
+        ("id", ">i8"),
+        ("label", ">i8"),
+        ("byte_offset", ">i8"),
+        ("byte_length", ">i8"),
+        ("weight", ">f8"),
+        ("length", ">i4"),
+    ]
+)
+_HEX_WIDTH: Final = 2 * _PACKED.itemsize
+_HEX_DIGITS: Final = np.frombuffer(b"0123456789abcdef", np.uint8).astype(np.uint16)
+_HEX_PAIR: Final = np.zeros(1 << 16, np.uint8)
+"""Byte value of two hex characters read as one little-endian uint16."""
+_HEX_PAIR[_HEX_DIGITS[:, None] | (_HEX_DIGITS[None, :] << 8)] = np.arange(256).reshape(16, 16)
+
+# Escapes that COPY's text format writes for a backslash and for control characters.
+_COPY_ESCAPES: Final = {
+    ord("b"): b"\b",
+    ord("f"): b"\f",
+    ord("n"): b"\n",
+    ord("r"): b"\r",
+    ord("t"): b"\t",
+    ord("v"): b"\v",
+}
+_COPY_ESCAPE_RE: Final = re.compile(rb"\\(.)", re.DOTALL)
+
+# Rough Python memory per fetched row on the SQLite path, to turn chunk_bytes into rows.
+_FETCHED_ROW_BYTES: Final = 1024
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Which rows of a split a load saw: the verified ones with ``id <= max_sample_id``.
+
+    Rows are immutable and ids only grow, so passing a snapshot back pins every rank of a job
+    to the same rows while new ones are ingested; ``row_count`` detects the rows that a
+    snapshot cannot pin (deleted, or no longer verified).
+    """
+
+    max_sample_id: int
+    row_count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.row_count <= self.max_sample_id <= _INT64_MAX:
+            raise InvalidArgument(
+                f"snapshot max_sample_id={self.max_sample_id}, row_count={self.row_count} "
+                f"is impossible: need 0 <= row_count <= max_sample_id <= {_INT64_MAX}"
+            )
+
+    def token(self) -> str:
+        """The snapshot as an opaque string for the wire, e.g. ``"s1.1048576.1000000"``."""
+        return f"s1.{self.max_sample_id}.{self.row_count}"
+
+    @classmethod
+    def parse(cls, token: str) -> Snapshot:
+        """The snapshot ``token()`` wrote.
+
+        Raises:
+            InvalidArgument: ``token`` is not a snapshot token.
+        """
+        match = _TOKEN_RE.fullmatch(token) if isinstance(token, str) else None
+        if match is None:
+            raise InvalidArgument(
+                f"snapshot token {token!r} is not of the form s1.<max_sample_id>.<row_count>; "
+                "pass the token an earlier load returned, or none to read the split as it is now"
+            )
+        return cls(max_sample_id=int(match[1]), row_count=int(match[2]))
+
+
+@dataclass(frozen=True, eq=False)
+class SplitArrays:
+    """The verified rows of one split, in id order, as read-only column arrays.
+
+    Nullable columns hold -1 for null: ``labels``, ``lengths``, and ``byte_offsets`` /
+    ``byte_lengths`` (-1 there means "the whole file"). Paths, relative to ``dataset.root``,
+    are UTF-8 concatenated in ``path_bytes``; sample ``i``'s are
+    ``path_bytes[path_offsets[i]:path_offsets[i + 1]]``.
+    """
+
+    dataset: DatasetRef
+    split: str
+    snapshot: Snapshot
+    ids: Int64Array
+    labels: Int64Array
+    lengths: npt.NDArray[np.int32]
+    weights: npt.NDArray[np.float32]
+    byte_offsets: Int64Array
+    byte_lengths: Int64Array
+    path_bytes: npt.NDArray[np.uint8]
+    path_offsets: Int64Array
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        for array in self._arrays():
+            assert array.ndim == 1, "column arrays are flat"
+            array.setflags(write=False)
+        per_sample = (self.labels, self.lengths, self.weights, self.byte_offsets)
+        assert all(len(a) == n for a in (*per_sample, self.byte_lengths)), "one row per id"
+        assert len(self.path_offsets) == n + 1, "path_offsets has n + 1 entries"
+        assert self.path_offsets[-1] == len(self.path_bytes), "path_offsets ends at the bytes"
+
+    def _arrays(self) -> tuple[npt.NDArray[Any], ...]:
+        return (
+            self.ids,
+            self.labels,
+            self.lengths,
+            self.weights,
+            self.byte_offsets,
+            self.byte_lengths,
+            self.path_bytes,
+            self.path_offsets,
+        )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def path(self, i: int) -> str:
+        """Sample ``i``'s path relative to the dataset root (``i`` is a position, not an id)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} is out of range for a split of {n} samples")
+        i %= n
+        start, end = self.path_offsets[i], self.path_offsets[i + 1]
+        return self.path_bytes[start:end].tobytes().decode("utf-8")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all the arrays together."""
+        return sum(a.nbytes for a in self._arrays())
+
+    def bytes_per_sample_beyond_paths(self) -> float:
+        """Array bytes per sample, not counting ``path_bytes`` (``path_offsets`` counts)."""
+        return (self.nbytes - self.path_bytes.nbytes) / max(len(self), 1)
+
+
+def split_query(
+    dataset_id: int, split: str, *, max_sample_id: int | None = None, packed: bool = False
+) -> sa.Select[Any]:
+    """The one query a load runs: verified rows of a split, ordered by id.
+
+    Its WHERE clause is equality on the leading columns of ``ix_samples_split_scan`` so the
+    index yields the rows already in id order.
+
+    Args:
+        dataset_id: ``datasets.id``.
+        split: The split's name.
+        max_sample_id: Only rows with an id up to this (a snapshot's bound).
+        packed: Postgres only. Select two columns, the numeric ones packed into fixed-width
+            hex (``_PACKED`` is its layout) and then the path, for the vectorised COPY parse.
+            Otherwise select id, label, length, byte_offset, byte_length, weight, path.
+    """
+    c = samples.c
+    label = sa.func.coalesce(c.label, -1)
+    length = sa.func.coalesce(c.length, -1)
+    byte_offset = sa.func.coalesce(c.byte_offset, -1)
+    byte_length = sa.func.coalesce(c.byte_length, -1)
+    columns: list[sa.ColumnElement[Any]]
+    if packed:
+        parts: list[sa.ColumnElement[Any]] = [
+            sa.func.int8send(c.id),
+            sa.func.int8send(label),
+            sa.func.int8send(byte_offset),
+            sa.func.int8send(byte_length),
+            sa.func.float8send(c.weight),
+            sa.func.int4send(length),
+        ]
+        record = functools.reduce(lambda left, right: left.op("||")(right), parts)
+        columns = [sa.func.encode(record, sa.literal_column("'hex'")), c.path]
+    else:
+        columns = [c.id, label, length, byte_offset, byte_length, c.weight, c.path]
+    query = sa.select(*columns).where(
+        c.dataset_id == dataset_id, c.split == split, c.is_verified == sa.true()
+    )
+    if max_sample_id is not None:
+        bound = sa.literal(max_sample_id, sa.BigInteger)
+        if packed:
+            # Same rows as "id <= bound" given is_verified, but Postgres estimates a row
+            # comparison by its first column alone, so a snapshot load is planned like a fresh
+            # one. With a plain "id <= bound" the planner, assuming ids and datasets are
+            # independent, may walk the primary key through every other dataset's rows or
+            # sort the split; this way the bound is an index condition on ix_samples_split_scan
+            # and nothing else can use it.
+            query = query.where(sa.tuple_(c.is_verified, c.id) <= sa.tuple_(sa.true(), bound))
+        else:
+            query = query.where(c.id <= bound)
+    return query.order_by(c.id)
+
+
+def load_split(
+    engine: Engine,
+    dataset: str,
+    split: str,
+    *,
+    version: str | None = None,
+    snapshot: Snapshot | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> SplitArrays:
+    """Read the verified rows of one split, ordered by id, with one streamed query.
+
+    Args:
+        engine: The catalog.
+        dataset: Dataset name.
+        split: Split name; a split whose rows are all unverified loads as empty.
+        version: Dataset version; None means the newest.
+        snapshot: Read exactly the rows an earlier load saw (its ``SplitArrays.snapshot``).
+        chunk_bytes: Query output parsed at a time (tests make it tiny).
+
+    Raises:
+        NotFound: No such dataset, version or split.
+        SnapshotMismatch: Rows the snapshot pinned were deleted or un-verified since.
+    """
+    if chunk_bytes < 1:
+        raise InvalidArgument(f"chunk_bytes={chunk_bytes} must be >= 1")
+    require_schema(engine)
+    max_sample_id = None if snapshot is None else snapshot.max_sample_id
+    columns = _ColumnBuilder()
+    with connect(engine) as conn:
+        ref = resolve_dataset(conn, dataset, version)
+        if is_postgres(engine):
+            _copy_packed_rows(conn, ref.id, split, max_sample_id, columns, chunk_bytes)
+        else:
+            query = split_query(ref.id, split, max_sample_id=max_sample_id)
+            _fetch_rows(conn, query, columns, max(1, chunk_bytes // _FETCHED_ROW_BYTES))
+        if columns.row_count == 0:
+            _require_split(conn, ref, split)
+    if snapshot is None:
+        snapshot = Snapshot(max_sample_id=columns.last_id, row_count=columns.row_count)
+    elif columns.row_count != snapshot.row_count:
+        raise SnapshotMismatch(_mismatch_message(ref, split, snapshot, columns.row_count))
+    return columns.build(ref, split, snapshot)
+
+
+def _require_split(conn: sa.Connection, ref: DatasetRef, split: str) -> None:
+    """A split with no rows at all is most likely a typo: say which splits exist."""
+    names = conn.scalars(
+        sa.select(samples.c.split)
+        .where(samples.c.dataset_id == ref.id)
+        .group_by(samples.c.split)
+        .order_by(samples.c.split)
+    ).all()
+    if split not in names:
+        known = ", ".join(names) if names else "none (the dataset has no samples yet)"
+        raise NotFound(
+            f"dataset {ref.name!r} version {ref.version!r} has no split {split!r}; splits: {known}"
+        )
+
+
+def _mismatch_message(ref: DatasetRef, split: str, snapshot: Snapshot, found: int) -> str:
+    what = (
+        "rows of that split were deleted or un-verified since the snapshot was taken"
+        if found < snapshot.row_count
+        else "rows with such ids were added or re-verified after the snapshot was taken"
+    )
+    return (
+        f"snapshot {snapshot.token()} of dataset {ref.name!r} version {ref.version!r} split "
+        f"{split!r} pinned {snapshot.row_count} verified rows with id <= "
+        f"{snapshot.max_sample_id}, the catalog now has {found}: {what}. Load without a "
+        "snapshot to read the split as it is now (and give every rank the new snapshot), or "
+        "ingest changed data as a new dataset version so that existing snapshots stay valid"
+    )
+
+
+class _ColumnBuilder:
+    """Collects the column chunks of a load and joins them once at the end."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, list[npt.NDArray[Any]]] = {
+            name: []
+            for name in (
+                "ids",
+                "labels",
+                "lengths",
+                "weights",
+                "byte_offsets",
+                "byte_lengths",
+                "path_bytes",
+                "path_lengths",
+            )
+        }
+        self.row_count = 0
+        self.last_id = 0
+
+    def add(
+        self,
+        *,
+        ids: npt.ArrayLike,
+        labels: npt.ArrayLike,
+        lengths: npt.ArrayLike,
+        weights: npt.ArrayLike,
+        byte_offsets: npt.ArrayLike,
+        byte_lengths: npt.ArrayLike,
+        path_bytes: npt.NDArray[np.uint8],
+        path_lengths: npt.ArrayLike,
+    ) -> None:
+        ids_array = np.asarray(ids, np.int64)
+        if ids_array.size == 0:
+            return
+        put = self._chunks
+        put["ids"].append(ids_array)
+        put["labels"].append(np.asarray(labels, np.int64))
+        put["lengths"].append(np.asarray(lengths, np.int32))
+        put["weights"].append(np.asarray(weights, np.float32))
+        put["byte_offsets"].append(np.asarray(byte_offsets, np.int64))
+        put["byte_lengths"].append(np.asarray(byte_lengths, np.int64))
+        put["path_bytes"].append(path_bytes)
+        put["path_lengths"].append(np.asarray(path_lengths, np.int64))
+        self.row_count += ids_array.size
+        self.last_id = int(ids_array[-1])
+
+    def _join(self, name: str, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+        chunks = self._chunks[name]
+        joined = np.concatenate(chunks) if chunks else np.empty(0, dtype)
+        chunks.clear()
+        return joined.astype(dtype, copy=False)
+
+    def build(self, dataset: DatasetRef, split: str, snapshot: Snapshot) -> SplitArrays:
+        path_offsets = np.zeros(self.row_count + 1, np.int64)
+        np.cumsum(self._join("path_lengths", np.int64), out=path_offsets[1:])
+        return SplitArrays(
+            dataset=dataset,
+            split=split,
+            snapshot=snapshot,
+            ids=self._join("ids", np.int64),
+            labels=self._join("labels", np.int64),
+            lengths=self._join("lengths", np.int32),
+            weights=self._join("weights", np.float32),
+            byte_offsets=self._join("byte_offsets", np.int64),
+            byte_lengths=self._join("byte_lengths", np.int64),
+            path_bytes=self._join("path_bytes", np.uint8),
+            path_offsets=path_offsets,
+        )
+
+
+def _fetch_rows(
+    conn: sa.Connection, query: sa.Select[Any], columns: _ColumnBuilder, chunk_rows: int
+) -> None:
+    """Stream ``split_query`` rows with fetchmany; used where COPY is not available."""
+    for rows in conn.execute(query).partitions(chunk_rows):
+        ids, labels, lengths, byte_offsets, byte_lengths, weights, paths = zip(*rows, strict=True)
+        encoded = [p.encode("utf-8") for p in paths]
+        columns.add(
+            ids=ids,
+            labels=labels,
+            lengths=lengths,
+            weights=weights,
+            byte_offsets=byte_offsets,
+            byte_lengths=byte_lengths,
+            path_bytes=np.frombuffer(b"".join(encoded), np.uint8),
+            path_lengths=np.fromiter(map(len, encoded), np.int64, count=len(encoded)),
+        )
+
+
+def _copy_packed_rows(
+    conn: sa.Connection,
+    dataset_id: int,
+    split: str,
+    max_sample_id: int | None,
+    columns: _ColumnBuilder,
+    chunk_bytes: int,
+) -> None:
+    """Stream the packed ``split_query`` through ``COPY ... TO STDOUT`` into ``columns``."""
+    compiled = split_query(dataset_id, split, max_sample_id=max_sample_id, packed=True).compile(
+        dialect=conn.dialect
+    )
+    dbapi_conn: Any = conn.connection.dbapi_connection
+    parser = _PackedCopyParser(columns, chunk_bytes=chunk_bytes)
+    with dbapi_conn.cursor() as cur:
+        if dbapi_conn.encoding != "UTF8":
+            # Paths are stored as UTF-8 in the arrays; LOCAL ends with this transaction.
+            cur.execute("SET LOCAL client_encoding TO 'UTF8'")
+        # COPY takes no bind parameters, so the driver quotes them into the statement.
+        select_sql = cur.mogrify(str(compiled), compiled.params)
+        # One statement sees one snapshot of the table: the rows are mutually consistent.
+        cur.copy_expert(b"COPY (" + select_sql + b") TO STDOUT", parser)
+    parser.close()
+
+
+class _PackedCopyParser:
+    """A file-like sink for the text ``COPY`` output of ``split_query(packed=True)``.
+
+    psycopg2 calls ``write`` with whatever pieces of output it has (in practice one row
+    each). Once ``chunk_bytes`` are pending, every complete line is parsed with numpy and
+    handed to the builder; an incomplete last line waits for the next write.
+    """
+
+    def __init__(self, columns: _ColumnBuilder, *, chunk_bytes: int) -> None:
+        self._columns = columns
+        self._chunk_bytes = chunk_bytes
+        self._pending = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self._pending += data
+        if len(self._pending) >= self._chunk_bytes:
+            self._parse_complete_lines()
+
+    def close(self) -> None:
+        self._parse_complete_lines()
+        assert not self._pending, f"COPY output ended inside a row: {bytes(self._pending)[:80]!r}"
+
+    def _parse_complete_lines(self) -> None:
+        end = self._pending.rfind(b"\n") + 1
+        if end == 0:
+            return
+        # Swap buffers rather than delete in place: numpy views pin the old one's size.
+        data, self._pending = self._pending, self._pending[end:]
+        self._parse(np.frombuffer(data, np.uint8, count=end))
+
+    def _parse(self, buf: npt.NDArray[np.uint8]) -> None:
+        line_ends = np.flatnonzero(buf == ord("\n"))
+        starts = np.empty_like(line_ends)
+        starts[0] = 0
+        starts[1:] = line_ends[:-1] + 1
+        path_starts = starts + (_HEX_WIDTH + 1)
+        assert (path_starts <= line_ends).all(), "every line has the packed prefix"
+        assert (buf[starts + _HEX_WIDTH] == ord("\t")).all(), "the prefix is one field"
+
+        # Each row's hex is 88 contiguous bytes: gather them as rows of a sliding window, then
+        # decode two characters at a time through a table of every hex pair.
+        hex_rows = sliding_window_view(buf, _HEX_WIDTH)[starts]
+        records = _HEX_PAIR[hex_rows.view("<u2")].view(_PACKED).reshape(-1)
+        # The paths are what remains without each row's hex, tab and newline. (The windows do
+        # not overlap, and would be harmless if they did: they all write False.)
+        is_path = np.ones(buf.size, bool)
+        sliding_window_view(is_path, _HEX_WIDTH + 1, writeable=True)[starts] = False
+        is_path[line_ends] = False
+        path_lengths = line_ends - path_starts
+        path_bytes = _unescape_paths(buf[is_path], path_lengths)
+        self._columns.add(
+            ids=records["id"],
+            labels=records["label"],
+            lengths=records["length"],
+            weights=records["weight"],
+            byte_offsets=records["byte_offset"],
+            byte_lengths=records["byte_length"],
+            path_bytes=path_bytes,
+            path_lengths=path_lengths,
+        )
+
+
+def _unescape_paths(escaped: npt.NDArray[np.uint8], lengths: Int64Array) -> npt.NDArray[np.uint8]:
+    """Undo COPY's text escapes in the concatenated paths; ``lengths`` is updated in place.
+
+    Every escape starts with a backslash, and paths rarely hold one, so only the paths that
+    do are decoded one by one.
+    """
+    backslashes = np.flatnonzero(escaped == ord("\\"))
+    if backslashes.size == 0:
+        return escaped
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    rows = np.unique(np.searchsorted(offsets, backslashes, side="right") - 1)
+    pieces = []
+    done = 0
+    for row in rows.tolist():
+        start, end = int(offsets[row]), int(offsets[row + 1])
+        path = _COPY_ESCAPE_RE.sub(_unescape_one, escaped[start:end].tobytes())
+        pieces += [escaped[done:start], np.frombuffer(path, np.uint8)]
+        lengths[row] = len(path)
+        done = end
+    pieces.append(escaped[done:])
+    return np.concatenate(pieces)
+
+
+def _unescape_one(match: re.Match[bytes]) -> bytes:
+    char = match[1]
+    return _COPY_ESCAPES.get(char[0], char)
