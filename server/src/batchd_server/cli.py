@@ -1,0 +1,277 @@
+"""The ``batchd-server`` command: migrate the catalog, ingest datasets, list them.
+
+The catalog URL comes from ``--database-url`` or ``BATCHD_DATABASE_URL`` (through
+:meth:`ServerConfig.from_env`), else the embedded SQLite file under ``$BATCHD_HOME``.
+Expected failures (a bad manifest, an unreachable catalog) print one line,
+``batchd-server: error: ...``, and exit 2, like a usage error; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from batchd_server import __version__
+from batchd_server.config import ServerConfig
+from batchd_server.errors import BatchdError
+
+if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
+    from batchd_server.catalog.db import Engine
+
+__all__ = ["build_parser", "main"]
+
+PROG = "batchd-server"
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+log = logging.getLogger(PROG)
+
+
+def _engine(url: str) -> Engine:
+    # Imported here so `--help` and `--version` do not pay for SQLAlchemy.
+    from batchd_server.catalog.db import describe_url, make_engine
+
+    log.debug("catalog: %s", describe_url(url))
+    return make_engine(url)
+
+
+def _cmd_migrate(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog import migrate
+    from batchd_server.catalog.db import describe_url
+
+    if args.downgrade:
+        migrate.downgrade(engine, args.downgrade)
+    else:
+        migrate.upgrade(engine)
+    revision = migrate.current_revision(engine)
+    where = describe_url(str(engine.url))
+    if revision is None:
+        print(f"{where}: at base (no batchd schema)")
+    else:
+        head = " (head)" if revision == migrate.head_revision() else ""
+        print(f"{where}: at revision {revision}{head}")
+    return 0
+
+
+def _cmd_ingest_manifest(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog.ingest import ingest_manifest
+
+    report = ingest_manifest(
+        engine,
+        dataset=args.dataset,
+        version=args.dataset_version,
+        root=args.root,
+        manifest=args.manifest,
+        split=args.split,
+        verify=args.verify,
+        description=args.description,
+    )
+    print(report.summary())
+    return 0
+
+
+def _cmd_ingest_imagefolder(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog.ingest import ingest_imagefolder
+
+    report = ingest_imagefolder(
+        engine,
+        dataset=args.dataset,
+        version=args.dataset_version,
+        root=args.root,
+        split=args.split,
+        description=args.description,
+    )
+    print(report.summary())
+    return 0
+
+
+def _cmd_demo_data(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog.ingest import ingest_imagefolder
+    from batchd_server.demo_data import write_demo_images
+
+    out = Path(args.out).expanduser()
+    written = write_demo_images(out, args.images, seed=args.seed, classes=args.classes)
+    log.info(
+        "wrote %d of %d images (%d bytes) under %s",
+        written["written"],
+        written["images"],
+        written["bytes"],
+        out,
+    )
+    report = ingest_imagefolder(
+        engine,
+        dataset=args.dataset,
+        version=args.dataset_version,
+        root=out,
+        description=f"synthetic demo images (seed {args.seed}, {args.classes} classes)",
+    )
+    print(report.summary())
+    return 0
+
+
+def _cmd_datasets(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog.db import describe_url
+    from batchd_server.catalog.queries import list_datasets
+
+    found = list_datasets(engine)
+    if not found:
+        print(
+            f"no datasets in the catalog at {describe_url(str(engine.url))}; add one with "
+            f"`{PROG} ingest imagefolder`, `{PROG} ingest manifest` or `{PROG} demo-data`"
+        )
+        return 0
+    header = ("NAME", "VERSION", "ROOT", "SPLITS (verified/total)", "CREATED")
+    rows = [
+        (
+            d.name,
+            d.version,
+            d.root,
+            ", ".join(f"{s.name} {s.verified}/{s.samples}" for s in d.splits) or "(no samples)",
+            d.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
+        for d in found
+    ]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, *rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _dataset_args(p: argparse.ArgumentParser, *, dataset_default: str | None = None) -> None:
+    if dataset_default is None:
+        p.add_argument("--dataset", required=True, help="dataset name")
+    else:
+        p.add_argument("--dataset", default=dataset_default, help="dataset name (%(default)s)")
+    p.add_argument(
+        "--version",
+        dest="dataset_version",
+        default="1",
+        metavar="V",
+        help="dataset version (default %(default)s); rows of a version never change, so "
+        "changed data goes into a new version",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Global options work before or after the subcommand; SUPPRESS keeps a subcommand's
+    # unset copy from overwriting a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--database-url",
+        default=argparse.SUPPRESS,
+        metavar="URL",
+        help="catalog URL (postgresql://... or sqlite:///path); default: $BATCHD_DATABASE_URL, "
+        "else a SQLite file under $BATCHD_HOME",
+    )
+    common.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        type=str.upper,
+        help="logging to stderr (default WARNING)",
+    )
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="batchd server: catalog and ingest commands.", parents=[common]
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "migrate", parents=[common], help="upgrade the catalog schema to the newest revision"
+    )
+    p.add_argument("--downgrade", metavar="REVISION", help="downgrade instead (base: remove all)")
+    p.set_defaults(func=_cmd_migrate)
+
+    ingest = sub.add_parser("ingest", help="add samples to the catalog")
+    kinds = ingest.add_subparsers(dest="kind", required=True, metavar="KIND")
+    p = kinds.add_parser(
+        "imagefolder",
+        parents=[common],
+        help="images under ROOT/<split>/<class>/ (or ROOT/<class>/ with --split)",
+    )
+    _dataset_args(p)
+    p.add_argument("--root", required=True, help="the image tree's top directory")
+    p.add_argument("--split", help="the whole tree is this split: ROOT/<class>/<image>")
+    p.add_argument("--description")
+    p.set_defaults(func=_cmd_ingest_imagefolder)
+
+    p = kinds.add_parser(
+        "manifest", parents=[common], help="rows of a JSONL (.jsonl/.ndjson) or CSV manifest"
+    )
+    _dataset_args(p)
+    p.add_argument("--root", required=True, help="directory the manifest's paths are under")
+    p.add_argument("--split", help="split of rows that have none")
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="trust the manifest: do not stat files (every row is verified, byte_size is "
+        "byte_length)",
+    )
+    p.add_argument("--description")
+    p.add_argument("manifest", metavar="FILE")
+    p.set_defaults(func=_cmd_ingest_manifest)
+
+    p = sub.add_parser("demo-data", parents=[common], help="write synthetic JPEGs and ingest them")
+    _dataset_args(p, dataset_default="demo")
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write the images")
+    p.add_argument("--images", required=True, type=_positive_int, metavar="N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--classes", type=_positive_int, default=4)
+    p.set_defaults(func=_cmd_demo_data)
+
+    p = sub.add_parser("datasets", parents=[common], help="list datasets and their splits")
+    p.set_defaults(func=_cmd_datasets)
+    return parser
+
+
+def _error(message: str) -> int:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the process exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help and --version (0), usage errors (2)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else EXIT_ERROR
+    logging.basicConfig(
+        level=getattr(args, "log_level", "WARNING"),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = ServerConfig.from_env(database_url=getattr(args, "database_url", None))
+    except ValueError as e:  # e.g. an unsupported URL scheme
+        return _error(str(e))
+    engine = None
+    try:
+        engine = _engine(config.database_url)
+        return int(args.func(args, engine))
+    except BatchdError as e:
+        return _error(str(e))
+    except OSError as e:  # the filesystem said no (permissions, disk full): not a bug
+        _error(str(e))
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if engine is not None:
+            engine.dispose()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
