@@ -27,7 +27,9 @@ from sqlalchemy.engine import Engine
 
 from batchd_server.catalog.db import connect, is_postgres
 from batchd_server.catalog.manifest import (
+    DATASET_NAME_MAX_CHARS,
     SPLIT_MAX_CHARS,
+    VERSION_MAX_CHARS,
     Row,
     RowChecker,
     Verifier,
@@ -236,8 +238,8 @@ def _run(
     missing: Verifier | None = None,
 ) -> IngestReport:
     """Load ``rows`` into (name, version) in one transaction and report what happened."""
-    check_name("dataset", name, 255)
-    check_name("version", version, 64)
+    check_name("dataset", name, DATASET_NAME_MAX_CHARS)
+    check_name("version", version, VERSION_MAX_CHARS)
     started = time.perf_counter()
     require_schema(engine)
     with connect(engine) as conn, conn.begin():

@@ -17,11 +17,14 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from batchd_server.catalog.schema import datasets, samples
 from batchd_server.errors import DataError, InvalidArgument
 
 __all__ = [
+    "DATASET_NAME_MAX_CHARS",
     "MANIFEST_FIELDS",
     "SPLIT_MAX_CHARS",
+    "VERSION_MAX_CHARS",
     "Row",
     "RowChecker",
     "Verifier",
@@ -42,7 +45,10 @@ _MISSING_EXAMPLES = 5
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
-SPLIT_MAX_CHARS = 64  # samples.split is String(64)
+# Column widths come from the schema, so a migration that widens one widens the check.
+SPLIT_MAX_CHARS: int = samples.c.split.type.length  # type: ignore[attr-defined]
+DATASET_NAME_MAX_CHARS: int = datasets.c.name.type.length  # type: ignore[attr-defined]
+VERSION_MAX_CHARS: int = datasets.c.version.type.length  # type: ignore[attr-defined]
 _FLOAT_MAX = 1.7976931348623157e308
 
 # A row as staged for the database, in ingest._STAGE_COLUMNS order.
