@@ -30,6 +30,7 @@ ERROR_CLASS_BY_CODE: Mapping[grpc.StatusCode, type[BatchdError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.DATA_LOSS: errors.DataLoss,
 }
 _CODE_BY_ERROR_CLASS = {cls: code for code, cls in ERROR_CLASS_BY_CODE.items()}
 

@@ -11,6 +11,7 @@ __all__ = [
     "AlreadyExists",
     "BatchdError",
     "DataError",
+    "DataLoss",
     "FailedPrecondition",
     "InvalidArgument",
     "NotFound",
@@ -30,6 +31,11 @@ class InvalidArgument(BatchdError, ValueError):
 
 class DataError(InvalidArgument):
     """Input data (a manifest row, a dataset tree) is malformed; the message names where."""
+
+
+class DataLoss(BatchdError):
+    """Samples could not be read or decoded and the session's ``on_error`` policy (or its
+    ``max_error_fraction``) does not allow going on; the message names the samples."""
 
 
 class NotFound(BatchdError, LookupError):

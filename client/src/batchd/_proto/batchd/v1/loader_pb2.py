@@ -25,13 +25,19 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61tchd/v1/loader.proto\x12\tbatchd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x15\n\x13ListDatasetsRequest\"<\n\x14ListDatasetsResponse\x12$\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x12.batchd.v1.Dataset\"7\n\x16\x44\x65scribeDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\">\n\x17\x44\x65scribeDatasetResponse\x12#\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x12.batchd.v1.Dataset\"\xae\x01\n\x07\x44\x61taset\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04root\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63lasses\x18\x06 \x03(\t\x12 \n\x06splits\x18\x07 \x03(\x0b\x32\x10.batchd.v1.Split\"8\n\x05Split\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x10\n\x08verified\x18\x03 \x01(\x03\x32\xb3\x01\n\x06Loader\x12O\n\x0cListDatasets\x12\x1e.batchd.v1.ListDatasetsRequest\x1a\x1f.batchd.v1.ListDatasetsResponse\x12X\n\x0f\x44\x65scribeDataset\x12!.batchd.v1.DescribeDatasetRequest\x1a\".batchd.v1.DescribeDatasetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61tchd/v1/loader.proto\x12\tbatchd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x15\n\x13ListDatasetsRequest\"<\n\x14ListDatasetsResponse\x12$\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x12.batchd.v1.Dataset\"7\n\x16\x44\x65scribeDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\">\n\x17\x44\x65scribeDatasetResponse\x12#\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x12.batchd.v1.Dataset\"\xae\x01\n\x07\x44\x61taset\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04root\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63lasses\x18\x06 \x03(\t\x12 \n\x06splits\x18\x07 \x03(\x0b\x32\x10.batchd.v1.Split\"8\n\x05Split\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x10\n\x08verified\x18\x03 \x01(\x03\"\xad\x01\n\rImagePipeline\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12\x0e\n\x06resize\x18\x02 \x01(\x05\x12\x13\n\x0brandom_crop\x18\x03 \x01(\x08\x12\x0c\n\x04\x66lip\x18\x04 \x01(\x08\x12\x0f\n\x07\x64\x65\x63oder\x18\x05 \x01(\t\x12\x11\n\tscale_min\x18\x06 \x01(\x01\x12\x11\n\tscale_max\x18\x07 \x01(\x01\x12\x11\n\tratio_min\x18\x08 \x01(\x01\x12\x11\n\tratio_max\x18\t \x01(\x01\":\n\rArrayPipeline\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0b\n\x03raw\x18\x03 \x01(\x08\"@\n\x0eTokensPipeline\x12\x0f\n\x07max_len\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06pad_id\x18\x03 \x01(\x05\"4\n\x0e\x43ustomPipeline\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0coptions_json\x18\x02 \x01(\t\"\xc2\x01\n\x08Pipeline\x12)\n\x05image\x18\x01 \x01(\x0b\x32\x18.batchd.v1.ImagePipelineH\x00\x12)\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x18.batchd.v1.ArrayPipelineH\x00\x12+\n\x06tokens\x18\x03 \x01(\x0b\x32\x19.batchd.v1.TokensPipelineH\x00\x12+\n\x06\x63ustom\x18\x04 \x01(\x0b\x32\x19.batchd.v1.CustomPipelineH\x00\x42\x06\n\x04kind\"\xe1\x02\n\x12OpenSessionRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05split\x18\x03 \x01(\t\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\x12\x0f\n\x07shuffle\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04rank\x18\x07 \x01(\x05\x12\x12\n\nworld_size\x18\x08 \x01(\x05\x12\x11\n\tdrop_last\x18\t \x01(\x08\x12%\n\x08sampling\x18\n \x01(\x0e\x32\x13.batchd.v1.Sampling\x12%\n\x08pipeline\x18\x0b \x01(\x0b\x32\x13.batchd.v1.Pipeline\x12\x10\n\x08prefetch\x18\x0c \x01(\x05\x12\x10\n\x08snapshot\x18\r \x01(\t\x12$\n\x08on_error\x18\x0e \x01(\x0e\x32\x12.batchd.v1.OnError\x12\x1a\n\x12max_error_fraction\x18\x0f \x01(\x01\"9\n\x0b\x46ieldSchema\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"}\n\nRingLayout\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x15\n\rsegment_bytes\x18\x02 \x01(\x03\x12\x14\n\x0cheader_bytes\x18\x03 \x01(\x03\x12\x12\n\nslot_bytes\x18\x04 \x01(\x03\x12\r\n\x05slots\x18\x05 \x01(\x05\x12\r\n\x05token\x18\x06 \x01(\x0c\"\xfd\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_batches\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12&\n\x06\x66ields\x18\x04 \x03(\x0b\x32\x16.batchd.v1.FieldSchema\x12\x10\n\x08snapshot\x18\x05 \x01(\t\x12#\n\x04ring\x18\x06 \x01(\x0b\x32\x15.batchd.v1.RingLayout\x12\x17\n\x0flease_timeout_s\x18\x07 \x01(\x01\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\r\n\x05split\x18\t \x01(\t\x12\x10\n\x08prefetch\x18\n \x01(\x05\"n\n\x0bStreamStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x13\n\x0bstart_batch\x18\x03 \x01(\x03\x12\'\n\ttransport\x18\x04 \x01(\x0e\x32\x14.batchd.v1.Transport\",\n\x03\x41\x63k\x12\x15\n\rbatch_indices\x18\x01 \x03(\x03\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"f\n\x14StreamBatchesRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.batchd.v1.StreamStartH\x00\x12\x1d\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x0e.batchd.v1.AckH\x00\x42\x06\n\x04kind\"W\n\tFieldView\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xbb\x01\n\x15StreamBatchesResponse\x12\x13\n\x0b\x62\x61tch_index\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x0c\n\x04rows\x18\x03 \x01(\x05\x12$\n\x06\x66ields\x18\x04 \x03(\x0b\x32\x14.batchd.v1.FieldView\x12\x19\n\x11\x66\x61iled_sample_ids\x18\x05 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0c\n\x04more\x18\x07 \x01(\x08\x12\x14\n\x0cinline_bytes\x18\x08 \x01(\x03\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse*\x85\x01\n\x08Sampling\x12\x18\n\x14SAMPLING_UNSPECIFIED\x10\x00\x12\x14\n\x10SAMPLING_UNIFORM\x10\x01\x12\x15\n\x11SAMPLING_WEIGHTED\x10\x02\x12\x1b\n\x17SAMPLING_CLASS_BALANCED\x10\x03\x12\x15\n\x11SAMPLING_BUCKETED\x10\x04*O\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x14\n\x10TRANSPORT_INLINE\x10\x02*`\n\x07OnError\x12\x18\n\x14ON_ERROR_UNSPECIFIED\x10\x00\x12\x11\n\rON_ERROR_SKIP\x10\x01\x12\x12\n\x0eON_ERROR_RAISE\x10\x02\x12\x14\n\x10ON_ERROR_REPLACE\x10\x03\x32\xaa\x03\n\x06Loader\x12O\n\x0cListDatasets\x12\x1e.batchd.v1.ListDatasetsRequest\x1a\x1f.batchd.v1.ListDatasetsResponse\x12X\n\x0f\x44\x65scribeDataset\x12!.batchd.v1.DescribeDatasetRequest\x1a\".batchd.v1.DescribeDatasetResponse\x12L\n\x0bOpenSession\x12\x1d.batchd.v1.OpenSessionRequest\x1a\x1e.batchd.v1.OpenSessionResponse\x12V\n\rStreamBatches\x12\x1f.batchd.v1.StreamBatchesRequest\x1a .batchd.v1.StreamBatchesResponse(\x01\x30\x01\x12O\n\x0c\x43loseSession\x12\x1e.batchd.v1.CloseSessionRequest\x1a\x1f.batchd.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batchd._proto.batchd.v1.loader_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLING']._serialized_start=2471
+  _globals['_SAMPLING']._serialized_end=2604
+  _globals['_TRANSPORT']._serialized_start=2606
+  _globals['_TRANSPORT']._serialized_end=2685
+  _globals['_ONERROR']._serialized_start=2687
+  _globals['_ONERROR']._serialized_end=2783
   _globals['_LISTDATASETSREQUEST']._serialized_start=70
   _globals['_LISTDATASETSREQUEST']._serialized_end=91
   _globals['_LISTDATASETSRESPONSE']._serialized_start=93
@@ -44,6 +50,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DATASET']._serialized_end=451
   _globals['_SPLIT']._serialized_start=453
   _globals['_SPLIT']._serialized_end=509
-  _globals['_LOADER']._serialized_start=512
-  _globals['_LOADER']._serialized_end=691
+  _globals['_IMAGEPIPELINE']._serialized_start=512
+  _globals['_IMAGEPIPELINE']._serialized_end=685
+  _globals['_ARRAYPIPELINE']._serialized_start=687
+  _globals['_ARRAYPIPELINE']._serialized_end=745
+  _globals['_TOKENSPIPELINE']._serialized_start=747
+  _globals['_TOKENSPIPELINE']._serialized_end=811
+  _globals['_CUSTOMPIPELINE']._serialized_start=813
+  _globals['_CUSTOMPIPELINE']._serialized_end=865
+  _globals['_PIPELINE']._serialized_start=868
+  _globals['_PIPELINE']._serialized_end=1062
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1065
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1418
+  _globals['_FIELDSCHEMA']._serialized_start=1420
+  _globals['_FIELDSCHEMA']._serialized_end=1477
+  _globals['_RINGLAYOUT']._serialized_start=1479
+  _globals['_RINGLAYOUT']._serialized_end=1604
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=1607
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1860
+  _globals['_STREAMSTART']._serialized_start=1862
+  _globals['_STREAMSTART']._serialized_end=1972
+  _globals['_ACK']._serialized_start=1974
+  _globals['_ACK']._serialized_end=2018
+  _globals['_STREAMBATCHESREQUEST']._serialized_start=2020
+  _globals['_STREAMBATCHESREQUEST']._serialized_end=2122
+  _globals['_FIELDVIEW']._serialized_start=2124
+  _globals['_FIELDVIEW']._serialized_end=2211
+  _globals['_STREAMBATCHESRESPONSE']._serialized_start=2214
+  _globals['_STREAMBATCHESRESPONSE']._serialized_end=2401
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2403
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2444
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2446
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2468
+  _globals['_LOADER']._serialized_start=2786
+  _globals['_LOADER']._serialized_end=3212
 # @@protoc_insertion_point(module_scope)

@@ -2,12 +2,46 @@ import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Sampling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAMPLING_UNSPECIFIED: _ClassVar[Sampling]
+    SAMPLING_UNIFORM: _ClassVar[Sampling]
+    SAMPLING_WEIGHTED: _ClassVar[Sampling]
+    SAMPLING_CLASS_BALANCED: _ClassVar[Sampling]
+    SAMPLING_BUCKETED: _ClassVar[Sampling]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_INLINE: _ClassVar[Transport]
+
+class OnError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ON_ERROR_UNSPECIFIED: _ClassVar[OnError]
+    ON_ERROR_SKIP: _ClassVar[OnError]
+    ON_ERROR_RAISE: _ClassVar[OnError]
+    ON_ERROR_REPLACE: _ClassVar[OnError]
+SAMPLING_UNSPECIFIED: Sampling
+SAMPLING_UNIFORM: Sampling
+SAMPLING_WEIGHTED: Sampling
+SAMPLING_CLASS_BALANCED: Sampling
+SAMPLING_BUCKETED: Sampling
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_INLINE: Transport
+ON_ERROR_UNSPECIFIED: OnError
+ON_ERROR_SKIP: OnError
+ON_ERROR_RAISE: OnError
+ON_ERROR_REPLACE: OnError
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()
@@ -60,3 +94,221 @@ class Split(_message.Message):
     samples: int
     verified: int
     def __init__(self, name: _Optional[str] = ..., samples: _Optional[int] = ..., verified: _Optional[int] = ...) -> None: ...
+
+class ImagePipeline(_message.Message):
+    __slots__ = ("size", "resize", "random_crop", "flip", "decoder", "scale_min", "scale_max", "ratio_min", "ratio_max")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    RANDOM_CROP_FIELD_NUMBER: _ClassVar[int]
+    FLIP_FIELD_NUMBER: _ClassVar[int]
+    DECODER_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MIN_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MAX_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MIN_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MAX_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    resize: int
+    random_crop: bool
+    flip: bool
+    decoder: str
+    scale_min: float
+    scale_max: float
+    ratio_min: float
+    ratio_max: float
+    def __init__(self, size: _Optional[int] = ..., resize: _Optional[int] = ..., random_crop: _Optional[bool] = ..., flip: _Optional[bool] = ..., decoder: _Optional[str] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ...) -> None: ...
+
+class ArrayPipeline(_message.Message):
+    __slots__ = ("shape", "dtype", "raw")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    raw: bool
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., raw: _Optional[bool] = ...) -> None: ...
+
+class TokensPipeline(_message.Message):
+    __slots__ = ("max_len", "dtype", "pad_id")
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAD_ID_FIELD_NUMBER: _ClassVar[int]
+    max_len: int
+    dtype: str
+    pad_id: int
+    def __init__(self, max_len: _Optional[int] = ..., dtype: _Optional[str] = ..., pad_id: _Optional[int] = ...) -> None: ...
+
+class CustomPipeline(_message.Message):
+    __slots__ = ("name", "options_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    options_json: str
+    def __init__(self, name: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
+
+class Pipeline(_message.Message):
+    __slots__ = ("image", "array", "tokens", "custom")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_FIELD_NUMBER: _ClassVar[int]
+    image: ImagePipeline
+    array: ArrayPipeline
+    tokens: TokensPipeline
+    custom: CustomPipeline
+    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    ON_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MAX_ERROR_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    version: str
+    split: str
+    batch_size: int
+    shuffle: bool
+    seed: int
+    rank: int
+    world_size: int
+    drop_last: bool
+    sampling: Sampling
+    pipeline: Pipeline
+    prefetch: int
+    snapshot: str
+    on_error: OnError
+    max_error_fraction: float
+    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, str]] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., prefetch: _Optional[int] = ..., snapshot: _Optional[str] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_error_fraction: _Optional[float] = ...) -> None: ...
+
+class FieldSchema(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RingLayout(_message.Message):
+    __slots__ = ("shm_name", "segment_bytes", "header_bytes", "slot_bytes", "slots", "token")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    segment_bytes: int
+    header_bytes: int
+    slot_bytes: int
+    slots: int
+    token: bytes
+    def __init__(self, shm_name: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slots: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_batches: int
+    num_samples: int
+    fields: _containers.RepeatedCompositeFieldContainer[FieldSchema]
+    snapshot: str
+    ring: RingLayout
+    lease_timeout_s: float
+    version: str
+    split: str
+    prefetch: int
+    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ...) -> None: ...
+
+class StreamStart(_message.Message):
+    __slots__ = ("session_id", "epoch", "start_batch", "transport")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    start_batch: int
+    transport: Transport
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("batch_indices", "wait_s")
+    BATCH_INDICES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    batch_indices: _containers.RepeatedScalarFieldContainer[int]
+    wait_s: float
+    def __init__(self, batch_indices: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class StreamBatchesRequest(_message.Message):
+    __slots__ = ("start", "ack")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    start: StreamStart
+    ack: Ack
+    def __init__(self, start: _Optional[_Union[StreamStart, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
+
+class FieldView(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class StreamBatchesResponse(_message.Message):
+    __slots__ = ("batch_index", "slot", "rows", "fields", "failed_sample_ids", "data", "more", "inline_bytes")
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    batch_index: int
+    slot: int
+    rows: int
+    fields: _containers.RepeatedCompositeFieldContainer[FieldView]
+    failed_sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    more: bool
+    inline_bytes: int
+    def __init__(self, batch_index: _Optional[int] = ..., slot: _Optional[int] = ..., rows: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldView, _Mapping]]] = ..., failed_sample_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., more: _Optional[bool] = ..., inline_bytes: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

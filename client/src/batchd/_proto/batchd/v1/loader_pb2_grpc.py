@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class LoaderStub:
-    """The loader service: what is in the catalog, and (next) batches of it.
+    """The loader service: what is in the catalog, and batches of it.
     """
 
     def __init__(self, channel):
@@ -45,10 +45,25 @@ class LoaderStub:
                 request_serializer=batchd_dot_v1_dot_loader__pb2.DescribeDatasetRequest.SerializeToString,
                 response_deserializer=batchd_dot_v1_dot_loader__pb2.DescribeDatasetResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/batchd.v1.Loader/OpenSession',
+                request_serializer=batchd_dot_v1_dot_loader__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=batchd_dot_v1_dot_loader__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
+        self.StreamBatches = channel.stream_stream(
+                '/batchd.v1.Loader/StreamBatches',
+                request_serializer=batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.SerializeToString,
+                response_deserializer=batchd_dot_v1_dot_loader__pb2.StreamBatchesResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/batchd.v1.Loader/CloseSession',
+                request_serializer=batchd_dot_v1_dot_loader__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=batchd_dot_v1_dot_loader__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class LoaderServicer:
-    """The loader service: what is in the catalog, and (next) batches of it.
+    """The loader service: what is in the catalog, and batches of it.
     """
 
     def ListDatasets(self, request, context):
@@ -61,6 +76,36 @@ class LoaderServicer:
 
     def DescribeDataset(self, request, context):
         """One dataset version; NOT_FOUND (listing what exists) when there is no such dataset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSession(self, request, context):
+        """Opens a session: the split's rows are read (or taken from the cache), the epoch plan's
+        shape is fixed, and a shared-memory ring is reserved. INVALID_ARGUMENT for bad options,
+        NOT_FOUND for an unknown dataset or split, RESOURCE_EXHAUSTED when /dev/shm or the
+        server's shm budget cannot hold the ring, FAILED_PRECONDITION for a split with no
+        verified samples or a snapshot the catalog no longer matches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamBatches(self, request_iterator, context):
+        """Streams one epoch of a session's batches, in order, from a given batch index. The first
+        request is a StreamStart; the rest are Acks. The server keeps at most `prefetch` batches
+        unacknowledged: an Ack frees the batch's slot and is the credit for the next batch.
+        One stream per session at a time (FAILED_PRECONDITION otherwise). A sample the policy
+        cannot absorb ends the stream with DATA_LOSS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Closes a session and frees its ring at once. Closing an unknown (already closed or
+        expired) session succeeds: the call is idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +124,21 @@ def add_LoaderServicer_to_server(servicer, server):
                     request_deserializer=batchd_dot_v1_dot_loader__pb2.DescribeDatasetRequest.FromString,
                     response_serializer=batchd_dot_v1_dot_loader__pb2.DescribeDatasetResponse.SerializeToString,
             ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=batchd_dot_v1_dot_loader__pb2.OpenSessionRequest.FromString,
+                    response_serializer=batchd_dot_v1_dot_loader__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'StreamBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamBatches,
+                    request_deserializer=batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.FromString,
+                    response_serializer=batchd_dot_v1_dot_loader__pb2.StreamBatchesResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=batchd_dot_v1_dot_loader__pb2.CloseSessionRequest.FromString,
+                    response_serializer=batchd_dot_v1_dot_loader__pb2.CloseSessionResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'batchd.v1.Loader', rpc_method_handlers)
@@ -88,7 +148,7 @@ def add_LoaderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Loader:
-    """The loader service: what is in the catalog, and (next) batches of it.
+    """The loader service: what is in the catalog, and batches of it.
     """
 
     @staticmethod
@@ -135,6 +195,87 @@ class Loader:
             '/batchd.v1.Loader/DescribeDataset',
             batchd_dot_v1_dot_loader__pb2.DescribeDatasetRequest.SerializeToString,
             batchd_dot_v1_dot_loader__pb2.DescribeDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchd.v1.Loader/OpenSession',
+            batchd_dot_v1_dot_loader__pb2.OpenSessionRequest.SerializeToString,
+            batchd_dot_v1_dot_loader__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/batchd.v1.Loader/StreamBatches',
+            batchd_dot_v1_dot_loader__pb2.StreamBatchesRequest.SerializeToString,
+            batchd_dot_v1_dot_loader__pb2.StreamBatchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchd.v1.Loader/CloseSession',
+            batchd_dot_v1_dot_loader__pb2.CloseSessionRequest.SerializeToString,
+            batchd_dot_v1_dot_loader__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
