@@ -1,0 +1,36 @@
+"""Decode pipelines: sample bytes to rows of a batch (DESIGN.md §5).
+
+Workers build one pipeline per session with :func:`build_pipeline`, read each sample's bytes
+through one :class:`SampleFiles` per session, and call :meth:`Pipeline.decode_into` per
+sample, treating :class:`BadSample` as the only error a sample can cause.
+"""
+
+from __future__ import annotations
+
+from batchd_server.pipelines.array import ArrayPipeline
+from batchd_server.pipelines.base import BadSample, FieldSpec, Pipeline, SampleInfo, sample_rng
+from batchd_server.pipelines.files import SampleFiles
+from batchd_server.pipelines.image import ImagePipeline
+from batchd_server.pipelines.registry import (
+    BUILTIN,
+    ENTRY_POINT_GROUP,
+    build_pipeline,
+    registered_decoders,
+)
+from batchd_server.pipelines.tokens import TokensPipeline
+
+__all__ = [
+    "BUILTIN",
+    "ENTRY_POINT_GROUP",
+    "ArrayPipeline",
+    "BadSample",
+    "FieldSpec",
+    "ImagePipeline",
+    "Pipeline",
+    "SampleFiles",
+    "SampleInfo",
+    "TokensPipeline",
+    "build_pipeline",
+    "registered_decoders",
+    "sample_rng",
+]
