@@ -1,19 +1,42 @@
 """batchd: a data loader that runs as a service for PyTorch training.
 
 This is the client distribution. It needs only grpcio, protobuf and numpy; it uses torch
-when torch is installed.
+when torch is installed (and imports it only when a Loader or IterableDataset needs it).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from batchd import errors
 from batchd._catalog import Catalog, DatasetInfo, SplitInfo
+from batchd._loader import Loader
+from batchd._specs import Array, Custom, Image, Tokens
 from batchd._version import __version__
 
+if TYPE_CHECKING:
+    from batchd._dataset import IterableDataset
+
 __all__ = [
+    "Array",
     "Catalog",
+    "Custom",
     "DatasetInfo",
+    "Image",
+    "IterableDataset",
+    "Loader",
     "SplitInfo",
+    "Tokens",
     "__version__",
     "errors",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # IterableDataset subclasses torch's: importing it imports torch, which `import batchd`
+    # must not do (slow, and optional).
+    if name == "IterableDataset":
+        from batchd._dataset import IterableDataset
+
+        return IterableDataset
+    raise AttributeError(f"module 'batchd' has no attribute {name!r}")

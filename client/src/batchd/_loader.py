@@ -1,0 +1,637 @@
+"""``batchd.Loader``: batches from a batchd server, in place of ``torch.utils.data.DataLoader``.
+
+A Loader is one session on the server (opened in the constructor, so a wrong dataset name
+or a too-small ``/dev/shm`` fails at once and ``len()`` works) plus a cursor (epoch, next
+batch). Each iteration is one ``StreamBatches`` call that starts at the cursor and moves it
+as batches are handed out, so ``state_dict()`` at any moment says where the next iteration
+starts, and a fresh Loader given that state yields exactly the rest of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final
+
+import grpc
+
+from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
+from batchd._device import Batch, Delivery, make_delivery, resolve_device
+from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._specs import (
+    TRANSPORTS,
+    PipelineSpec,
+    check_choice,
+    check_int,
+    on_error_to_proto,
+    pipeline_or_default,
+    resolve_rank,
+    sampling_to_proto,
+)
+from batchd._status import error_from_rpc
+from batchd._transport import BatchStream, ReceivedBatch, ShmRing, select_transport
+from batchd.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+__all__ = ["MAX_BATCH_SIZE", "MAX_MESSAGE_BYTES", "STATE_FORMAT", "Loader"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT: Final = 1
+MAX_BATCH_SIZE: Final = 65536
+MAX_MESSAGE_BYTES: Final = 64 << 20
+"""gRPC message limit each way; inline chunks are a few MiB, far below it."""
+_CLOSE_TIMEOUT_S: Final = 5.0
+_RESTART_WAIT_S: Final = 5.0
+# What must match for a saved state to mean the same sequence of batches.
+_COMPATIBLE_KEYS: Final = (
+    "dataset",
+    "split",
+    "batch_size",
+    "rank",
+    "world_size",
+    "seed",
+    "shuffle",
+    "drop_last",
+    "sampling",
+)
+_STATE_KEYS: Final = (*_COMPATIBLE_KEYS, "format", "version", "epoch", "next_batch", "snapshot")
+_SUPERSEDED: Final = (
+    "this iterator over the Loader was abandoned: a newer iter(loader), set_epoch(), "
+    "load_state_dict() or close() took over; iterate the Loader again"
+)
+
+
+@dataclass
+class _Session:
+    """One OpenSession: the server's answer and what the client mapped and set up for it."""
+
+    reply: loader_pb2.OpenSessionResponse
+    transport: loader_pb2.Transport
+    ring: ShmRing | None
+    delivery: Delivery
+    transport_reason: str
+
+    @property
+    def prefetch(self) -> int:
+        return max(self.reply.prefetch, 1)
+
+    def close(self, stub: loader_pb2_grpc.LoaderStub, target: str) -> None:
+        """Free the client side, then tell the server. Never raises for a gone server."""
+        try:
+            self.delivery.close()
+        finally:
+            if self.ring is not None:
+                self.ring.close()
+        try:
+            request = loader_pb2.CloseSessionRequest(session_id=self.reply.session_id)
+            stub.CloseSession(request, timeout=_CLOSE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            error = error_from_rpc(
+                e, target=target, method="CloseSession", timeout_s=_CLOSE_TIMEOUT_S
+            )
+            logger.warning(
+                "batchd: closing session %s failed (%s); the server reclaims it after its "
+                "lease timeout (%.0f s)",
+                self.reply.session_id,
+                error,
+                self.reply.lease_timeout_s,
+            )
+
+
+class _Resources:
+    """What a Loader holds outside Python: its finalizer closes this, never the Loader."""
+
+    def __init__(self, channel: grpc.Channel, target: str) -> None:
+        self.channel = channel
+        self.stub = loader_pb2_grpc.LoaderStub(channel)
+        self.target = target
+        self.session: _Session | None = None
+        self.stream: BatchStream | None = None
+        self.cancelled = False
+        """Whether a stream was ever cancelled (so the server may still be ending it)."""
+
+    def cancel(self, stream: BatchStream) -> None:
+        self.cancelled = True
+        stream.cancel()
+
+    def abandon_stream(self) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            # Wait for device copies still reading slots before the server may reuse them.
+            if self.session is not None:
+                self.session.delivery.drain()
+            self.cancel(stream)
+
+    def close(self) -> None:
+        try:
+            self.abandon_stream()
+            session, self.session = self.session, None
+            if session is not None:
+                session.close(self.stub, self.target)
+        finally:
+            self.channel.close()
+
+
+class Loader:
+    """Batches of one split of a dataset, decoded by a batchd server.
+
+    Args:
+        target: The server, ``unix:///path/grpc.sock`` or ``host:port``; default
+            ``$BATCHD_TARGET``.
+        dataset: The dataset's name in the server's catalog.
+        split: The split to read.
+        batch_size: Samples per batch, 1 to 65536.
+        shuffle: A new order each epoch, from (seed, epoch); else id order.
+        seed: Seeds the order and the augmentations, ``0 <= seed < 2**64``.
+        rank: This process's rank; default from ``torch.distributed`` when initialised,
+            else ``$RANK``, else 0.
+        world_size: Number of ranks; default likewise from ``$WORLD_SIZE``, else 1. Ranks
+            get disjoint samples and equal batch counts, as with ``DistributedSampler``.
+        drop_last: Drop the tail that does not fill whole batches on every rank, instead of
+            padding it by wrapping around to the epoch's start.
+        pipeline: What a sample decodes to: :class:`batchd.Image` (default, 224 px),
+            :class:`batchd.Array`, :class:`batchd.Tokens` or :class:`batchd.Custom`.
+        device: ``"cpu"`` or ``"cuda[:N]"``; default CUDA when available, else the CPU.
+        prefetch: Batches the server may have ready ahead of the training loop.
+        transport: ``"shm"`` (map the server's shared memory; same host), ``"inline"``
+            (bytes inside the gRPC stream) or ``"auto"`` (shm when the server's segment can
+            be opened here, else inline).
+        snapshot: A catalog snapshot from another Loader's :attr:`snapshot`, to pin all
+            ranks of a job to the same rows.
+        sampling: ``"uniform"``, ``"weighted"`` (weight column, with replacement),
+            ``"class_balanced"`` or ``"bucketed"`` (batches of similar length).
+        on_error: A bad sample is ``"skip"``-ped (the batch has fewer rows; see
+            :attr:`last_failed_sample_ids`), ``"replace"``-d by a deterministic substitute,
+            or ``"raise"``-s :class:`batchd.errors.DataLoss`.
+        version: The dataset version; default the newest.
+        zero_copy: On the CPU, yield views of the server's shared memory instead of copies;
+            a batch is then valid only until the next one is requested (or the iteration
+            ends). ``.clone()`` what must live longer. No effect on CUDA.
+        max_error_fraction: The session fails once more than this fraction of an epoch's
+            samples went bad, ``0 < f <= 1`` (for zero tolerance use ``on_error="raise"``).
+        timeout_s: Deadline of OpenSession and other unary calls, in seconds.
+
+    Raises:
+        InvalidArgument: a bad argument, named with its valid range.
+        NotFound: no such dataset, version or split.
+        ResourceExhausted: the server's ``/dev/shm`` or shm budget cannot hold the session.
+        Unavailable: the server cannot be reached.
+
+    Iterating yields one ``dict`` per batch, ``field name → tensor`` (NumPy arrays when torch
+    is not installed): every field of the pipeline plus ``sample_id`` and ``label`` (int64),
+    first dimension the batch's rows. Epochs: :meth:`set_epoch` as with
+    ``DistributedSampler``; if it is never called, each new iteration after a finished one
+    moves to the next epoch by itself, so a forgotten ``set_epoch`` cannot repeat the order.
+    Iterating again after stopping early (``break``) continues the epoch where it stopped.
+    Only one iteration is live at a time: a new ``iter()`` abandons the previous one.
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    _h2d: str = "auto"
+    """The CUDA host-to-device path (see ``batchd._device.H2D_STRATEGIES``); benchmarks and
+    tests set it on the class to compare the paths."""
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        dataset: str,
+        split: str = "train",
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        pipeline: PipelineSpec | None = None,
+        device: Any = None,
+        prefetch: int = 4,
+        transport: str = "auto",
+        snapshot: str | None = None,
+        sampling: str = "uniform",
+        on_error: str = "skip",
+        version: str | None = None,
+        zero_copy: bool = False,
+        max_error_fraction: float = 0.01,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        for name, text in (("dataset", dataset), ("split", split)):
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidArgument(f"{name}={text!r} must be a non-empty string")
+        for name, optional in (("version", version), ("snapshot", snapshot)):
+            if optional is not None and not isinstance(optional, str):
+                raise InvalidArgument(f"{name}={optional!r} must be a string or None")
+        batch_size = check_int("batch_size", batch_size, 1, MAX_BATCH_SIZE)
+        seed = check_int("seed", seed, 0, (1 << 64) - 1)
+        prefetch = check_int("prefetch", prefetch, 1, 1 << 16)
+        if not 0 < max_error_fraction <= 1:
+            raise InvalidArgument(
+                f"max_error_fraction={max_error_fraction} must be in (0, 1]; to fail on the "
+                "first bad sample use on_error='raise'"
+            )
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s={timeout_s} must be > 0 seconds")
+        self._transport = check_choice("transport", transport, TRANSPORTS)
+        self._request = loader_pb2.OpenSessionRequest(
+            dataset=dataset,
+            split=split,
+            batch_size=batch_size,
+            shuffle=bool(shuffle),
+            seed=seed,
+            drop_last=bool(drop_last),
+            sampling=sampling_to_proto(sampling),
+            pipeline=pipeline_or_default(pipeline)._to_proto(),
+            prefetch=prefetch,
+            on_error=on_error_to_proto(on_error),
+            max_error_fraction=max_error_fraction,
+        )
+        self._request.rank, self._request.world_size = resolve_rank(rank, world_size)
+        self._sampling = sampling
+        self._version = version
+        self._zero_copy = bool(zero_copy)
+        self._device = resolve_device(device)
+        self._timeout_s = float(timeout_s)
+
+        target = resolve_target(target)
+        channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._res = _Resources(channel, target)
+        self._finalizer = weakref.finalize(self, self._res.close)
+        self._closed = False
+        self._iteration: object | None = None
+        self._epoch = 0
+        self._next_batch = 0
+        self._unreported_wait_s = 0.0
+        self.wait_s = 0.0
+        """Seconds the training loop spent blocked waiting for the next batch, in total."""
+        self.batches_served = 0
+        """Batches handed to the training loop, in total."""
+        self.last_failed_sample_ids: tuple[int, ...] = ()
+        """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
+        or replaced (``"replace"``)."""
+        try:
+            self._res.session = self._open_session(version, snapshot)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    # -- session ---------------------------------------------------------------------------
+
+    def _open_session(self, version: str | None, snapshot: str | None) -> _Session:
+        request = loader_pb2.OpenSessionRequest()
+        request.CopyFrom(self._request)
+        request.version = version or ""
+        request.snapshot = snapshot or ""
+        try:
+            reply = self._res.stub.OpenSession(request, timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            raise error_from_rpc(
+                e, target=self._res.target, method="OpenSession", timeout_s=self._timeout_s
+            ) from e
+        ring = None
+        try:
+            transport, ring, reason = select_transport(self._transport, reply.ring)
+            delivery = make_delivery(
+                self._device,
+                zero_copy=self._zero_copy,
+                ring=ring,
+                prefetch=max(reply.prefetch, 1),
+                h2d=self._h2d,
+            )
+        except BaseException:
+            if ring is not None:
+                ring.close()
+            # Best effort: the error that got us here is the one to report; an unclosed
+            # session is reclaimed after the server's lease timeout anyway.
+            with contextlib.suppress(grpc.RpcError):
+                self._res.stub.CloseSession(
+                    loader_pb2.CloseSessionRequest(session_id=reply.session_id),
+                    timeout=_CLOSE_TIMEOUT_S,
+                )
+            raise
+        logger.debug("batchd: session %s uses %s", reply.session_id, reason)
+        return _Session(reply, transport, ring, delivery, reason)
+
+    def _session(self) -> _Session:
+        if self._closed or self._res.session is None:
+            raise FailedPrecondition(
+                f"this Loader for dataset {self._request.dataset!r} is closed; create a new one"
+            )
+        return self._res.session
+
+    def _abandon(self) -> None:
+        self._iteration = None
+        self._res.abandon_stream()
+
+    # -- iteration -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the same on every rank)."""
+        return int(self._session().reply.num_batches)
+
+    def _position(self) -> tuple[int, int]:
+        """The (epoch, batch) the next iteration starts at."""
+        n = len(self)
+        if n > 0 and self._next_batch >= n:
+            return self._epoch + 1, 0
+        return self._epoch, self._next_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Serve ``epoch``'s order from the next iteration on.
+
+        Setting the epoch the Loader is in the middle of keeps its place (so a resumed job
+        that calls ``set_epoch`` in its loop does not restart the epoch); any other epoch
+        starts at its first batch and abandons a live iteration.
+        """
+        epoch = check_int("epoch", epoch, 0, (1 << 63) - 1)
+        if epoch == self._epoch and 0 < self._next_batch < len(self):
+            return
+        if self._iteration is not None:
+            self._abandon()
+        self._epoch, self._next_batch = epoch, 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._session()
+        self._abandon()
+        token = object()
+        self._iteration = token
+        return self._iterate(token)
+
+    def _iterate(self, token: object) -> Iterator[Batch]:
+        if self._iteration is not token:
+            raise FailedPrecondition(_SUPERSEDED)
+        session = self._session()
+        epoch, start = self._position()
+        self._epoch, self._next_batch = epoch, start
+        num_batches = int(session.reply.num_batches)
+        if start >= num_batches:  # an epoch without batches (drop_last, tiny split)
+            self._epoch, self._next_batch = epoch + 1, 0
+            return
+        start_msg = loader_pb2.StreamStart(
+            session_id=session.reply.session_id,
+            epoch=epoch,
+            start_batch=start,
+            transport=session.transport,
+        )
+        stream, batch = self._open_stream(session, start_msg)
+        delivery = session.delivery
+        finished = False
+        try:
+            for index in range(start, num_batches):
+                if index > start:
+                    # The held batches' acks go out before blocking: they are the credits
+                    # the server may need to produce the batch awaited.
+                    held = delivery.held() >= session.prefetch
+                    stream.ack(delivery.advance(wait=held), self._wait())
+                    batch = self._receive(stream)
+                if batch is None or batch.index != index:
+                    got = "the end of the stream" if batch is None else f"batch {batch.index}"
+                    raise Unavailable(
+                        f"the server at {self._res.target!r} sent {got} where batch {index} of "
+                        f"{num_batches} (epoch {epoch}) was due; it may have restarted. Create "
+                        "a new Loader and load_state_dict(old.state_dict()) to resume"
+                    )
+                out, acks = delivery.deliver(batch)
+                stream.ack(acks, self._wait())
+                self._next_batch = index + 1
+                self.batches_served += 1
+                self.last_failed_sample_ids = batch.failed_sample_ids
+                yield out
+                if self._iteration is not token:
+                    raise FailedPrecondition(_SUPERSEDED)
+            stream.ack(delivery.drain(), self._wait())
+            stream.finish()
+            finished = True
+            self._epoch, self._next_batch = epoch + 1, 0
+        finally:
+            if self._res.stream is stream:
+                self._res.stream = None
+                if not finished:
+                    delivery.drain()
+                    self._res.cancel(stream)
+            elif not finished:
+                stream.cancel()
+            if self._iteration is token:
+                self._iteration = None
+
+    def _open_stream(
+        self, session: _Session, start: loader_pb2.StreamStart
+    ) -> tuple[BatchStream, ReceivedBatch | None]:
+        """Start the epoch's call and take its first batch.
+
+        A stream this Loader just cancelled may not have ended on the server yet, and the
+        server refuses a second stream of a session with FailedPrecondition until it has.
+        It ends within moments, so after a cancel that refusal is retried for a while.
+        """
+        deadline = time.monotonic() + _RESTART_WAIT_S
+        delay_s = 0.01
+        while True:
+            stream = BatchStream(
+                self._res.stub,
+                start,
+                ring=session.ring,
+                target=self._res.target,
+                timeout_s=self._timeout_s,
+            )
+            self._res.stream = stream
+            try:
+                return stream, self._receive(stream)
+            except FailedPrecondition:
+                self._res.stream = None
+                stream.cancel()
+                if not self._res.cancelled or time.monotonic() + delay_s > deadline:
+                    raise
+            except BaseException:
+                self._res.stream = None
+                stream.cancel()
+                raise
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.25)
+
+    def _receive(self, stream: BatchStream) -> ReceivedBatch | None:
+        """The stream's next batch; the time spent blocked counts as waiting for data."""
+        started = time.perf_counter()
+        try:
+            return stream.receive()
+        finally:
+            waited = time.perf_counter() - started
+            self.wait_s += waited
+            self._unreported_wait_s += waited
+
+    def _wait(self) -> float:
+        """The wait since the last Ack, for the next one (only taken when one is sent)."""
+        waited, self._unreported_wait_s = self._unreported_wait_s, 0.0
+        return waited
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next iteration starts, and what must match to resume there.
+
+        ``next_batch`` counts the batches of ``epoch`` already handed out. Plain values only
+        (JSON- and ``torch.save``-friendly).
+        """
+        session = self._session()
+        epoch, next_batch = self._position()
+        request = self._request
+        return {
+            "format": STATE_FORMAT,
+            "dataset": request.dataset,
+            "version": session.reply.version or self._version or "",
+            "split": session.reply.split or request.split,
+            "batch_size": request.batch_size,
+            "rank": request.rank,
+            "world_size": request.world_size,
+            "seed": request.seed,
+            "shuffle": request.shuffle,
+            "drop_last": request.drop_last,
+            "sampling": self._sampling,
+            "epoch": epoch,
+            "next_batch": next_batch,
+            "num_batches": int(session.reply.num_batches),
+            "snapshot": session.reply.snapshot,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next iteration start exactly where ``state`` (from :meth:`state_dict`) was.
+
+        The session is reopened on the state's snapshot (and version) when they differ from
+        this Loader's, so the rows are the ones the saved run served.
+
+        Raises:
+            InvalidArgument: ``state`` is not such a dict, or was saved by a Loader with
+                different options (the message names the key).
+            SnapshotMismatch: the catalog no longer has the snapshot's rows.
+        """
+        session = self._session()
+        if not isinstance(state, Mapping):
+            raise InvalidArgument(f"state must be a dict from Loader.state_dict(), not {state!r}")
+        if state.get("format") != STATE_FORMAT:
+            raise InvalidArgument(
+                f"state format={state.get('format')!r} is not supported; this batchd reads "
+                f"format {STATE_FORMAT} (a dict from Loader.state_dict())"
+            )
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise InvalidArgument(f"state is missing {', '.join(missing)}; pass a state_dict()")
+        mine = self.state_dict()
+        for key in _COMPATIBLE_KEYS:
+            if state[key] != mine[key]:
+                raise InvalidArgument(
+                    f"state {key}={state[key]!r} does not match this Loader's {key}="
+                    f"{mine[key]!r}; create the Loader with {key}={state[key]!r} to resume"
+                )
+        if self._version is not None and state["version"] != mine["version"]:
+            raise InvalidArgument(
+                f"state version={state['version']!r} does not match this Loader's version="
+                f"{mine['version']!r}; create it with version={state['version']!r} to resume"
+            )
+        epoch = check_int("state epoch", state["epoch"], 0, (1 << 63) - 1)
+        next_batch = check_int("state next_batch", state["next_batch"], 0, (1 << 63) - 1)
+        if not isinstance(state["snapshot"], str):
+            raise InvalidArgument(f"state snapshot={state['snapshot']!r} must be a string")
+        self._abandon()
+        candidate = session
+        if state["snapshot"] != mine["snapshot"] or state["version"] != mine["version"]:
+            candidate = self._open_session(state["version"] or None, state["snapshot"] or None)
+        num_batches = int(candidate.reply.num_batches)
+        saved = state.get("num_batches", num_batches)
+        if saved != num_batches or next_batch > num_batches:
+            if candidate is not session:
+                candidate.close(self._res.stub, self._res.target)
+            raise InvalidArgument(
+                f"state num_batches={saved!r}, next_batch={next_batch} do not fit this "
+                f"session's {num_batches} batches per epoch; the state is from another plan"
+            )
+        if candidate is not session:
+            self._res.session = candidate
+            session.close(self._res.stub, self._res.target)
+        self._epoch, self._next_batch = epoch, next_batch
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abandon a live iteration, close the session on the server, unmap, disconnect.
+
+        Idempotent; after it, iterating raises FailedPrecondition.
+        """
+        self._closed = True
+        self._iteration = None
+        self._finalizer()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __getstate__(self) -> Any:
+        raise InvalidArgument(
+            "a batchd.Loader cannot be pickled or sent to another process (it holds a gRPC "
+            "channel and shared memory); create it in the process that iterates, and use "
+            "DataLoader(batchd.IterableDataset(loader), batch_size=None, num_workers=0)"
+        )
+
+    # -- what the session is ---------------------------------------------------------------
+
+    @property
+    def target(self) -> str:
+        return self._res.target
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration serves."""
+        return self._position()[0]
+
+    @property
+    def snapshot(self) -> str:
+        """The catalog snapshot served; pass it as ``snapshot=`` to pin other ranks."""
+        return self._session().reply.snapshot
+
+    @property
+    def version(self) -> str:
+        """The dataset version served."""
+        return self._session().reply.version
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per epoch on this rank, padding included."""
+        return int(self._session().reply.num_samples)
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` or ``"inline"``: what this session uses."""
+        return "shm" if self._session().transport == loader_pb2.TRANSPORT_SHM else "inline"
+
+    @property
+    def device(self) -> Any:
+        """``"cpu"`` or the ``torch.device`` batches are delivered to."""
+        return self._device
+
+    @property
+    def fields(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Field name → (dtype, one sample's largest shape), in slot order."""
+        reply = self._session().reply
+        return {f.name: (f.dtype, tuple(f.shape)) for f in reply.fields}
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"epoch {self._epoch}, batch {self._next_batch}"
+        return (
+            f"Loader(target={self._res.target!r}, dataset={self._request.dataset!r}, "
+            f"split={self._request.split!r}, batch_size={self._request.batch_size}) [{state}]"
+        )

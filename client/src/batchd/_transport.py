@@ -1,0 +1,390 @@
+"""How batch bytes reach the client: the server's shm ring, or chunks inside the stream.
+
+``shm``: the server writes each batch into a slot of a shared-memory segment and sends only
+where its fields are; the client maps the segment once per session and reads the slot in
+place. The segment starts with a token the server also sends in ``RingLayout.token``: a
+client that reads the same bytes there has the server's segment (same host, same
+``/dev/shm``), not a same-named file of another machine or container.
+
+``inline``: the bytes travel in ``StreamBatchesResponse.data``, a few MiB per message; the
+client reassembles each batch into one buffer of its own.
+
+:class:`BatchStream` is one ``StreamBatches`` call (one pass over an epoch): requests go in
+through a queue that gRPC's sending thread drains, batches come out in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._status import error_from_rpc
+from batchd.errors import DataLoss, FailedPrecondition
+
+__all__ = [
+    "SHM_DIR",
+    "BatchStream",
+    "InlineAssembler",
+    "ReceivedBatch",
+    "ShmRing",
+    "ShmUnusable",
+    "select_transport",
+]
+
+SHM_DIR: Final = Path("/dev/shm")
+_QUEUE_POLL_S: Final = 0.5
+_SHM_REMEDY: Final = (
+    "run the trainer where it shares /dev/shm with the server (Kubernetes: the same pod with "
+    "an emptyDir of medium Memory mounted at /dev/shm in both containers; docker: "
+    "--ipc=container:<server> or one shared /dev/shm volume), or pass transport='auto' or "
+    "'inline'"
+)
+
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    """One batch as it arrived: every field a NumPy view of where its bytes are."""
+
+    index: int
+    slot: int
+    """The ring slot holding it (shm), -1 inline."""
+    rows: int
+    arrays: dict[str, npt.NDArray[Any]]
+    """Field name → ``[rows, ...]`` view: into the slot (shm) or into ``owned`` bytes."""
+    failed_sample_ids: tuple[int, ...]
+    extent_bytes: int
+    """Bytes from the start of the slot or inline buffer to the end of the last field."""
+    offsets: dict[str, int]
+    """Field name → byte offset from the start of the slot or inline buffer."""
+    owned: bool
+    """True when the bytes are a buffer of this batch alone (inline), not a ring slot."""
+
+
+class ShmUnusable(Exception):
+    """The server's segment cannot be used from here; the message says why."""
+
+
+_DTYPES: dict[str, np.dtype[Any]] = {}
+
+
+def _views(
+    buffer: npt.NDArray[np.uint8], base: int, limit: int, msg: loader_pb2.StreamBatchesResponse
+) -> tuple[dict[str, npt.NDArray[Any]], dict[str, int], int]:
+    """Every field of ``msg`` as a view of ``buffer[base : base + limit]``, checked to fit."""
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    offsets: dict[str, int] = {}
+    extent = 0
+    for view in msg.fields:
+        dtype = _DTYPES.get(view.dtype)
+        if dtype is None:
+            dtype = _DTYPES.setdefault(view.dtype, np.dtype(view.dtype))
+        shape = tuple(view.shape)
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        end = view.offset + view.nbytes
+        if view.offset < 0 or end > limit or view.nbytes != expected or dtype.byteorder == ">":
+            raise DataLoss(
+                f"batch {msg.batch_index}: the server described field {view.name!r} as "
+                f"{view.dtype}{list(shape)} at bytes {view.offset}..{end} of a {limit}-byte "
+                "buffer, which does not fit; client and server disagree on the wire format "
+                "(upgrade both to the same batchd version)"
+            )
+        start = base + view.offset
+        arrays[view.name] = buffer[start : start + view.nbytes].view(dtype).reshape(shape)
+        offsets[view.name] = view.offset
+        extent = max(extent, end)
+    return arrays, offsets, extent
+
+
+class ShmRing:
+    """The server's ring segment of one session, mapped into this process.
+
+    Raises:
+        ShmUnusable: (from :meth:`open`) it cannot be opened, or it is not the server's.
+    """
+
+    def __init__(self, layout: loader_pb2.RingLayout, mapping: mmap.mmap, writable: bool) -> None:
+        self.layout = layout
+        self.writable = writable
+        """Mapped read-write (needed to register it with CUDA)."""
+        self._mmap: mmap.mmap | None = mapping
+        self.bytes: npt.NDArray[np.uint8] = np.frombuffer(mapping, dtype=np.uint8)
+        """The whole segment; its ``.ctypes.data`` is the mapping's address."""
+
+    @classmethod
+    def open(cls, layout: loader_pb2.RingLayout, shm_dir: Path = SHM_DIR) -> ShmRing:
+        """Map the segment ``layout`` names and check its token."""
+        name = layout.shm_name
+        if not name or "/" in name or name in (".", ".."):
+            raise ShmUnusable(f"the server named no usable segment ({name!r})")
+        if not layout.token:
+            raise ShmUnusable("the server sent no token to check the segment against")
+        path = shm_dir / name
+        writable = True
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except PermissionError:
+            # A segment shared through a group may be readable only; fine for CPU delivery.
+            writable = False
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise ShmUnusable(f"cannot open {path}: {e.strerror}") from e
+        except OSError as e:
+            raise ShmUnusable(f"cannot open {path}: {e.strerror}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size < layout.segment_bytes or layout.segment_bytes < len(layout.token):
+                raise ShmUnusable(
+                    f"{path} is {size} bytes, the server's segment is {layout.segment_bytes}: "
+                    "a different file of the same name"
+                )
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            mapping = mmap.mmap(fd, layout.segment_bytes, access=access)
+        except OSError as e:
+            raise ShmUnusable(f"cannot map {path}: {e.strerror}") from e
+        finally:
+            os.close(fd)
+        if mapping[: len(layout.token)] != layout.token:
+            mapping.close()
+            raise ShmUnusable(
+                f"{path} does not start with the server's token: this client does not see the "
+                "server's /dev/shm (another host or container)"
+            )
+        return cls(layout, mapping, writable)
+
+    def batch(self, msg: loader_pb2.StreamBatchesResponse) -> ReceivedBatch:
+        """The batch ``msg`` describes, as views of its slot."""
+        layout = self.layout
+        if not 0 <= msg.slot < layout.slots:
+            raise DataLoss(
+                f"batch {msg.batch_index} arrived in slot {msg.slot}, but the ring has "
+                f"{layout.slots} slots; client and server disagree on the wire format"
+            )
+        base = layout.header_bytes + msg.slot * layout.slot_bytes
+        arrays, offsets, extent = _views(self.bytes, base, layout.slot_bytes, msg)
+        return ReceivedBatch(
+            index=msg.batch_index,
+            slot=msg.slot,
+            rows=msg.rows,
+            arrays=arrays,
+            failed_sample_ids=tuple(msg.failed_sample_ids),
+            extent_bytes=extent,
+            offsets=offsets,
+            owned=False,
+        )
+
+    def close(self) -> None:
+        """Unmap, or leave the unmapping to the last zero-copy view still alive. Idempotent."""
+        if self._mmap is None:
+            return
+        mapping, self._mmap = self._mmap, None
+        self.bytes = np.empty(0, dtype=np.uint8)
+        # A zero-copy batch the user still holds points into the mapping (close() raises
+        # BufferError then); unmapping now would make touching it a segfault. The views
+        # keep the mmap object alive, and it unmaps itself when the last one goes.
+        with contextlib.suppress(BufferError):
+            mapping.close()
+
+
+def select_transport(
+    requested: str, layout: loader_pb2.RingLayout, shm_dir: Path = SHM_DIR
+) -> tuple[loader_pb2.Transport, ShmRing | None, str]:
+    """The transport to use for a session, its mapped ring (shm) and why it was chosen.
+
+    Args:
+        requested: ``"auto"``, ``"shm"`` or ``"inline"``.
+        layout: The session's ring, from ``OpenSessionResponse.ring``.
+        shm_dir: Where the server's segments are.
+
+    Raises:
+        FailedPrecondition: ``"shm"`` was asked for and the segment cannot be used.
+    """
+    if requested == "inline":
+        return loader_pb2.TRANSPORT_INLINE, None, "transport='inline' was asked for"
+    try:
+        ring = ShmRing.open(layout, shm_dir)
+    except ShmUnusable as e:
+        if requested == "shm":
+            raise FailedPrecondition(
+                f"transport='shm' cannot be used: {e}. To fix it, {_SHM_REMEDY}"
+            ) from e
+        return loader_pb2.TRANSPORT_INLINE, None, f"shm unusable ({e})"
+    return loader_pb2.TRANSPORT_SHM, ring, "the server's segment is mapped"
+
+
+class InlineAssembler:
+    """Joins the chunks of inline batches into one buffer per batch."""
+
+    def __init__(self) -> None:
+        self._head: loader_pb2.StreamBatchesResponse | None = None
+        self._buffer = np.empty(0, dtype=np.uint8)
+        self._filled = 0
+
+    def feed(self, msg: loader_pb2.StreamBatchesResponse) -> ReceivedBatch | None:
+        """Take one message; the batch once its last chunk is in, else None."""
+        if self._head is None:
+            self._head = msg
+            # A fresh buffer per batch: the batch's arrays own it, so it needs no copy later.
+            self._buffer = np.empty(msg.inline_bytes, dtype=np.uint8)
+            self._filled = 0
+        head = self._head
+        end = self._filled + len(msg.data)
+        if end > len(self._buffer):
+            raise DataLoss(
+                f"batch {head.batch_index}: inline chunks carry more than the announced "
+                f"{len(self._buffer)} bytes; client and server disagree on the wire format"
+            )
+        self._buffer[self._filled : end] = np.frombuffer(msg.data, dtype=np.uint8)
+        self._filled = end
+        if msg.more:
+            return None
+        self._head = None
+        if self._filled != len(self._buffer):
+            raise DataLoss(
+                f"batch {head.batch_index}: inline chunks carry {self._filled} of the announced "
+                f"{len(self._buffer)} bytes"
+            )
+        arrays, offsets, extent = _views(self._buffer, 0, len(self._buffer), head)
+        return ReceivedBatch(
+            index=head.batch_index,
+            slot=-1,
+            rows=head.rows,
+            arrays=arrays,
+            failed_sample_ids=tuple(head.failed_sample_ids),
+            extent_bytes=extent,
+            offsets=offsets,
+            owned=True,
+        )
+
+
+def _requests(
+    pending: queue.Queue[loader_pb2.StreamBatchesRequest | None], stop: threading.Event
+) -> Iterator[loader_pb2.StreamBatchesRequest]:
+    """What gRPC's sending thread sends; None (or ``stop``) half-closes the stream."""
+    while True:
+        try:
+            request = pending.get(timeout=_QUEUE_POLL_S)
+        except queue.Empty:
+            # The call may have ended without our sentinel (server error, cancel): then
+            # nobody will put one, and this thread must not wait forever.
+            if stop.is_set():
+                return
+            continue
+        if request is None:
+            return
+        yield request
+
+
+class BatchStream:
+    """One ``StreamBatches`` call: StreamStart first, then Acks; batches out in order.
+
+    Args:
+        stub: The Loader stub of the session's channel.
+        start: The call's first message.
+        ring: The mapped ring for shm; None for inline.
+        target: For error messages.
+        timeout_s: For error messages (the stream itself has no deadline: an epoch takes
+            as long as training takes).
+    """
+
+    def __init__(
+        self,
+        stub: loader_pb2_grpc.LoaderStub,
+        start: loader_pb2.StreamStart,
+        *,
+        ring: ShmRing | None,
+        target: str,
+        timeout_s: float,
+    ) -> None:
+        self._ring = ring
+        self._assembler = InlineAssembler()
+        self._target = target
+        self._timeout_s = timeout_s
+        self._pending: queue.Queue[loader_pb2.StreamBatchesRequest | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._pending.put(loader_pb2.StreamBatchesRequest(start=start))
+        self._call: Any = stub.StreamBatches(_requests(self._pending, self._stop))
+        self._ended = False
+
+    def ack(self, batch_indices: Sequence[int], wait_s: float) -> None:
+        """Tell the server these batches are done with (their slots may be reused)."""
+        if batch_indices:
+            ack = loader_pb2.Ack(batch_indices=batch_indices, wait_s=wait_s)
+            self._pending.put(loader_pb2.StreamBatchesRequest(ack=ack))
+
+    def receive(self) -> ReceivedBatch | None:
+        """The next batch, blocking until it is complete; None when the server ended the call.
+
+        Raises:
+            BatchdError: the call failed (the server's error, mapped by ``error_from_rpc``),
+                or the server broke the wire format (DataLoss).
+        """
+        while True:
+            msg = self._next_message()
+            if msg is None:
+                return None
+            if self._ring is not None:
+                if msg.data or msg.more:
+                    raise DataLoss(
+                        f"batch {msg.batch_index} arrived inline on an shm stream; client and "
+                        "server disagree on the wire format"
+                    )
+                return self._ring.batch(msg)
+            batch = self._assembler.feed(msg)
+            if batch is not None:
+                return batch
+
+    def finish(self) -> None:
+        """Half-close the requests and read the responses to their end (after the last batch).
+
+        Raises:
+            DataLoss: the server sent more batches than the epoch has.
+            BatchdError: the call ended with an error.
+        """
+        self._pending.put(None)
+        try:
+            extra = self._next_message()
+            if extra is not None:
+                raise DataLoss(
+                    f"the server sent batch {extra.batch_index} after the epoch's last batch; "
+                    "client and server disagree on the epoch's plan"
+                )
+        finally:
+            self._stop.set()
+
+    def cancel(self) -> None:
+        """Abandon the call (the consumer stopped early). Idempotent."""
+        self._stop.set()
+        self._pending.put(None)
+        if not self._ended:
+            self._ended = True
+            self._call.cancel()
+
+    def _next_message(self) -> loader_pb2.StreamBatchesResponse | None:
+        if self._ended:
+            return None
+        try:
+            msg: loader_pb2.StreamBatchesResponse = next(self._call)
+        except StopIteration:
+            self._ended = True
+            self._stop.set()
+            return None
+        except grpc.RpcError as e:
+            self._ended = True
+            self._stop.set()
+            raise error_from_rpc(
+                e, target=self._target, method="StreamBatches", timeout_s=self._timeout_s
+            ) from e
+        return msg
