@@ -17,6 +17,7 @@ stamp="$venv/.batchd-installed"
 if [ ! -f "$stamp" ] || [ "$repo/client/pyproject.toml" -nt "$stamp" ] || [ "$repo/server/pyproject.toml" -nt "$stamp" ]; then
   echo "==> installing batchd and batchd-server into $venv" >&2
   python -m pip install --quiet --upgrade pip
-  python -m pip install --quiet -e "$repo/client" -e "$repo/server"
+  # torch only ever at this pin (an unpinned torch lets pip pick a CUDA build).
+  python -m pip install --quiet -e "$repo/client[torch]" -e "$repo/server"
   touch "$stamp"
 fi

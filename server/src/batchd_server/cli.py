@@ -1,4 +1,4 @@
-"""The ``batchd-server`` command: migrate the catalog, ingest datasets, list them.
+"""The ``batchd-server`` command: serve, migrate the catalog, ingest datasets, list them.
 
 The catalog URL comes from ``--database-url`` or ``BATCHD_DATABASE_URL`` (through
 :meth:`ServerConfig.from_env`), else the embedded SQLite file under ``$BATCHD_HOME``.
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchd_server import __version__
-from batchd_server.config import ServerConfig
+from batchd_server.config import ServerConfig, parse_bytes
 from batchd_server.errors import BatchdError
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
@@ -140,6 +142,53 @@ def _cmd_datasets(args: argparse.Namespace, engine: Engine) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server import metrics
+    from batchd_server.api.server import build_server
+    from batchd_server.catalog.migrate import require_schema
+    from batchd_server.shm.segments import format_bytes
+
+    config: ServerConfig = args.config
+    require_schema(engine)
+    engine.dispose()  # the server makes its own
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: stop.set())
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        server = build_server(config)
+        try:
+            if config.metrics_port is not None:
+                metrics.serve(config.metrics_port)
+            log.info(
+                "ready: serving on %s with %d decode workers, shm budget %s in %s "
+                "(segments batchd-%s-*), lease timeout %g s%s",
+                server.address,
+                config.workers,
+                format_bytes(config.shm_budget_bytes),
+                config.shm_dir,
+                server.registry.instance,
+                config.lease_timeout_s,
+                "" if config.metrics_port is None else f", metrics on :{config.metrics_port}",
+            )
+            stop.wait()
+            log.info("stopping: finishing open calls (up to 5 s)")
+        finally:
+            server.stop(grace_s=5.0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -185,6 +234,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="serve batches over gRPC",
+        description="Serve the Loader gRPC service. Every flag can also be set in the "
+        "environment as BATCHD_<FLAG> (BATCHD_LISTEN, BATCHD_WORKERS, BATCHD_SHM_BUDGET, "
+        "BATCHD_LEASE_TIMEOUT_S, BATCHD_METRICS_PORT); flags win.",
+    )
+    p.add_argument(
+        "--listen",
+        default=None,
+        metavar="ADDRESS",
+        help="unix:///path/batchd.sock or host:port (default $BATCHD_LISTEN, else 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--workers", type=_positive_int, default=None, help="decode processes (default: CPUs)"
+    )
+    p.add_argument(
+        "--shm-budget",
+        dest="shm_budget_bytes",
+        type=_byte_size,
+        default=None,
+        metavar="BYTES",
+        help="shared memory all sessions may reserve, e.g. 2GiB (default 1GiB)",
+    )
+    p.add_argument(
+        "--lease-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="free a session's ring after this long without a stream (default 30)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics on this port (default: none)",
+    )
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
         "migrate", parents=[common], help="upgrade the catalog schema to the newest revision"
@@ -247,15 +337,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help and --version (0), usage errors (2)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else EXIT_ERROR
+    default_level = "INFO" if args.command == "serve" else "WARNING"
     logging.basicConfig(
-        level=getattr(args, "log_level", "WARNING"),
+        level=getattr(args, "log_level", default_level),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        config = ServerConfig.from_env(database_url=getattr(args, "database_url", None))
+        config = ServerConfig.from_env(
+            database_url=getattr(args, "database_url", None),
+            **{
+                name: getattr(args, name, None)
+                for name in ("listen", "workers", "shm_budget_bytes", "lease_timeout_s")
+            },
+            metrics_port=getattr(args, "metrics_port", None),
+        )
     except ValueError as e:  # e.g. an unsupported URL scheme
         return _error(str(e))
+    args.config = config
     engine = None
     try:
         engine = _engine(config.database_url)

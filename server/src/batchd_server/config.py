@@ -3,11 +3,43 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ServerConfig", "batchd_home", "default_database_url"]
+__all__ = [
+    "DEFAULT_LISTEN",
+    "ServerConfig",
+    "available_cpus",
+    "batchd_home",
+    "default_database_url",
+    "parse_bytes",
+]
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+_GiB = 1 << 30
+_UNITS = {
+    "": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "ki": 1 << 10,
+    "mib": 1 << 20,
+    "mi": 1 << 20,
+    "gib": 1 << 30,
+    "gi": 1 << 30,
+    "tib": 1 << 40,
+    "ti": 1 << 40,
+}
+_BYTES_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
 
 def batchd_home(environ: Mapping[str, str] | None = None) -> Path:
@@ -26,12 +58,47 @@ def default_database_url(environ: Mapping[str, str] | None = None) -> str:
     return f"sqlite:///{path}"
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, so a container's cpuset counts)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def parse_bytes(text: str) -> int:
+    """``"1073741824"``, ``"512MiB"``, ``"1g"``, ``"1.5GB"`` → bytes (SI and binary units).
+
+    Raises:
+        ValueError: the text is not a size.
+    """
+    match = _BYTES_RE.fullmatch(text)
+    unit = match[2].lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size in bytes; write e.g. 1073741824, 512MiB or 2GiB")
+    return int(float(match[1]) * _UNITS[unit])
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Everything the server needs to know, validated on construction."""
 
     database_url: str = field(default_factory=default_database_url)
     """SQLAlchemy URL of the catalog (``postgresql+psycopg2://...`` or ``sqlite:///...``)."""
+    listen: str = DEFAULT_LISTEN
+    """``unix:///path/batchd.sock`` or ``host:port``."""
+    workers: int = field(default_factory=available_cpus)
+    """Decode processes; default: the CPUs this process may use."""
+    shm_budget_bytes: int = _GiB
+    """Shared memory all sessions' rings and catalog arrays may reserve together."""
+    lease_timeout_s: float = 30.0
+    """A session with no open stream for this long is closed and its ring freed."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (all interfaces); None: no metrics endpoint."""
+    max_sessions: int = 256
+    """Open sessions at most; more is RESOURCE_EXHAUSTED."""
+    shm_dir: Path = Path("/dev/shm")
+    """Where shared-memory segments live (Linux's shm_open directory)."""
 
     def __post_init__(self) -> None:
         scheme = self.database_url.split(":", 1)[0]
@@ -40,15 +107,61 @@ class ServerConfig:
                 f"database URL scheme {scheme!r} is not supported; use postgresql://... "
                 "or sqlite:///path (set BATCHD_DATABASE_URL)"
             )
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers} must be >= 1 (--workers, BATCHD_WORKERS)")
+        if self.shm_budget_bytes < 1 << 20:
+            raise ValueError(
+                f"shm_budget_bytes={self.shm_budget_bytes} must be at least 1 MiB "
+                "(--shm-budget, BATCHD_SHM_BUDGET)"
+            )
+        if not 0 < self.lease_timeout_s <= 86400:
+            raise ValueError(
+                f"lease_timeout_s={self.lease_timeout_s} must be in (0, 86400] "
+                "(--lease-timeout-s, BATCHD_LEASE_TIMEOUT_S)"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port={self.metrics_port} must be in 0..65535 "
+                "(--metrics-port, BATCHD_METRICS_PORT)"
+            )
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions={self.max_sessions} must be >= 1")
 
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, **overrides: object
     ) -> ServerConfig:
-        """Build a config from ``BATCHD_*`` variables; keyword overrides win."""
+        """Build a config from ``BATCHD_*`` variables; keyword overrides (not None) win.
+
+        ``BATCHD_DATABASE_URL``, ``BATCHD_LISTEN``, ``BATCHD_WORKERS``, ``BATCHD_SHM_BUDGET``
+        (bytes, ``512MiB``, ``2GiB``), ``BATCHD_LEASE_TIMEOUT_S``, ``BATCHD_METRICS_PORT``,
+        ``BATCHD_MAX_SESSIONS``, ``BATCHD_SHM_DIR``.
+
+        Raises:
+            ValueError: a variable does not parse; the message names it.
+        """
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {
-            "database_url": env.get("BATCHD_DATABASE_URL") or default_database_url(env),
+        values: dict[str, Any] = {
+            "database_url": env.get("BATCHD_DATABASE_URL") or default_database_url(env)
         }
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        parsers: dict[str, tuple[str, Any]] = {
+            "listen": ("BATCHD_LISTEN", str),
+            "workers": ("BATCHD_WORKERS", int),
+            "shm_budget_bytes": ("BATCHD_SHM_BUDGET", parse_bytes),
+            "lease_timeout_s": ("BATCHD_LEASE_TIMEOUT_S", float),
+            "metrics_port": ("BATCHD_METRICS_PORT", int),
+            "max_sessions": ("BATCHD_MAX_SESSIONS", int),
+            "shm_dir": ("BATCHD_SHM_DIR", Path),
+        }
+        for name, (var, parse) in parsers.items():
+            text = env.get(var)
+            if text:
+                try:
+                    values[name] = parse(text)
+                except ValueError as e:
+                    raise ValueError(f"{var}={text!r} is not valid: {e}") from e
+        known = {f.name for f in fields(cls)}
+        values.update({k: v for k, v in overrides.items() if v is not None and k in known})
+        unknown = set(overrides) - known
+        assert not unknown, f"unknown ServerConfig fields {unknown}"
+        return cls(**values)

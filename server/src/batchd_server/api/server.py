@@ -21,10 +21,16 @@ from typing import TYPE_CHECKING
 import grpc
 
 from batchd._proto.batchd.v1 import loader_pb2_grpc
+from batchd_server import metrics
 from batchd_server.api.servicer import LoaderServicer
 from batchd_server.catalog.db import make_engine
+from batchd_server.catalog.sample_errors import record_sample_errors
+from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig
 from batchd_server.errors import FailedPrecondition, InvalidArgument
+from batchd_server.sessions import SessionManager
+from batchd_server.shm.segments import ShmRegistry
+from batchd_server.workers.pool import WorkerPool
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
     from sqlalchemy.engine import Engine
@@ -33,8 +39,19 @@ __all__ = ["DEFAULT_MAX_WORKERS", "ListenAddress", "RunningServer", "build_serve
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_WORKERS = 16
-"""RPC threads. Each open stream will hold one for its whole life (grpc's sync server)."""
+DEFAULT_MAX_WORKERS = 64
+"""RPC threads. Each open stream holds one for its whole life (grpc's sync server)."""
+
+_KEEPALIVE_OPTIONS = [
+    # Notice a trainer whose machine vanished (no FIN, no RST) within about a minute, so
+    # its session's lease starts; a killed process closes its socket and is noticed at once.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
 
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_UNIX_PATH_BYTES = 107
@@ -93,19 +110,35 @@ class RunningServer:
         engine: Engine,
         address: str,
         port: int | None,
+        parts: _Parts,
     ) -> None:
         self._server = server
         self._executor = executor
         self._engine = engine
+        self._parts = parts
         self.address = address
         """The target a client passes (``unix:///path`` or ``host:port``, port resolved)."""
         self.port = port
         """The bound TCP port, or None on a unix socket."""
         self._stopped = False
 
+    @property
+    def pool(self) -> WorkerPool:
+        """The decode workers (tests kill them; operators read ``restarts``)."""
+        return self._parts.pool
+
+    @property
+    def sessions(self) -> SessionManager:
+        return self._parts.sessions
+
+    @property
+    def registry(self) -> ShmRegistry:
+        return self._parts.registry
+
     def stop(self, grace_s: float | None = 5.0) -> None:
         """Refuse new calls, give running ones ``grace_s`` seconds, then cancel them.
 
+        Then close every session, stop the workers and remove every shared-memory segment.
         Idempotent. gRPC removes the unix socket file.
         """
         if self._stopped:
@@ -117,7 +150,9 @@ class RunningServer:
             # A handler stuck in a database call must not hang shutdown; its thread ends
             # when the call returns.
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._parts.close()
             self._engine.dispose()
+            logger.info("batchd-server stopped")
 
     def wait_for_termination(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops; False if ``timeout_s`` passed first."""
@@ -210,16 +245,64 @@ def _tcp_bind_problem(host: str, port: int) -> str:
     return "gRPC could not bind it (set GRPC_VERBOSITY=debug to see why)"
 
 
+@dataclass
+class _Parts:
+    """What a server owns besides gRPC, in the order it is built (and reversed to close)."""
+
+    registry: ShmRegistry
+    pool: WorkerPool
+    catalog: CatalogCache
+    sessions: SessionManager
+
+    def close(self) -> None:
+        try:
+            self.sessions.close_all()
+            self.catalog.close()
+        finally:
+            try:
+                self.pool.stop()
+            finally:
+                self.registry.close()
+
+
+def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
+    """Shared memory, then the workers, then the session machinery; undone on failure."""
+    registry = ShmRegistry(budget_bytes=config.shm_budget_bytes, shm_dir=config.shm_dir)
+    try:
+        pool = WorkerPool(config.workers, on_restart=metrics.WORKER_RESTARTS.inc)
+        pool.start()
+    except BaseException:
+        registry.close()
+        raise
+    metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
+    metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
+    catalog = CatalogCache(engine, registry)
+    sessions = SessionManager(
+        catalog=catalog,
+        pool=pool,
+        registry=registry,
+        lease_timeout_s=config.lease_timeout_s,
+        max_sessions=config.max_sessions,
+        record_errors=lambda rows: record_sample_errors(engine, rows),
+    )
+    return _Parts(registry, pool, catalog, sessions)
+
+
 def build_server(
-    config: ServerConfig, listen: str, *, max_workers: int = DEFAULT_MAX_WORKERS
+    config: ServerConfig, listen: str | None = None, *, max_workers: int = DEFAULT_MAX_WORKERS
 ) -> RunningServer:
     """Start the Loader service on ``listen`` over the catalog at ``config.database_url``.
+
+    The shared-memory registry (sweeping what a dead earlier run left) and the decode
+    workers start before any gRPC object exists: grpcio is not fork-safe, and a server must
+    not say it is listening before it can decode.
 
     Args:
         config: The server's configuration.
         listen: ``unix:///path/to/grpc.sock``, ``unix:relative.sock`` or ``host:port``
-            (``host:0`` binds a free port; :attr:`RunningServer.address` has it).
-        max_workers: Threads serving RPCs.
+            (``host:0`` binds a free port; :attr:`RunningServer.address` has it);
+            None means ``config.listen``.
+        max_workers: Threads serving RPCs; each open stream holds one.
 
     Raises:
         InvalidArgument: ``listen`` or ``max_workers`` is malformed.
@@ -228,14 +311,25 @@ def build_server(
     """
     if max_workers < 1:
         raise InvalidArgument(f"max_workers={max_workers} must be >= 1")
+    listen = config.listen if listen is None else listen
     where = ListenAddress.parse(listen)
     if where.unix_path is not None:
         _check_unix_path(listen, where.unix_path)
 
     engine = make_engine(config.database_url)
+    try:
+        parts = _start_parts(config, engine)
+    except BaseException:
+        engine.dispose()
+        raise
     executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="batchd-rpc")
-    server = grpc.server(executor, options=[("grpc.so_reuseport", 0)])
-    loader_pb2_grpc.add_LoaderServicer_to_server(LoaderServicer(engine), server)
+    server = grpc.server(
+        executor,
+        options=[("grpc.so_reuseport", 0), *_KEEPALIVE_OPTIONS],
+        maximum_concurrent_rpcs=None,
+    )
+    servicer = LoaderServicer(engine, parts.sessions)
+    loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
     try:
         try:
             bound = server.add_insecure_port(where.grpc_address)
@@ -252,6 +346,7 @@ def build_server(
     except BaseException:
         server.stop(None)
         executor.shutdown(wait=False, cancel_futures=True)
+        parts.close()
         engine.dispose()
         raise
 
@@ -260,4 +355,4 @@ def build_server(
     else:
         address, port = f"{where.host}:{bound}", bound
     logger.info("batchd-server listening on %s", address)
-    return RunningServer(server, executor, engine, address, port)
+    return RunningServer(server, executor, engine, address, port, parts)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd_server.api import sessions as session_rpcs
 from batchd_server.api.status import map_errors
 from batchd_server.catalog import queries
 from batchd_server.catalog.queries import DatasetSummary
 from batchd_server.errors import InvalidArgument
+from batchd_server.sessions import SessionManager
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
     from sqlalchemy.engine import Engine
@@ -37,10 +40,11 @@ def _dataset_message(summary: DatasetSummary) -> loader_pb2.Dataset:
 
 
 class LoaderServicer(loader_pb2_grpc.LoaderServicer):
-    """Serves the catalog RPCs from the catalog behind ``engine``."""
+    """Serves the catalog RPCs from ``engine`` and the session RPCs from ``sessions``."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, sessions: SessionManager) -> None:
         self._engine = engine
+        self._sessions = sessions
 
     @map_errors
     def ListDatasets(
@@ -57,3 +61,25 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
             raise InvalidArgument("DescribeDataset needs a dataset name; got an empty one")
         summary = queries.describe_dataset(self._engine, request.name, request.version or None)
         return loader_pb2.DescribeDatasetResponse(dataset=_dataset_message(summary))
+
+    @map_errors
+    def OpenSession(
+        self, request: loader_pb2.OpenSessionRequest, context: grpc.ServicerContext
+    ) -> loader_pb2.OpenSessionResponse:
+        return session_rpcs.open_session(self._sessions, request)
+
+    @map_errors
+    def StreamBatches(
+        self,
+        request_iterator: Iterator[loader_pb2.StreamBatchesRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[loader_pb2.StreamBatchesResponse]:
+        yield from session_rpcs.stream_batches(self._sessions, request_iterator, context)
+
+    @map_errors
+    def CloseSession(
+        self, request: loader_pb2.CloseSessionRequest, context: grpc.ServicerContext
+    ) -> loader_pb2.CloseSessionResponse:
+        if request.session_id:
+            self._sessions.close(request.session_id)
+        return loader_pb2.CloseSessionResponse()

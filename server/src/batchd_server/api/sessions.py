@@ -1,0 +1,224 @@
+"""The session RPCs: OpenSession, StreamBatches, CloseSession. Thin: parse, call, reply."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from batchd._proto.batchd.v1 import loader_pb2 as pb
+from batchd_server import metrics
+from batchd_server.errors import InvalidArgument
+from batchd_server.sampling import SamplerOptions
+from batchd_server.sessions import Delivered, Session, SessionManager, SessionOptions, Stream
+
+__all__ = ["INLINE_CHUNK_BYTES", "open_session", "session_options", "stream_batches"]
+
+logger = logging.getLogger(__name__)
+
+INLINE_CHUNK_BYTES = 4 << 20
+"""Inline batches travel in messages of at most this many bytes of data."""
+
+_SAMPLING = {
+    pb.SAMPLING_UNSPECIFIED: "uniform",
+    pb.SAMPLING_UNIFORM: "uniform",
+    pb.SAMPLING_WEIGHTED: "weighted",
+    pb.SAMPLING_CLASS_BALANCED: "class_balanced",
+    pb.SAMPLING_BUCKETED: "bucketed",
+}
+_ON_ERROR = {
+    pb.ON_ERROR_UNSPECIFIED: "skip",
+    pb.ON_ERROR_SKIP: "skip",
+    pb.ON_ERROR_RAISE: "raise",
+    pb.ON_ERROR_REPLACE: "replace",
+}
+
+
+def _pipeline(spec: pb.Pipeline) -> tuple[str, dict[str, Any]]:
+    kind = spec.WhichOneof("kind")
+    if kind == "image":
+        image = spec.image
+        options: dict[str, Any] = {"size": image.size, "resize": image.resize}
+        options.update(random_crop=image.random_crop, flip=image.flip)
+        options["decoder"] = image.decoder or "auto"
+        if image.scale_min or image.scale_max:
+            options["scale"] = (image.scale_min or 0.08, image.scale_max or 1.0)
+        if image.ratio_min or image.ratio_max:
+            options["ratio"] = (image.ratio_min or 3 / 4, image.ratio_max or 4 / 3)
+        return "image", options
+    if kind == "array":
+        array = spec.array
+        return "array", {"shape": tuple(array.shape), "dtype": array.dtype, "raw": array.raw}
+    if kind == "tokens":
+        tokens = spec.tokens
+        dtype = tokens.dtype or "int32"
+        return "tokens", {"max_len": tokens.max_len, "dtype": dtype, "pad_id": tokens.pad_id}
+    if kind == "custom":
+        try:
+            custom_options = json.loads(spec.custom.options_json or "{}")
+        except json.JSONDecodeError as e:
+            raise InvalidArgument(f"custom pipeline options are not valid JSON: {e}") from e
+        if not isinstance(custom_options, dict):
+            raise InvalidArgument("custom pipeline options must be a JSON object")
+        return "custom", {"name": spec.custom.name, "options": custom_options}
+    raise InvalidArgument(
+        "OpenSession needs a pipeline: image, array, tokens or custom "
+        "(batchd.Image(), batchd.Array(...), batchd.Tokens(...), batchd.Custom(...))"
+    )
+
+
+def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
+    """The request as validated domain options."""
+    if request.sampling not in _SAMPLING:
+        raise InvalidArgument(f"sampling={request.sampling} is not a known Sampling value")
+    if request.on_error not in _ON_ERROR:
+        raise InvalidArgument(f"on_error={request.on_error} is not a known OnError value")
+    sampler = SamplerOptions(
+        batch_size=request.batch_size,
+        shuffle=request.shuffle,
+        seed=request.seed,
+        rank=request.rank,
+        world_size=request.world_size or 1,
+        drop_last=request.drop_last,
+        mode=_SAMPLING[request.sampling],
+    )
+    kind, options = _pipeline(request.pipeline)
+    return SessionOptions(
+        dataset=request.dataset,
+        version=request.version or None,
+        split=request.split or "train",
+        sampler=sampler,
+        pipeline_kind=kind,
+        pipeline_options=options,
+        prefetch=request.prefetch or 4,
+        snapshot=request.snapshot or None,
+        on_error=_ON_ERROR[request.on_error],
+        max_error_fraction=request.max_error_fraction or 0.01,
+    )
+
+
+def open_session(
+    sessions: SessionManager, request: pb.OpenSessionRequest
+) -> pb.OpenSessionResponse:
+    options = session_options(request)
+    session = sessions.open(options)
+    ring = session.ring
+    return pb.OpenSessionResponse(
+        session_id=session.id,
+        num_batches=session.num_batches,
+        num_samples=session.num_samples,
+        fields=[pb.FieldSchema(name=f.name, dtype=f.dtype, shape=f.shape) for f in session.layout],
+        snapshot=session.catalog.arrays.snapshot.token(),
+        ring=pb.RingLayout(
+            shm_name=ring.name,
+            segment_bytes=ring.nbytes,
+            header_bytes=session.spec.header_bytes,
+            slot_bytes=session.slot_bytes,
+            slots=options.prefetch,
+            token=session.token,
+        ),
+        lease_timeout_s=sessions.lease_timeout_s,
+        version=session.catalog.arrays.dataset.version,
+        split=options.split,
+        prefetch=options.prefetch,
+    )
+
+
+def _read_acks(
+    requests: Iterator[pb.StreamBatchesRequest], session: Session, stream: Stream
+) -> None:
+    """Apply the client's acks until it half-closes or the call ends."""
+    try:
+        for request in requests:
+            if request.WhichOneof("kind") != "ack":
+                logger.warning("session %s: ignoring a second StreamStart", session.id)
+                continue
+            session.ack(stream, list(request.ack.batch_indices))
+            if request.ack.wait_s > 0:
+                metrics.CLIENT_WAIT_SECONDS.inc(request.ack.wait_s)
+    except Exception:  # the call ended (cancelled, client gone): nothing to read any more
+        pass
+
+
+def _views(delivered: Delivered, *, inline: bool) -> tuple[list[pb.FieldView], int]:
+    views = []
+    offset = 0
+    for f in delivered.fields:
+        views.append(
+            pb.FieldView(
+                name=f.name,
+                dtype=f.dtype,
+                shape=f.shape,
+                offset=offset if inline else f.offset,
+                nbytes=f.nbytes,
+            )
+        )
+        offset += f.nbytes
+    return views, offset
+
+
+def _inline_messages(session: Session, delivered: Delivered) -> Iterator[pb.StreamBatchesResponse]:
+    memory = session.slot_memory(delivered.slot)
+    payload = b"".join(memory[f.offset : f.offset + f.nbytes] for f in delivered.fields)
+    del memory
+    views, total = _views(delivered, inline=True)
+    metrics.BYTES_SERVED.labels(transport="inline").inc(total)
+    for start in range(0, max(total, 1), INLINE_CHUNK_BYTES):
+        chunk = payload[start : start + INLINE_CHUNK_BYTES]
+        more = start + INLINE_CHUNK_BYTES < total
+        if start == 0:
+            yield pb.StreamBatchesResponse(
+                batch_index=delivered.batch_index,
+                slot=-1,
+                rows=delivered.rows,
+                fields=views,
+                failed_sample_ids=delivered.failed_sample_ids,
+                data=chunk,
+                more=more,
+                inline_bytes=total,
+            )
+        else:
+            yield pb.StreamBatchesResponse(
+                batch_index=delivered.batch_index, slot=-1, data=chunk, more=more
+            )
+
+
+def stream_batches(
+    sessions: SessionManager,
+    requests: Iterator[pb.StreamBatchesRequest],
+    context: grpc.ServicerContext,
+) -> Iterator[pb.StreamBatchesResponse]:
+    first = next(requests, None)
+    if first is None or first.WhichOneof("kind") != "start":
+        raise InvalidArgument("StreamBatches must begin with a StreamStart message")
+    start = first.start
+    session = sessions.get(start.session_id)
+    inline = start.transport != pb.TRANSPORT_SHM
+    stream = session.start_stream(start.epoch, start.start_batch)
+    # The callback runs however the call ends, even while this generator is suspended in a
+    # yield that grpc will never resume (a client killed mid-epoch).
+    context.add_callback(lambda: session.end_stream(stream))
+    reader = threading.Thread(
+        target=_read_acks, args=(requests, session, stream), name="batchd-acks", daemon=True
+    )
+    reader.start()
+    try:
+        for delivered in session.batches(stream, context.is_active):
+            if inline:
+                yield from _inline_messages(session, delivered)
+            else:
+                views, total = _views(delivered, inline=False)
+                metrics.BYTES_SERVED.labels(transport="shm").inc(total)
+                yield pb.StreamBatchesResponse(
+                    batch_index=delivered.batch_index,
+                    slot=delivered.slot,
+                    rows=delivered.rows,
+                    fields=views,
+                    failed_sample_ids=delivered.failed_sample_ids,
+                )
+    finally:
+        session.end_stream(stream)

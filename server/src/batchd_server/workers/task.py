@@ -1,0 +1,262 @@
+"""What a worker is asked to do, and how it does it: fill one slot with one batch.
+
+Tasks and results are small, picklable dataclasses: a task names the session, the batch,
+the slot and the batch's sample positions; the result says how many rows were filled, each
+field's final shape and which samples failed. Sample data never travels through a pipe: the
+worker reads the catalog arrays from a read-only shared-memory segment and writes every
+field of every sample straight into the session's ring (see NOTE [ Slot lifecycle ] in
+``batchd_server.sessions``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
+from batchd_server.pipelines.files import SampleFiles
+from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.shm.arrays import attach_arrays
+from batchd_server.shm.segments import Attachment, attach
+
+__all__ = [
+    "BatchResult",
+    "BatchTask",
+    "SampleFailure",
+    "SessionContext",
+    "SessionSpec",
+    "SlotField",
+    "run_batch",
+]
+
+ON_ERROR_POLICIES = ("skip", "raise", "replace")
+_REPLACE_ATTEMPTS = 8
+"""Substitutes tried for one bad sample under on_error="replace" before it is skipped."""
+
+
+@dataclass(frozen=True)
+class SlotField:
+    """One field's place in every slot of a ring."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    """One sample's shape at most."""
+    offset: int
+    """From the slot's start."""
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a worker needs to know about a session; sent with every task (a few hundred bytes)."""
+
+    session_id: str
+    root: str
+    pipeline_kind: str
+    pipeline_options: dict[str, Any]
+    catalog_segment: str
+    ring_segment: str
+    header_bytes: int
+    slot_bytes: int
+    fields: tuple[SlotField, ...]
+    batch_size: int
+    seed: int
+    on_error: str
+    shm_dir: str = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class BatchTask:
+    spec: SessionSpec
+    epoch: int
+    batch_index: int
+    slot: int
+    positions: bytes
+    """The batch's sample positions in the split arrays, int64."""
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    sample_id: int
+    path: str
+    kind: str
+    message: str
+    replaced_by: int | None = None
+    """Under on_error="replace": the substitute's sample id, None when none could be found."""
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    batch_index: int
+    slot: int
+    rows: int
+    shapes: dict[str, tuple[int, ...]]
+    failures: list[SampleFailure] = field(default_factory=list)
+    fatal: bool = False
+    """on_error="raise" and a sample failed: the batch must not be served."""
+
+
+class SessionContext:
+    """A worker's open handles for one session: catalog arrays, ring mapping, pipeline, files."""
+
+    def __init__(self, spec: SessionSpec) -> None:
+        from pathlib import Path
+
+        self.spec = spec
+        arrays, self._catalog = attach_arrays(spec.catalog_segment, shm_dir=Path(spec.shm_dir))
+        self.ids: npt.NDArray[np.int64] = arrays["ids"]
+        self.labels: npt.NDArray[np.int64] = arrays["labels"]
+        self.lengths: npt.NDArray[np.int32] = arrays["lengths"]
+        self.byte_offsets: npt.NDArray[np.int64] = arrays["byte_offsets"]
+        self.byte_lengths: npt.NDArray[np.int64] = arrays["byte_lengths"]
+        self.path_bytes: npt.NDArray[np.uint8] = arrays["path_bytes"]
+        self.path_offsets: npt.NDArray[np.int64] = arrays["path_offsets"]
+        self._ring: Attachment = attach(
+            spec.ring_segment, writable=True, shm_dir=Path(spec.shm_dir)
+        )
+        self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
+        self.files = SampleFiles(spec.root)
+        self._record_bytes: int | None = getattr(self.pipeline, "record_bytes", None)
+
+    def slot_block(self, slot: int) -> Block:
+        """Every field of ``slot`` as a ``(batch_size, *shape)`` array over the ring."""
+        base = self.spec.header_bytes + slot * self.spec.slot_bytes
+        block: Block = {}
+        for f in self.spec.fields:
+            count = self.spec.batch_size * int(np.prod(f.shape, dtype=np.int64))
+            flat = np.frombuffer(self._ring.buf, np.dtype(f.dtype), count, base + f.offset)
+            block[f.name] = flat.reshape(self.spec.batch_size, *f.shape)
+        return block
+
+    def path(self, position: int) -> str:
+        start, end = self.path_offsets[position], self.path_offsets[position + 1]
+        return self.path_bytes[start:end].tobytes().decode("utf-8", "replace")
+
+    def close(self) -> None:
+        """Drop every handle; views into the mappings must be gone already."""
+        for name in list(vars(self)):
+            if isinstance(getattr(self, name), np.ndarray):
+                delattr(self, name)
+        self.files.close()
+        self._ring.close()
+        self._catalog.close()
+
+    # -- filling a slot -----------------------------------------------------------------
+
+    def run(self, task: BatchTask) -> BatchResult:
+        positions = np.frombuffer(task.positions, np.int64)
+        block = self.slot_block(task.slot)
+        rows = self._gather_records(positions, block)
+        failures: list[SampleFailure] = []
+        fatal = False
+        if rows is None:
+            rows, failures, fatal = self._decode_each(task, positions, block)
+        pipeline_block = {k: v for k, v in block.items() if k not in ("sample_id", "label")}
+        shapes = self.pipeline.finish(pipeline_block, rows)
+        shapes["sample_id"] = (rows,)
+        shapes["label"] = (rows,)
+        del block, pipeline_block  # no view of the ring may outlive the task
+        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal)
+
+    def _gather_records(self, positions: npt.NDArray[np.int64], block: Block) -> int | None:
+        """Raw fixed-size records all in one file: one vectorised gather, no per-sample
+        Python. None when the batch does not qualify (then each sample is read on its own,
+        which also finds and reports whichever sample is bad)."""
+        record_bytes = self._record_bytes
+        if record_bytes is None or len(positions) == 0:
+            return None
+        offsets = self.byte_offsets[positions]
+        if (offsets < 0).any() or (self.byte_lengths[positions] != record_bytes).any():
+            return None
+        starts = self.path_offsets[positions]
+        widths = self.path_offsets[positions + 1] - starts
+        width = int(widths[0])
+        if (widths != width).any():
+            return None
+        names = self.path_bytes[starts[:, None] + np.arange(width)]
+        if (names != names[0]).any():
+            return None
+        try:
+            data = self.files.map_whole(self.path(int(positions[0])))
+        except BadSample:
+            return None
+        if int(offsets.max()) + record_bytes > len(data):
+            return None
+        rows = len(positions)
+        self.pipeline.gather_into(data, offsets, block["array"][:rows])  # type: ignore[attr-defined]
+        block["sample_id"][:rows] = self.ids[positions]
+        block["label"][:rows] = self.labels[positions]
+        return rows
+
+    def _decode_one(self, position: int, epoch: int, row: Block) -> None:
+        sample_id = int(self.ids[position])
+        info = SampleInfo(
+            sample_id=sample_id,
+            label=int(self.labels[position]),
+            path=self.path(position),
+            length=int(self.lengths[position]),
+            seed=self.spec.seed,
+            epoch=epoch,
+        )
+        data = self.files.read(
+            info.path, int(self.byte_offsets[position]), int(self.byte_lengths[position])
+        )
+        self.pipeline.decode_into(data, info, row)
+        row["sample_id"][...] = sample_id
+        row["label"][...] = info.label
+
+    def _decode_each(
+        self, task: BatchTask, positions: npt.NDArray[np.int64], block: Block
+    ) -> tuple[int, list[SampleFailure], bool]:
+        policy = self.spec.on_error
+        failures: list[SampleFailure] = []
+        rows = 0
+        for position in positions.tolist():
+            row = {name: array[rows, ...] for name, array in block.items()}
+            try:
+                self._decode_one(position, task.epoch, row)
+                rows += 1
+                continue
+            except BadSample as e:
+                sample_id = int(self.ids[position])
+                failure = SampleFailure(sample_id, self.path(position), e.kind, str(e))
+            if policy == "raise":
+                return rows, [failure], True
+            if policy == "replace":
+                substitute = self._replace(sample_id, task.epoch, row, failures)
+                failure = SampleFailure(
+                    failure.sample_id, failure.path, failure.kind, failure.message, substitute
+                )
+                if substitute is not None:
+                    rows += 1
+            failures.append(failure)
+        return rows, failures, False
+
+    def _replace(
+        self, sample_id: int, epoch: int, row: Block, failures: list[SampleFailure]
+    ) -> int | None:
+        """Decode a substitute drawn from (seed, epoch, sample id) into ``row``."""
+        rng = sample_rng(self.spec.seed, epoch, sample_id)
+        n = len(self.ids)
+        for _ in range(_REPLACE_ATTEMPTS):
+            position = int(rng.integers(n))
+            try:
+                self._decode_one(position, epoch, row)
+            except BadSample as e:
+                bad_id = int(self.ids[position])
+                failures.append(SampleFailure(bad_id, self.path(position), e.kind, str(e)))
+                continue
+            return int(self.ids[position])
+        return None
+
+
+def run_batch(contexts: dict[str, SessionContext], task: BatchTask) -> BatchResult:
+    """Fill ``task``'s slot, opening the session's handles on its first task here."""
+    context = contexts.get(task.spec.session_id)
+    if context is None:
+        context = contexts[task.spec.session_id] = SessionContext(task.spec)
+    return context.run(task)

@@ -1,0 +1,82 @@
+"""The body of a worker process: receive a task, fill its slot, answer; forever.
+
+A worker is started with the ``spawn`` method (a fresh interpreter, never a fork of a
+process that has gRPC threads) and talks to the pool over one duplex pipe. Messages in:
+``("task", task_id, BatchTask)``, ``("forget", session_id)`` or ``None`` (exit). Messages
+out: ``("ready",)`` once, then ``(task_id, BatchResult)`` or ``(task_id, WorkerError)`` per
+task. The worker never touches the catalog database and holds no gRPC object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+__all__ = ["WorkerError", "worker_main"]
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """An unexpected exception in a worker (a bug, not a bad sample), with its traceback."""
+
+    type_name: str
+    message: str
+    traceback: str
+
+
+def _die_with_parent() -> None:
+    # If the server is SIGKILLed mid-task, the pipe EOF is only seen after the task; the
+    # kernel's parent-death signal ends us at once instead of leaving an orphan decoding.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def worker_main(conn: Connection, parent_pid: int, log_level: int) -> None:
+    """Serve tasks from ``conn`` until told to stop or the server goes away."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        return
+    # Ctrl-C goes to the whole process group; the server decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from batchd_server.workers.task import SessionContext, run_batch
+
+    contexts: dict[str, SessionContext] = {}
+    conn.send(("ready",))
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return  # the pool is gone
+            if message is None:
+                return
+            if message[0] == "forget":
+                context = contexts.pop(message[1], None)
+                if context is not None:
+                    context.close()
+                continue
+            _, task_id, task = message
+            try:
+                result: object = run_batch(contexts, task)
+            except Exception as e:  # a bug: report it, stay alive for the next task
+                result = WorkerError(type(e).__name__, str(e), traceback.format_exc())
+            conn.send((task_id, result))
+    finally:
+        for context in contexts.values():
+            with contextlib.suppress(Exception):  # exiting anyway
+                context.close()

@@ -1,0 +1,322 @@
+"""The batch path end to end: a real server (gRPC on a unix socket, worker processes, shared
+memory) and the real ``batchd.Loader``, on catalogs in Postgres and in SQLite."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+import torch
+from sqlalchemy.engine import Engine
+
+import batchd
+from batchd import errors
+from batchd_server.api import RunningServer
+from batchd_server.catalog.schema import sample_errors
+
+from serving import RECORD_FLOATS, image_dataset, record_dataset, serve, token_dataset
+
+N_RECORDS = 203  # prime: no world size or batch size divides it
+
+
+@pytest.fixture
+def catalog(engine: Engine, tmp_path: Path) -> dict[str, Any]:
+    """Records, tokens and images in one catalog (once on Postgres, once on SQLite)."""
+    return {
+        "records": record_dataset(engine, tmp_path / "records", n=N_RECORDS),
+        "tokens": token_dataset(engine, tmp_path / "tokens", n=50),
+        "images": image_dataset(engine, tmp_path / "images", n=24),
+        "url": engine.url.render_as_string(hide_password=False),
+        "engine": engine,
+    }
+
+
+@pytest.fixture
+def server(catalog: dict[str, Any], tmp_path: Path) -> Iterator[RunningServer]:
+    with serve(catalog["url"], tmp_path) as srv:
+        yield srv
+
+
+def _records(server: RunningServer, **kwargs: Any) -> batchd.Loader:
+    kwargs.setdefault("batch_size", 16)
+    kwargs.setdefault("pipeline", batchd.Array((RECORD_FLOATS,), "float32", raw=True))
+    return batchd.Loader(server.address, dataset="records", **kwargs)
+
+
+def _epoch_ids(loader: batchd.Loader) -> list[list[int]]:
+    return [batch["sample_id"].tolist() for batch in loader]
+
+
+def _catalog_ids(engine: Engine, dataset: str) -> list[int]:
+    with engine.connect() as conn:
+        return list(
+            conn.scalars(
+                sa.text(
+                    "SELECT s.id FROM samples s JOIN datasets d ON d.id = s.dataset_id "
+                    "WHERE d.name = :n AND s.split = 'train' ORDER BY s.id"
+                ),
+                {"n": dataset},
+            )
+        )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ranks_are_disjoint_cover_the_split_and_get_equal_batches(
+    server: RunningServer, catalog: dict[str, Any], world_size: int
+) -> None:
+    """Every rank gets the same number of batches; together they serve the split once (plus
+    the documented wrap-around padding, or less the documented drop)."""
+    all_ids = _catalog_ids(catalog["engine"], "records")
+    for drop_last, shuffle in itertools.product([False, True], [False, True]):
+        per_rank = []
+        for rank in range(world_size):
+            with _records(
+                server, rank=rank, world_size=world_size, drop_last=drop_last, shuffle=shuffle
+            ) as loader:
+                batches = _epoch_ids(loader)
+                assert len(batches) == len(loader)
+                per_rank.append(batches)
+        counts = {len(b) for b in per_rank}
+        assert len(counts) == 1, f"unequal batch counts {counts}"
+        sizes = {tuple(len(x) for x in b) for b in per_rank}
+        assert len(sizes) == 1, "batch k has the same size on every rank"
+        served = [i for batches in per_rank for b in batches for i in b]
+        seen = Counter(served)
+        if drop_last:
+            assert max(seen.values()) == 1, "ranks overlap"
+            dropped = len(all_ids) - len(served)
+            assert 0 <= dropped < 16 * world_size
+            assert set(served) <= set(all_ids)
+        else:
+            assert set(served) == set(all_ids), "some samples were never served"
+            padding = -len(all_ids) % world_size
+            assert len(served) == len(all_ids) + padding
+            assert sum(c - 1 for c in seen.values()) == padding
+
+
+def test_new_epoch_new_order_and_same_order_after_a_server_restart(
+    catalog: dict[str, Any], tmp_path: Path
+) -> None:
+    """Epochs differ; the same seed and epoch give the same order from a new server."""
+    with serve(catalog["url"], tmp_path) as srv, _records(srv, seed=7) as loader:
+        loader.set_epoch(3)
+        epoch3 = _epoch_ids(loader)
+        loader.set_epoch(4)
+        epoch4 = _epoch_ids(loader)
+    assert epoch3 != epoch4
+    assert sorted(itertools.chain(*epoch3)) == sorted(itertools.chain(*epoch4))
+    with serve(catalog["url"], tmp_path) as srv, _records(srv, seed=7) as loader:
+        loader.set_epoch(3)
+        assert _epoch_ids(loader) == epoch3
+
+
+def test_next_iteration_moves_to_the_next_epoch_without_set_epoch(server: RunningServer) -> None:
+    """Forgetting set_epoch cannot repeat an epoch's order."""
+    with _records(server, seed=1) as loader:
+        first, second = _epoch_ids(loader), _epoch_ids(loader)
+        state = loader.state_dict()
+        assert (state["epoch"], state["next_batch"]) == (2, 0), "resume starts epoch 2"
+    with _records(server, seed=1) as loader:
+        loader.set_epoch(1)
+        assert _epoch_ids(loader) == second != first
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 6])  # rank 1 of 2 has 7 batches of 16
+def test_a_fresh_loader_resumes_at_exactly_the_next_batch(server: RunningServer, k: int) -> None:
+    """state_dict after k batches, load_state_dict in a new Loader: exactly the rest."""
+    with _records(server, seed=3, world_size=2, rank=1) as loader:
+        loader.set_epoch(2)
+        full = _epoch_ids(loader)
+    with _records(server, seed=3, world_size=2, rank=1) as loader:
+        loader.set_epoch(2)
+        it = iter(loader)
+        head = [next(it)["sample_id"].tolist() for _ in range(k)]
+        state = loader.state_dict()
+        it.close()
+    assert head == full[:k]
+    with _records(server, seed=3, world_size=2, rank=1) as loader:
+        loader.load_state_dict(state)
+        assert _epoch_ids(loader) == full[k:]
+
+
+def test_record_batches_hold_the_exact_bytes_labels_and_ids(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
+    """Each row is the record its sample_id names, with its catalog label."""
+    ids = _catalog_ids(catalog["engine"], "records")
+    index_of = {sample_id: i for i, sample_id in enumerate(ids)}
+    records = catalog["records"]
+    with _records(server, shuffle=True) as loader:
+        for batch in loader:
+            assert batch["array"].dtype == torch.float32
+            assert batch["array"].shape[1:] == (RECORD_FLOATS,)
+            rows = [index_of[i] for i in batch["sample_id"].tolist()]
+            np.testing.assert_array_equal(batch["array"].numpy(), records[rows])
+            assert batch["label"].tolist() == [r % 10 for r in rows]
+
+
+def test_inline_transport_serves_what_shm_serves(server: RunningServer) -> None:
+    """Bytes inside the stream (remote pools) and bytes in shared memory agree."""
+    with (
+        _records(server, seed=5, transport="shm") as shm,
+        _records(server, seed=5, transport="inline") as inline,
+    ):
+        for a, b in zip(shm, inline, strict=True):
+            assert a.keys() == b.keys()
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+
+
+def test_zero_copy_batches_match_copied_ones(server: RunningServer) -> None:
+    """zero_copy=True views hold the same values as owned tensors while they are valid."""
+    with _records(server, seed=9) as copied, _records(server, seed=9, zero_copy=True) as views:
+        for a, b in zip(copied, views, strict=True):
+            assert torch.equal(a["array"], b["array"])
+
+
+def test_token_batches_pad_to_the_longest_with_masks_and_lengths(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
+    """input_ids padded with pad_id to the batch's longest; the mask marks the real tokens."""
+    seqs = catalog["tokens"]
+    with batchd.Loader(
+        server.address,
+        dataset="tokens",
+        batch_size=8,
+        pipeline=batchd.Tokens(max_len=10, pad_id=-1),
+        shuffle=True,
+    ) as loader:
+        seen = 0
+        for batch in loader:
+            ids, mask, length = batch["input_ids"], batch["attention_mask"], batch["length"]
+            longest = int(length.max())
+            assert ids.shape == mask.shape == (len(length), longest)
+            for row, label in enumerate(batch["label"].tolist()):
+                want = seqs[label][:10]
+                assert int(length[row]) == len(want)
+                assert ids[row, : len(want)].tolist() == want.tolist()
+                assert (ids[row, len(want) :] == -1).all()
+                assert mask[row].tolist() == [1] * len(want) + [0] * (longest - len(want))
+                seen += 1
+        assert seen == len(seqs)
+
+
+def test_image_batches_are_uint8_chw_with_catalog_labels(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
+    """Images come out as uint8 [B, 3, size, size]; labels are the class directories'."""
+    classes = catalog["images"]["classes"]
+    with catalog["engine"].connect() as conn:
+        paths = dict(conn.execute(sa.text("SELECT id, path FROM samples")).all())
+    with batchd.Loader(
+        server.address, dataset="images", batch_size=5, pipeline=batchd.Image(size=48)
+    ) as loader:
+        for batch in loader:
+            assert batch["image"].dtype == torch.uint8
+            assert batch["image"].shape[1:] == (3, 48, 48)
+            for sample_id, label in zip(
+                batch["sample_id"].tolist(), batch["label"].tolist(), strict=True
+            ):
+                assert paths[sample_id].split("/")[-2] == classes[label]
+
+
+def test_same_seed_and_epoch_give_identical_augmented_images_with_1_and_2_workers(
+    catalog: dict[str, Any], tmp_path: Path
+) -> None:
+    """Augmentation randomness follows (seed, epoch, sample id), not the worker."""
+    spec = batchd.Image(size=40, random_crop=True, flip=True)
+    results = []
+    for workers in (1, 2):
+        with (
+            serve(catalog["url"], tmp_path, workers=workers) as srv,
+            batchd.Loader(
+                srv.address, dataset="images", batch_size=4, pipeline=spec, seed=11
+            ) as loader,
+        ):
+            loader.set_epoch(2)
+            results.append([(b["sample_id"].clone(), b["image"].clone()) for b in loader])
+    for (ids1, img1), (ids2, img2) in zip(*results, strict=True):
+        assert torch.equal(ids1, ids2)
+        assert torch.equal(img1, img2)
+
+
+def test_bad_samples_are_skipped_listed_and_recorded(engine: Engine, tmp_path: Path) -> None:
+    """on_error='skip': short batches, failed ids listed, errors in sample_errors."""
+    record_dataset(engine, tmp_path / "r", n=100, bad={3: "range", 50: "missing"})
+    url = engine.url.render_as_string(hide_password=False)
+    with (
+        serve(url, tmp_path) as srv,
+        _records(srv, batch_size=10, shuffle=False, max_error_fraction=0.05) as loader,
+    ):
+        rows = 0
+        failed: list[int] = []
+        for batch in loader:
+            rows += len(batch["sample_id"])
+            failed += loader.last_failed_sample_ids
+        assert rows == 98
+    ids = _catalog_ids(engine, "records")
+    assert sorted(failed) == [ids[3], ids[50]]
+    with engine.connect() as conn:
+        recorded = dict(
+            conn.execute(sa.select(sample_errors.c.sample_id, sample_errors.c.kind)).all()
+        )
+    assert recorded == {ids[3]: "unreadable", ids[50]: "missing"}
+
+
+def test_bad_sample_with_on_error_raise_fails_with_its_id(engine: Engine, tmp_path: Path) -> None:
+    """on_error='raise' ends the epoch with DataLoss naming the sample."""
+    record_dataset(engine, tmp_path / "r", n=40, bad={7: "missing"})
+    url = engine.url.render_as_string(hide_password=False)
+    with (
+        serve(url, tmp_path) as srv,
+        _records(srv, batch_size=10, shuffle=False, on_error="raise") as loader,
+        pytest.raises(errors.DataLoss, match=r"missing\.bin"),
+    ):
+        for _ in loader:
+            pass
+
+
+def test_bad_sample_with_on_error_replace_keeps_batches_full(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """on_error='replace': a deterministic substitute takes the bad sample's row."""
+    record_dataset(engine, tmp_path / "r", n=40, bad={7: "missing"})
+    url = engine.url.render_as_string(hide_password=False)
+    runs = []
+    with serve(url, tmp_path) as srv:
+        for _ in range(2):
+            with _records(
+                srv, batch_size=10, shuffle=False, on_error="replace", max_error_fraction=0.1
+            ) as loader:
+                runs.append(_epoch_ids(loader))
+    assert [len(b) for b in runs[0]] == [10, 10, 10, 10]
+    assert runs[0] == runs[1]
+
+
+def test_too_many_bad_samples_fail_the_session_clearly(engine: Engine, tmp_path: Path) -> None:
+    """Past max_error_fraction the stream fails with DataLoss saying what to do."""
+    record_dataset(engine, tmp_path / "r", n=100, bad={i: "missing" for i in range(0, 100, 10)})
+    url = engine.url.render_as_string(hide_password=False)
+    with (
+        serve(url, tmp_path) as srv,
+        _records(srv, batch_size=10, shuffle=False) as loader,
+        pytest.raises(errors.DataLoss, match="max_error_fraction"),
+    ):
+        for _ in loader:
+            pass
+
+
+def test_open_session_errors_say_what_is_wrong(server: RunningServer) -> None:
+    """Unknown datasets, bad batch sizes and impossible drop_last are clear errors."""
+    with pytest.raises(errors.NotFound, match="nope"):
+        batchd.Loader(server.address, dataset="nope", batch_size=4)
+    with pytest.raises(errors.InvalidArgument, match="batch_size"):
+        _records(server, batch_size=0)
+    with pytest.raises(errors.FailedPrecondition, match="drop_last"):
+        _records(server, batch_size=500, drop_last=True)
