@@ -72,7 +72,7 @@ def main() -> None:
                 optimizer.step()
                 samples += len(labels)
                 correct += int((logits.argmax(1) == labels).sum())
-                loss_sum += float(loss) * len(labels)
+                loss_sum += loss.item() * len(labels)
             seconds = time.perf_counter() - started
             waited = loader.wait_s - wait_before
             print(

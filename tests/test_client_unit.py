@@ -384,9 +384,6 @@ class WireDouble(loader_pb2_grpc.LoaderServicer):
         self.stream_ends: queue.Queue[str] = queue.Queue()
         self.fail_at_batch = -1
         self.failed_ids: dict[int, list[int]] = {}
-        self.refuse_starts = 0
-        """Refuse this many StreamStarts as "already streaming" (as a server that has not
-        yet seen a cancelled stream end does)."""
 
     def OpenSession(self, request: Any, context: Any) -> Any:
         if request.dataset != "synthetic":
@@ -443,9 +440,6 @@ class WireDouble(loader_pb2_grpc.LoaderServicer):
 
     def StreamBatches(self, request_iterator: Any, context: Any) -> Iterator[Any]:
         start = next(request_iterator).start
-        if self.refuse_starts:
-            self.refuse_starts -= 1
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "already streaming")
         self.starts.append(start)
         request, reply, path, offsets = self.sessions[start.session_id]
         acks: queue.Queue[Any] = queue.Queue()
@@ -620,19 +614,6 @@ def test_breaking_out_cancels_the_stream_and_iterating_again_continues(double: A
         assert server.stream_ends.get(timeout=30) == "early"
         assert seen == [0, 1, 2]
         assert _ids(loader) == [[3, 4, 5], [6, 7, 8], [9]]
-
-
-def test_a_stream_refused_while_the_server_ends_a_cancelled_one_is_retried(double: Any) -> None:
-    """After a cancel, "already streaming" means the old stream is still ending: retry."""
-    server, address = double
-    with _loader(address, shuffle=False) as loader:
-        with pytest.raises(FailedPrecondition, match="already streaming"):
-            server.refuse_starts = 1
-            next(iter(loader))  # nothing was cancelled: the refusal is real
-        assert next(iter(loader))["sample_id"].tolist() == [0, 1, 2]  # abandoned: cancelled
-        server.refuse_starts = 3
-        assert _ids(loader) == [[3, 4, 5], [6, 7, 8], [9]]
-        assert server.refuse_starts == 0
 
 
 def test_a_new_iterator_supersedes_the_old_one(double: Any) -> None:

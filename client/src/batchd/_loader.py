@@ -33,6 +33,7 @@ from batchd._specs import (
     resolve_rank,
     sampling_to_proto,
 )
+from batchd._state import STATE_FORMAT, check_state
 from batchd._status import error_from_rpc
 from batchd._transport import BatchStream, ReceivedBatch, ShmRing, select_transport
 from batchd.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -41,25 +42,10 @@ __all__ = ["MAX_BATCH_SIZE", "MAX_MESSAGE_BYTES", "STATE_FORMAT", "Loader"]
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT: Final = 1
 MAX_BATCH_SIZE: Final = 65536
 MAX_MESSAGE_BYTES: Final = 64 << 20
 """gRPC message limit each way; inline chunks are a few MiB, far below it."""
 _CLOSE_TIMEOUT_S: Final = 5.0
-_RESTART_WAIT_S: Final = 5.0
-# What must match for a saved state to mean the same sequence of batches.
-_COMPATIBLE_KEYS: Final = (
-    "dataset",
-    "split",
-    "batch_size",
-    "rank",
-    "world_size",
-    "seed",
-    "shuffle",
-    "drop_last",
-    "sampling",
-)
-_STATE_KEYS: Final = (*_COMPATIBLE_KEYS, "format", "version", "epoch", "next_batch", "snapshot")
 _SUPERSEDED: Final = (
     "this iterator over the Loader was abandoned: a newer iter(loader), set_epoch(), "
     "load_state_dict() or close() took over; iterate the Loader again"
@@ -112,12 +98,6 @@ class _Resources:
         self.target = target
         self.session: _Session | None = None
         self.stream: BatchStream | None = None
-        self.cancelled = False
-        """Whether a stream was ever cancelled (so the server may still be ending it)."""
-
-    def cancel(self, stream: BatchStream) -> None:
-        self.cancelled = True
-        stream.cancel()
 
     def abandon_stream(self) -> None:
         stream, self.stream = self.stream, None
@@ -125,7 +105,7 @@ class _Resources:
             # Wait for device copies still reading slots before the server may reuse them.
             if self.session is not None:
                 self.session.delivery.drain()
-            self.cancel(stream)
+            stream.cancel()
 
     def close(self) -> None:
         try:
@@ -418,7 +398,7 @@ class Loader:
                 self._res.stream = None
                 if not finished:
                     delivery.drain()
-                    self._res.cancel(stream)
+                    stream.cancel()
             elif not finished:
                 stream.cancel()
             if self._iteration is token:
@@ -429,34 +409,23 @@ class Loader:
     ) -> tuple[BatchStream, ReceivedBatch | None]:
         """Start the epoch's call and take its first batch.
 
-        A stream this Loader just cancelled may not have ended on the server yet, and the
-        server refuses a second stream of a session with FailedPrecondition until it has.
-        It ends within moments, so after a cancel that refusal is retried for a while.
+        A stream this Loader cancelled moments ago may not have ended on the server yet; the
+        server ends it when this one starts (one stream per session).
         """
-        deadline = time.monotonic() + _RESTART_WAIT_S
-        delay_s = 0.01
-        while True:
-            stream = BatchStream(
-                self._res.stub,
-                start,
-                ring=session.ring,
-                target=self._res.target,
-                timeout_s=self._timeout_s,
-            )
-            self._res.stream = stream
-            try:
-                return stream, self._receive(stream)
-            except FailedPrecondition:
-                self._res.stream = None
-                stream.cancel()
-                if not self._res.cancelled or time.monotonic() + delay_s > deadline:
-                    raise
-            except BaseException:
-                self._res.stream = None
-                stream.cancel()
-                raise
-            time.sleep(delay_s)
-            delay_s = min(2 * delay_s, 0.25)
+        stream = BatchStream(
+            self._res.stub,
+            start,
+            ring=session.ring,
+            target=self._res.target,
+            timeout_s=self._timeout_s,
+        )
+        self._res.stream = stream
+        try:
+            return stream, self._receive(stream)
+        except BaseException:
+            self._res.stream = None
+            stream.cancel()
+            raise
 
     def _receive(self, stream: BatchStream) -> ReceivedBatch | None:
         """The stream's next batch; the time spent blocked counts as waiting for data."""
@@ -514,32 +483,8 @@ class Loader:
             SnapshotMismatch: the catalog no longer has the snapshot's rows.
         """
         session = self._session()
-        if not isinstance(state, Mapping):
-            raise InvalidArgument(f"state must be a dict from Loader.state_dict(), not {state!r}")
-        if state.get("format") != STATE_FORMAT:
-            raise InvalidArgument(
-                f"state format={state.get('format')!r} is not supported; this batchd reads "
-                f"format {STATE_FORMAT} (a dict from Loader.state_dict())"
-            )
-        missing = [key for key in _STATE_KEYS if key not in state]
-        if missing:
-            raise InvalidArgument(f"state is missing {', '.join(missing)}; pass a state_dict()")
         mine = self.state_dict()
-        for key in _COMPATIBLE_KEYS:
-            if state[key] != mine[key]:
-                raise InvalidArgument(
-                    f"state {key}={state[key]!r} does not match this Loader's {key}="
-                    f"{mine[key]!r}; create the Loader with {key}={state[key]!r} to resume"
-                )
-        if self._version is not None and state["version"] != mine["version"]:
-            raise InvalidArgument(
-                f"state version={state['version']!r} does not match this Loader's version="
-                f"{mine['version']!r}; create it with version={state['version']!r} to resume"
-            )
-        epoch = check_int("state epoch", state["epoch"], 0, (1 << 63) - 1)
-        next_batch = check_int("state next_batch", state["next_batch"], 0, (1 << 63) - 1)
-        if not isinstance(state["snapshot"], str):
-            raise InvalidArgument(f"state snapshot={state['snapshot']!r} must be a string")
+        epoch, next_batch = check_state(state, mine, pinned_version=self._version)
         self._abandon()
         candidate = session
         if state["snapshot"] != mine["snapshot"] or state["version"] != mine["version"]:

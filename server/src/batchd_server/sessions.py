@@ -247,11 +247,16 @@ class Session:
         with self._cond:
             if self.closed:
                 raise NotFound(f"session {self.id} is closed; open a new one")
-            if self._stream is not None:
-                raise FailedPrecondition(
-                    f"session {self.id} is already streaming (epoch {self._stream.epoch}); "
-                    "a session serves one stream at a time: finish or cancel that one first"
-                )
+            previous = self._stream
+        if previous is not None:
+            # A session has one reader: its client. A new stream means that client gave up
+            # on the old one (a break out of the loop, a retry after a network blip) and the
+            # old call may not have ended on our side yet; it ends now.
+            logger.debug(
+                "session %s: a new stream replaces the one of epoch %d", self.id, previous.epoch
+            )
+            self.end_stream(previous)
+        with self._cond:
             stream = self._stream = Stream(epoch, start_batch)
             self.last_used = time.monotonic()
         metrics.STREAMS.inc()

@@ -96,8 +96,8 @@ class LoaderServicer:
         """Streams one epoch of a session's batches, in order, from a given batch index. The first
         request is a StreamStart; the rest are Acks. The server keeps at most `prefetch` batches
         unacknowledged: an Ack frees the batch's slot and is the credit for the next batch.
-        One stream per session at a time (FAILED_PRECONDITION otherwise). A sample the policy
-        cannot absorb ends the stream with DATA_LOSS.
+        One stream per session at a time: a new one ends the session's previous stream. A
+        sample the policy cannot absorb ends the stream with DATA_LOSS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
