@@ -20,8 +20,18 @@ from batchd_server.catalog import migrate
 from batchd_server.catalog.db import make_engine
 
 from pgserver import PostgresUnavailable, ThrowawayPostgres
+from serving import batchd_segments
 
 BACKENDS = ("postgres", "sqlite")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind() -> Iterator[None]:
+    """After the whole run, /dev/shm holds no batchd entry that was not there before it."""
+    before = set(batchd_segments())
+    yield
+    left = sorted(set(batchd_segments()) - before)
+    assert not left, f"the tests left shared memory behind: {left}"
 
 
 @pytest.fixture(scope="session")

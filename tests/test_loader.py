@@ -21,6 +21,7 @@ from batchd_server.api import RunningServer
 from batchd_server.catalog.schema import sample_errors
 
 from serving import RECORD_FLOATS, image_dataset, record_dataset, serve, token_dataset
+from test_pipelines import reference_centre
 
 N_RECORDS = 203  # prime: no world size or batch size divides it
 
@@ -226,6 +227,26 @@ def test_image_batches_are_uint8_chw_with_catalog_labels(
                 assert paths[sample_id].split("/")[-2] == classes[label]
 
 
+def test_served_images_equal_an_independent_decode_of_their_files(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
+    """Through the server, the deterministic pipeline gives exactly the documented recipe
+    (decode, shorter side to ``resize``, centre crop) applied to each sample's file."""
+    root = Path(catalog["images"]["root"])
+    with catalog["engine"].connect() as conn:
+        paths = dict(conn.execute(sa.text("SELECT id, path FROM samples")).all())
+    seen = 0
+    with batchd.Loader(
+        server.address, dataset="images", batch_size=5, pipeline=batchd.Image(size=40, resize=56)
+    ) as loader:
+        for batch in loader:
+            for sample_id, image in zip(batch["sample_id"].tolist(), batch["image"], strict=True):
+                want = reference_centre((root / paths[sample_id]).read_bytes(), 40, 56)
+                np.testing.assert_array_equal(image.numpy(), want)
+                seen += 1
+    assert seen == catalog["images"]["splits"]["train"]
+
+
 def test_same_seed_and_epoch_give_identical_augmented_images_with_1_and_2_workers(
     catalog: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -320,3 +341,11 @@ def test_open_session_errors_say_what_is_wrong(server: RunningServer) -> None:
         _records(server, batch_size=0)
     with pytest.raises(errors.FailedPrecondition, match="drop_last"):
         _records(server, batch_size=500, drop_last=True)
+
+
+def test_iterable_dataset_feeds_a_dataloader_every_sample_once(server: RunningServer) -> None:
+    """DataLoader(batchd.IterableDataset(loader), batch_size=None) passes batches through."""
+    with _records(server, batch_size=16) as loader:
+        data = torch.utils.data.DataLoader(batchd.IterableDataset(loader), batch_size=None)
+        ids = [i for batch in data for i in batch["sample_id"].tolist()]
+    assert len(ids) == len(set(ids)) == N_RECORDS
