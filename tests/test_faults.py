@@ -200,3 +200,20 @@ def test_server_killed_without_cleanup_leaves_segments_the_next_run_sweeps(
     assert batchd_segments(instance) == left, "segments of a killed server stay until a sweep"
     with serve(url, tmp_path):
         assert batchd_segments(instance) == []
+
+
+def test_a_loader_idle_past_the_lease_reopens_its_session_and_keeps_the_order(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """A long pause between epochs (evaluation, checkpointing) outlives the session's lease;
+    the next epoch reopens it on the same snapshot and serves the same batches."""
+    record_dataset(engine, tmp_path / "r", n=100)
+    url = engine.url.render_as_string(hide_password=False)
+    with serve(url, tmp_path, lease_timeout_s=1.0) as srv:
+        with _records(srv, batch_size=16, seed=2) as fresh:
+            fresh.set_epoch(1)
+            want = [b["sample_id"].tolist() for b in fresh]
+        with _records(srv, batch_size=16, seed=2) as loader:
+            first = [b["sample_id"].tolist() for b in loader]
+            _wait_until(lambda: len(srv.sessions) == 0, 30, "the idle session to expire")
+            assert [b["sample_id"].tolist() for b in loader] == want != first

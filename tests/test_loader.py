@@ -162,6 +162,22 @@ def test_record_batches_hold_the_exact_bytes_labels_and_ids(
             assert batch["label"].tolist() == [r % 10 for r in rows]
 
 
+def test_batches_the_loop_keeps_are_never_overwritten(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
+    """Copied batches own their memory: keeping them all (memory is recycled only once a
+    batch is dropped) leaves every one intact to the end of the epoch."""
+    ids = _catalog_ids(catalog["engine"], "records")
+    index_of = {sample_id: i for i, sample_id in enumerate(ids)}
+    with _records(server, prefetch=2) as loader:
+        kept = list(loader)
+        dropped = [b["array"].clone() for b in loader]  # recycled memory, checked by value
+    for batch in kept:
+        rows = [index_of[i] for i in batch["sample_id"].tolist()]
+        np.testing.assert_array_equal(batch["array"].numpy(), catalog["records"][rows])
+    assert sum(len(b) for b in dropped) == N_RECORDS
+
+
 def test_inline_transport_serves_what_shm_serves(server: RunningServer) -> None:
     """Bytes inside the stream (remote pools) and bytes in shared memory agree."""
     with (

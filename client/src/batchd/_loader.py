@@ -36,7 +36,7 @@ from batchd._specs import (
 from batchd._state import STATE_FORMAT, check_state
 from batchd._status import error_from_rpc
 from batchd._transport import BatchStream, ReceivedBatch, ShmRing, select_transport
-from batchd.errors import FailedPrecondition, InvalidArgument, Unavailable
+from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 __all__ = ["MAX_BATCH_SIZE", "MAX_MESSAGE_BYTES", "STATE_FORMAT", "Loader"]
 
@@ -357,13 +357,20 @@ class Loader:
         if start >= num_batches:  # an epoch without batches (drop_last, tiny split)
             self._epoch, self._next_batch = epoch + 1, 0
             return
-        start_msg = loader_pb2.StreamStart(
-            session_id=session.reply.session_id,
-            epoch=epoch,
-            start_batch=start,
-            transport=session.transport,
-        )
-        stream, batch = self._open_stream(session, start_msg)
+        try:
+            stream, batch = self._open_stream(session, epoch, start)
+        except NotFound:
+            # The server forgot the session: it sat idle past the lease (a long evaluation
+            # between epochs) or the server restarted. Sampling is a pure function of the
+            # options and the snapshot, so a new session on the same snapshot serves exactly
+            # the batches the old one would have.
+            logger.info("batchd: session %s is gone; reopening it", session.reply.session_id)
+            self._res.session = None
+            session.close(self._res.stub, self._res.target)
+            session = self._res.session = self._open_session(
+                session.reply.version, session.reply.snapshot
+            )
+            stream, batch = self._open_stream(session, epoch, start)
         delivery = session.delivery
         finished = False
         try:
@@ -405,13 +412,19 @@ class Loader:
                 self._iteration = None
 
     def _open_stream(
-        self, session: _Session, start: loader_pb2.StreamStart
+        self, session: _Session, epoch: int, start_batch: int
     ) -> tuple[BatchStream, ReceivedBatch | None]:
-        """Start the epoch's call and take its first batch.
+        """Start the epoch's call at ``start_batch`` and take its first batch.
 
         A stream this Loader cancelled moments ago may not have ended on the server yet; the
         server ends it when this one starts (one stream per session).
         """
+        start = loader_pb2.StreamStart(
+            session_id=session.reply.session_id,
+            epoch=epoch,
+            start_batch=start_batch,
+            transport=session.transport,
+        )
         stream = BatchStream(
             self._res.stub,
             start,

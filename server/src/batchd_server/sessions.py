@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -147,6 +147,9 @@ class Stream:
 
     epoch: int
     start: int
+    plan: EpochPlan
+    next_submit: int
+    """The next batch to hand to a worker once a slot is free."""
     working: dict[int, tuple[int, Future[BatchResult]]] = field(default_factory=dict)
     delivered: dict[int, int] = field(default_factory=dict)
     closed: bool = False
@@ -256,8 +259,9 @@ class Session:
                 "session %s: a new stream replaces the one of epoch %d", self.id, previous.epoch
             )
             self.end_stream(previous)
+        plan = self.plan(epoch)
         with self._cond:
-            stream = self._stream = Stream(epoch, start_batch)
+            stream = self._stream = Stream(epoch, start_batch, plan, start_batch)
             self.last_used = time.monotonic()
         metrics.STREAMS.inc()
         return stream
@@ -270,6 +274,9 @@ class Session:
                     continue  # a duplicate ack, or one for a stream that ended: harmless
                 self._free.append(slot)
                 stream.acked += 1
+            # The freed slot goes to a worker now, not when the stream next looks: it may be
+            # waiting for a batch that takes a while, and an idle worker is lost throughput.
+            self._fill(stream)
             self._cond.notify_all()
 
     def end_stream(self, stream: Stream) -> None:
@@ -303,16 +310,12 @@ class Session:
             DataLoss: a sample failed under on_error="raise", the epoch's errors passed
                 max_error_fraction, or a batch kept killing workers.
         """
-        plan = self.plan(stream.epoch)
-        next_submit = stream.start
         for k in range(stream.start, self.num_batches):
             with self._cond:
                 while True:
                     if stream.closed or self.closed or not client_active():
                         return
-                    while next_submit < self.num_batches and self._free:
-                        self._submit(stream, plan, next_submit, self._free.popleft())
-                        next_submit += 1
+                    self._fill(stream)
                     if k in stream.working:
                         break
                     self._cond.wait(_POLL_S)
@@ -327,9 +330,13 @@ class Session:
                 stream.delivered[k] = slot
             yield self._deliver(stream, result)
 
-    def _submit(self, stream: Stream, plan: EpochPlan, k: int, slot: int) -> None:
-        task = BatchTask(self.spec, stream.epoch, k, slot, plan.batch(k).tobytes())
-        stream.working[k] = (slot, self._pool.submit(task))
+    def _fill(self, stream: Stream) -> None:
+        """Hand the stream's next batches to the workers while slots are free (under the lock)."""
+        while not stream.closed and stream.next_submit < self.num_batches and self._free:
+            k, slot = stream.next_submit, self._free.popleft()
+            task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
+            stream.working[k] = (slot, self._pool.submit(task))
+            stream.next_submit += 1
 
     def _result(
         self, stream: Stream, future: Future[BatchResult], client_active: Callable[[], bool]
@@ -340,6 +347,8 @@ class Session:
             except FutureTimeout:
                 if stream.closed or self.closed or not client_active():
                     return None
+            except CancelledError:  # the stream ended meanwhile and cancelled the task
+                return None
 
     def _deliver(self, stream: Stream, result: BatchResult) -> Delivered:
         failures = result.failures

@@ -225,26 +225,36 @@ class WorkerPool:
 
     def _dispatch(self) -> None:
         while True:
-            with self._lock:
-                if self._stopping:
+            try:
+                if not self._dispatch_once():
                     return
-                forget, self._forget = self._forget, []
-                self._assign()
-            for worker in self._workers:
-                for session_id in forget:
-                    _send(worker, ("forget", session_id))
-            watched: list[Any] = [self._wake_r]
-            for worker in self._workers:
-                watched += [worker.conn, worker.process.sentinel]
-            for obj in wait(watched, timeout=1.0):
-                if obj == self._wake_r:
-                    _drain(self._wake_r)
-                    continue
-                for worker in list(self._workers):
-                    if obj is worker.conn:
-                        self._receive(worker)
-                    elif obj == worker.process.sentinel:
-                        self._replace(worker)
+            except Exception:
+                # Nothing may end this thread but stop(): without it every session hangs.
+                logger.exception("the worker pool's dispatcher hit a bug; carrying on")
+
+    def _dispatch_once(self) -> bool:
+        """One round: hand out tasks, wait for results or deaths. False once stopping."""
+        with self._lock:
+            if self._stopping:
+                return False
+            forget, self._forget = self._forget, []
+            self._assign()
+        for worker in self._workers:
+            for session_id in forget:
+                _send(worker, ("forget", session_id))
+        watched: list[Any] = [self._wake_r]
+        for worker in self._workers:
+            watched += [worker.conn, worker.process.sentinel]
+        for obj in wait(watched, timeout=1.0):
+            if obj == self._wake_r:
+                _drain(self._wake_r)
+                continue
+            for worker in list(self._workers):
+                if obj is worker.conn:
+                    self._receive(worker)
+                elif obj == worker.process.sentinel:
+                    self._replace(worker)
+        return True
 
     def _assign(self) -> None:
         """Give queued tasks to the least busy workers (caller holds the lock)."""
