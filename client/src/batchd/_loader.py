@@ -243,6 +243,11 @@ class Loader:
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                # A server whose machine vanished (no FIN, no RST) fails the stream within
+                # about a minute instead of blocking the training loop forever. The server
+                # permits pings this often (grpc.http2.min_ping_interval_without_data_ms).
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 20_000),
             ],
         )
         self._res = _Resources(channel, target)
