@@ -1,11 +1,12 @@
 """Sessions: one client's view of one split, its ring of slots, and the epochs it streams.
 
 # NOTE [ Slot lifecycle ]
-A session's ring has ``prefetch`` slots, each big enough for one full batch. A slot is
+A session's ring has ``slots`` slots: ``prefetch`` of them, plus a few more when batches are
+small (see ``ring_slots``); each is big enough for one full batch. A slot is
   FREE      -- nobody uses it;
   WORKING   -- a worker has been asked to fill it with batch k (the future is pending);
   DELIVERED -- batch k is in it and the client was told so; the client has not acked it.
-A stream takes FREE slots for the next batches in order (so at most ``prefetch`` batches are
+A stream takes FREE slots for the next batches in order (so at most ``slots`` batches are
 ahead of the client: the ack is the flow-control credit), sends batches strictly in order,
 and an Ack of batch k turns k's slot FREE again. When a stream ends for any reason (epoch
 done, client gone, session closed), DELIVERED slots become FREE at once, queued tasks are
@@ -70,6 +71,8 @@ _SLOT_ALIGN = 4096  # page-aligned slots: cudaHostRegister and huge copies like 
 _POLL_S = 0.25
 """How often a waiting stream re-checks that its client is still there."""
 _MAX_PLANS = 2
+_EXTRA_SLOTS_MAX = 12
+_EXTRA_SLOTS_BYTES = 8 << 20
 _CLOSE_WAIT_S = 60.0
 
 
@@ -119,6 +122,18 @@ class Delivered:
     rows: int
     fields: list[FieldView]
     failed_sample_ids: list[int]
+
+
+def ring_slots(prefetch: int, slot_bytes: int) -> int:
+    """Slots for a ring: ``prefetch``, plus up to 12 more while they fit in 8 MiB.
+
+    A batch takes a round trip through several threads and processes (ack, dispatch,
+    decode, send) of about 3 ms here, so ``prefetch`` slots cap a stream at roughly
+    ``prefetch / 3 ms`` batches per second, whatever the batch costs to decode. Small batches
+    (records, tokens) hit that cap long before the CPUs are busy; a deeper ring of them costs
+    a few MiB. Image batches of several MiB get exactly ``prefetch``.
+    """
+    return prefetch + min(_EXTRA_SLOTS_MAX, _EXTRA_SLOTS_BYTES // slot_bytes)
 
 
 def slot_layout(fields: list[FieldSpec], batch_size: int) -> tuple[tuple[SlotField, ...], int]:
@@ -204,7 +219,8 @@ class Session:
             shm_dir=str(ring.path.parent),
         )
         self._cond = threading.Condition()
-        self._free: deque[int] = deque(range(options.prefetch))
+        self.slots = ring_slots(options.prefetch, slot_bytes)
+        self._free: deque[int] = deque(range(self.slots))
         self._stream: Stream | None = None
         self._errors_by_epoch: dict[int, int] = {}
         self.closed = False
@@ -471,9 +487,10 @@ class SessionManager:
                     f"dataset {options.dataset!r} has root {root!r}, which is not a directory "
                     "on the server; mount the data there or re-ingest with the right --root"
                 )
-            ring_bytes = HEADER_BYTES + options.prefetch * slot_bytes
+            slots = ring_slots(options.prefetch, slot_bytes)
+            ring_bytes = HEADER_BYTES + slots * slot_bytes
             purpose = (
-                f"{options.prefetch} slots of {format_bytes(slot_bytes)} for batch_size="
+                f"{slots} slots of {format_bytes(slot_bytes)} for batch_size="
                 f"{options.sampler.batch_size} of {options.dataset!r}"
             )
             ring = self._catalog.create_segment("ring", ring_bytes, purpose=purpose)

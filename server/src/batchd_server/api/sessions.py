@@ -119,7 +119,7 @@ def open_session(
             segment_bytes=ring.nbytes,
             header_bytes=session.spec.header_bytes,
             slot_bytes=session.slot_bytes,
-            slots=options.prefetch,
+            slots=session.slots,
             token=session.token,
         ),
         lease_timeout_s=sessions.lease_timeout_s,

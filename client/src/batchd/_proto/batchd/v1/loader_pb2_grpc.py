@@ -94,8 +94,8 @@ class LoaderServicer:
 
     def StreamBatches(self, request_iterator, context):
         """Streams one epoch of a session's batches, in order, from a given batch index. The first
-        request is a StreamStart; the rest are Acks. The server keeps at most `prefetch` batches
-        unacknowledged: an Ack frees the batch's slot and is the credit for the next batch.
+        request is a StreamStart; the rest are Acks. The server keeps at most RingLayout.slots
+        batches unacknowledged: an Ack frees the batch's slot and is the credit for the next one.
         One stream per session at a time: a new one ends the session's previous stream. A
         sample the policy cannot absorb ends the stream with DATA_LOSS.
         """
