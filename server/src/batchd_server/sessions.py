@@ -219,7 +219,8 @@ class Session:
             shm_dir=str(ring.path.parent),
         )
         self._cond = threading.Condition()
-        self.slots = ring_slots(options.prefetch, slot_bytes)
+        self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
+        """Slots in the ring (``ring_slots`` decided how many when it was reserved)."""
         self._free: deque[int] = deque(range(self.slots))
         self._stream: Stream | None = None
         self._errors_by_epoch: dict[int, int] = {}
