@@ -4,6 +4,8 @@ memory) and the real ``batchd.Loader``, on catalogs in Postgres and in SQLite.""
 from __future__ import annotations
 
 import itertools
+import stat
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from sqlalchemy.engine import Engine
 
 import batchd
 from batchd import errors
+from batchd._doorbell import ClientDoorbell, DoorbellRefused
 from batchd_server.api import RunningServer
 from batchd_server.catalog.schema import sample_errors
 
@@ -165,8 +168,9 @@ def test_record_batches_hold_the_exact_bytes_labels_and_ids(
 def test_batches_the_loop_keeps_are_never_overwritten(
     server: RunningServer, catalog: dict[str, Any]
 ) -> None:
-    """Copied batches own their memory: keeping them all (memory is recycled only once a
-    batch is dropped) leaves every one intact to the end of the epoch."""
+    """Batches own their memory: keeping a whole epoch (lent slots stay the loop's across the
+    next epoch's stream; the batches past ``max_lent`` are copies, recycled only once
+    dropped) leaves every one intact while another epoch is served."""
     ids = _catalog_ids(catalog["engine"], "records")
     index_of = {sample_id: i for i, sample_id in enumerate(ids)}
     with _records(server, prefetch=2) as loader:
@@ -176,6 +180,94 @@ def test_batches_the_loop_keeps_are_never_overwritten(
         rows = [index_of[i] for i in batch["sample_id"].tolist()]
         np.testing.assert_array_equal(batch["array"].numpy(), catalog["records"][rows])
     assert sum(len(b) for b in dropped) == N_RECORDS
+
+
+def _until(condition: Any, what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (a state another process or thread changes) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_default_batches_lend_their_slot_until_the_loop_drops_them(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
+    """The default CPU path copies nothing while the loop holds few batches: each batch's
+    tensors are its slot, given back to the server when the last of them dies; past
+    max_lent held batches, further ones are copies, so the stream never runs dry."""
+    ids = _catalog_ids(catalog["engine"], "records")
+    index_of = {sample_id: i for i, sample_id in enumerate(ids)}
+    with _records(server, prefetch=2, batch_size=8) as loader:
+        session = loader._res.session
+        assert session is not None and loader.transport == "shm"
+        delivery = session.delivery
+        on_server = server.sessions.get(session.reply.session_id)
+        slots = session.reply.ring.slots
+        assert delivery.max_lent == slots - 1  # prefetch 2: one slot always stays the server's
+        it = iter(loader)
+        kept = [next(it) for _ in range(delivery.max_lent + 3)]
+        lent = delivery.lent()
+        assert len(lent) == delivery.max_lent and delivery.copies == 3
+        assert set(lent) <= set(on_server._leases)  # the server keeps them out of the ring
+        for batch in kept:
+            rows = [index_of[i] for i in batch["sample_id"].tolist()]
+            np.testing.assert_array_equal(batch["array"].numpy(), catalog["records"][rows])
+        view = kept[0]["array"][1:]  # a view keeps its batch's slot
+        del kept, batch
+        assert delivery.lent() == lent[:1]
+        _until(lambda: not set(lent[1:]) & set(on_server._leases), "the dropped batches' acks")
+        assert lent[0] in on_server._leases
+        del view
+        _until(lambda: lent[0] not in on_server._leases, "the last view's ack")
+        rest = list(it)
+        assert len(rest) == len(loader) - delivery.max_lent - 3
+        assert delivery.copies == 3  # one batch held at a time: lent, never copied
+
+
+def test_zero_copy_batches_are_acked_when_the_next_one_is_asked_for(
+    server: RunningServer,
+) -> None:
+    """zero_copy=True: a batch is the loop's only until it asks for the next one."""
+    with _records(server, prefetch=2, zero_copy=True) as loader:
+        session = loader._res.session
+        assert session is not None
+        it = iter(loader)
+        next(it)
+        assert session.delivery.held() == 1 and session.delivery.lent() == []
+        next(it)
+        assert session.delivery.held() == 1  # the first went back with this request
+        assert len(list(it)) == len(loader) - 2
+
+
+def test_the_doorbell_answers_only_the_sessions_own_client(server: RunningServer) -> None:
+    """A hello needs the session's id and its ring's token; anything else is hung up on."""
+    with _records(server) as loader:
+        session = loader._res.session
+        assert session is not None
+        ring = session.reply.ring
+        path = server.registry.shm_dir / ring.doorbell
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        for session_id, token in (
+            (session.reply.session_id, b"x" * len(ring.token)),
+            ("no-such-session", ring.token),
+        ):
+            with pytest.raises(DoorbellRefused, match="refused the hello"):
+                ClientDoorbell.connect(path, session_id, token)
+        assert len(_epoch_ids(loader)) == len(loader)  # the real client is unaffected
+
+
+def test_a_closed_session_ends_a_waiting_loop_with_unavailable(server: RunningServer) -> None:
+    """The server closing the session hangs up its doorbell: the loop fails, never hangs."""
+    with _records(server, prefetch=1, batch_size=64) as loader:
+        session = loader._res.session
+        assert session is not None
+        it = iter(loader)
+        next(it)
+        server.sessions.close(session.reply.session_id, reason="closed by the test")
+        with pytest.raises(errors.BatchdError, match="server"):
+            list(it)
 
 
 def test_inline_transport_serves_what_shm_serves(server: RunningServer) -> None:

@@ -5,16 +5,24 @@ training loop gets and says when the batch's ring slot may be acknowledged (reus
 server). See the NOTE below for when that is on each path.
 
 NOTE [ Slot lifecycle on the client ]
-The server writes batch k into slot s and sends "k is in s". The slot is the client's until
-it acknowledges k; an Ack is also the credit for one more batch, so holding slots back
-throttles the server. When each path acknowledges:
+The server writes batch k into slot s and announces it under a lease. The slot is the
+client's until it acks that lease; an ack is also the credit for one more batch, so holding
+slots back throttles the server. Leases belong to the session, not to one stream: a batch
+the loop still holds when its epoch ends keeps its slot (the next StreamStart lists it in
+``held_leases``; every slot not listed there is free again). When each path acks:
 
-- CPU copy (default): copy the fields into memory of their own, ack at once: the slot is
-  free again before the training loop even sees the batch. That memory is recycled once the
-  loop has dropped every tensor of the batch (see ``_Recycler``).
-- CPU ``zero_copy=True``: the tensors are views of the slot; the ack for batch k is sent
-  when batch k+1 is asked for (or the iteration ends or is abandoned). So a zero-copy batch
-  is valid until the next one is requested; keep it longer only as a ``.clone()``.
+- CPU default, lend: the tensors are views of the slot and own it, the way a DataLoader's
+  tensors own their shared memory: the slot is acked when the last of them dies (a
+  ``weakref.finalize`` on the slot array every view points at), from whatever thread drops
+  it. No byte is copied. While the loop already holds ``max_lent`` batches (it keeps them in
+  a list, say), further batches are copied instead, so the server always keeps slots to
+  work with and the stream can never starve.
+- CPU copy (read-only mappings, or past ``max_lent``): copy the fields into memory of their
+  own, ack at once. That memory is recycled once the loop has dropped every tensor of the
+  batch (see ``_Recycler``).
+- CPU ``zero_copy=True``: views of the slot, acked when batch k+1 is asked for (or the
+  iteration ends or is abandoned). So a zero-copy batch is valid until the next one is
+  requested; keep it longer only as a ``.clone()``.
 - CUDA, ring registered with ``cudaHostRegister``: the host-to-device copy reads the slot
   itself, on a side stream; the slot is acknowledged once that copy's event has completed
   (polled at each next batch, waited for when the credits run out or the epoch ends).
@@ -37,6 +45,7 @@ import importlib
 import logging
 import sys
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
@@ -126,11 +135,11 @@ class Delivery(ABC):
 
     @abstractmethod
     def deliver(self, batch: ReceivedBatch) -> tuple[Batch, list[int]]:
-        """The user's dict for ``batch``, and the batch indices that may be acked now."""
+        """The user's dict for ``batch``, and the ack keys (``ack_key``) that may go now."""
 
     @abstractmethod
     def advance(self, *, wait: bool) -> list[int]:
-        """The consumer asked for the next batch: indices that may be acked now.
+        """The consumer asked for the next batch: ack keys that may go now.
 
         With ``wait``, block until at least one held batch can go (the server is out of
         credits), if any is held.
@@ -142,7 +151,11 @@ class Delivery(ABC):
 
     @abstractmethod
     def drain(self) -> list[int]:
-        """Wait until every held batch can go (end of a stream) and return their indices."""
+        """Wait until every held batch can go (end of a stream) and return their keys."""
+
+    def lent(self) -> list[int]:
+        """Leases of batches the training loop still owns (see the NOTE); they outlive streams."""
+        return []
 
     def close(self) -> None:  # noqa: B027 (only the CUDA path has something to free)
         """Free what the path holds; the ring is unmapped after this. Idempotent."""
@@ -173,13 +186,36 @@ class _Recycler:
 
 
 class CpuDelivery(Delivery):
-    """Tensors (NumPy arrays without torch) on the CPU: copies, or views with ``zero_copy``."""
+    """Tensors (NumPy arrays without torch) on the CPU: lent slots, copies, or zero-copy views.
 
-    def __init__(self, *, zero_copy: bool, prefetch: int = 4) -> None:
+    Args:
+        zero_copy: Views valid until the next batch is asked for.
+        prefetch: The session's prefetch depth.
+        slots: Slots in the session's ring.
+        release: Gives leases back from any thread (the doorbell); None inline, where
+            nothing is lent.
+    """
+
+    def __init__(
+        self,
+        *,
+        zero_copy: bool,
+        prefetch: int = 4,
+        slots: int = 0,
+        release: Callable[[list[int]], None] | None = None,
+    ) -> None:
         self._torch = torch_or_none()
         self._zero_copy = zero_copy
         self._held: list[int] = []
         self._recycler = _Recycler(keep=prefetch + 2)
+        self._release = release
+        self.max_lent = 0 if release is None else max(0, slots - max(1, prefetch // 2))
+        """Batches the loop may own as slots at once; the ones after that are copied."""
+        self._lent: set[int] = set()
+        self._lent_lock = threading.Lock()
+        self._closed = False
+        self.copies = 0
+        """Batches copied out of their slot (not lent) since the session opened."""
 
     def deliver(self, batch: ReceivedBatch) -> tuple[Batch, list[int]]:
         if batch.owned:
@@ -187,14 +223,26 @@ class CpuDelivery(Delivery):
             # offset that is not a multiple of its itemsize (misaligned tensors are legal
             # but slow, and some kernels assume alignment).
             arrays = {n: a if a.flags.aligned else a.copy() for n, a in batch.arrays.items()}
-            return _as_tensors(self._torch, arrays), [batch.index]
+            return _as_tensors(self._torch, arrays), [batch.ack_key]
         readonly = any(not a.flags.writeable for a in batch.arrays.values())
         # A torch tensor has no read-only flag: a view of a read-only mapping would turn the
         # user's first in-place op into a segfault, so such views are only handed out as
         # NumPy arrays (which do refuse writes).
-        if self._zero_copy and not (readonly and self._torch is not None):
-            self._held.append(batch.index)
+        shareable = not (readonly and self._torch is not None)
+        if self._zero_copy and shareable:
+            self._held.append(batch.ack_key)
             return _as_tensors(self._torch, batch.arrays), []
+        if shareable and not self._zero_copy:
+            key = batch.ack_key
+            with self._lent_lock:
+                lend = len(self._lent) < self.max_lent
+                if lend:
+                    self._lent.add(key)
+            if lend:
+                finalizer = weakref.finalize(batch.memory, self._returned, key)
+                finalizer.atexit = False
+                return _as_tensors(self._torch, batch.arrays), []
+        self.copies += 1
         # np.copyto beats Tensor.copy_ for this (perf-baselines §1).
         buffer = self._recycler.take(batch.extent_bytes)
         owned = {}
@@ -203,7 +251,21 @@ class CpuDelivery(Delivery):
             owned[name] = buffer[start : start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
             np.copyto(owned[name], arr)
         del buffer
-        return _as_tensors(self._torch, owned), [batch.index]
+        return _as_tensors(self._torch, owned), [batch.ack_key]
+
+    def _returned(self, key: int) -> None:
+        """The last view of lent batch ``key`` died (any thread): its slot goes back."""
+        with self._lent_lock:
+            if key not in self._lent:
+                return
+            self._lent.discard(key)
+            closed = self._closed
+        if not closed and self._release is not None:
+            self._release([key])
+
+    def lent(self) -> list[int]:
+        with self._lent_lock:
+            return sorted(self._lent)
 
     def advance(self, *, wait: bool) -> list[int]:
         released, self._held = self._held, []
@@ -214,6 +276,12 @@ class CpuDelivery(Delivery):
 
     def drain(self) -> list[int]:
         return self.advance(wait=True)
+
+    def close(self) -> None:
+        # The loop may keep lent batches past close: their views keep the mapping alive,
+        # and nothing is acked for them any more (the session is gone).
+        with self._lent_lock:
+            self._closed = True
 
 
 def _in_fresh_thread(fn: Callable[[], _T]) -> _T:
@@ -348,14 +416,14 @@ class CudaDelivery(Delivery):
                 staged = buffer[start : start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
                 np.copyto(staged, arr)
                 sources[name] = torch.from_numpy(staged)
-            acks = [batch.index]  # the bytes are out of the slot
+            acks = [batch.ack_key]  # the bytes are out of the slot
         with torch.cuda.stream(self._side):
             out = {name: t.to(self._device, non_blocking=True) for name, t in sources.items()}
             done.record(self._side)
         if pinned >= 0:
             self._pool.copied(pinned, done)
         else:
-            self._in_flight.append((batch.index, done))
+            self._in_flight.append((batch.ack_key, done))
         consumer = torch.cuda.current_stream(self._device)
         consumer.wait_event(done)
         for tensor in out.values():
@@ -396,7 +464,12 @@ class CudaDelivery(Delivery):
 
 
 def make_delivery(
-    device: Any, *, zero_copy: bool, ring: ShmRing | None, prefetch: int, h2d: str = "auto"
+    device: Any,
+    *,
+    zero_copy: bool,
+    ring: ShmRing | None,
+    prefetch: int,
+    h2d: str = "auto",
 ) -> Delivery:
     """The delivery path for a session: CPU for ``"cpu"``, else CUDA.
 
@@ -404,5 +477,11 @@ def make_delivery(
     either way (and, with a registered ring, straight from the slot).
     """
     if device == "cpu":
-        return CpuDelivery(zero_copy=zero_copy, prefetch=prefetch)
+        bell = ring.doorbell if ring is not None else None
+        return CpuDelivery(
+            zero_copy=zero_copy,
+            prefetch=prefetch,
+            slots=ring.layout.slots if ring is not None else 0,
+            release=bell.release if bell is not None else None,
+        )
     return CudaDelivery(device, ring=ring, prefetch=prefetch, h2d=h2d)

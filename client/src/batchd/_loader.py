@@ -35,7 +35,7 @@ from batchd._specs import (
 )
 from batchd._state import STATE_FORMAT, check_state
 from batchd._status import error_from_rpc
-from batchd._transport import BatchStream, ReceivedBatch, ShmRing, select_transport
+from batchd._transport import BatchStream, ReceivedBatch, ShmRing, ShmStream, select_transport
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 __all__ = ["MAX_BATCH_SIZE", "MAX_MESSAGE_BYTES", "STATE_FORMAT", "Loader"]
@@ -61,6 +61,8 @@ class _Session:
     ring: ShmRing | None
     delivery: Delivery
     transport_reason: str
+    streams: int = 0
+    """Streams started so far; the next one's ``StreamStart.seq`` is one more."""
 
     @property
     def prefetch(self) -> int:
@@ -97,7 +99,7 @@ class _Resources:
         self.stub = loader_pb2_grpc.LoaderStub(channel)
         self.target = target
         self.session: _Session | None = None
-        self.stream: BatchStream | None = None
+        self.stream: BatchStream | ShmStream | None = None
 
     def abandon_stream(self) -> None:
         stream, self.stream = self.stream, None
@@ -149,9 +151,12 @@ class Loader:
             :attr:`last_failed_sample_ids`), ``"replace"``-d by a deterministic substitute,
             or ``"raise"``-s :class:`batchd.errors.DataLoss`.
         version: The dataset version; default the newest.
-        zero_copy: On the CPU, yield views of the server's shared memory instead of copies;
-            a batch is then valid only until the next one is requested (or the iteration
-            ends). ``.clone()`` what must live longer. No effect on CUDA.
+        zero_copy: On the CPU, yield views of the server's shared memory that are valid only
+            until the next batch is requested (or the iteration ends); ``.clone()`` what
+            must live longer. By default (shm) a batch's tensors own its slot instead: it
+            stays theirs for as long as any of them lives, and goes back to the server when
+            the last one dies; batches beyond the first few the loop keeps are copied. No
+            effect on CUDA.
         max_error_fraction: The session fails once more than this fraction of an epoch's
             samples went bad, ``0 < f <= 1`` (for zero tolerance use ``on_error="raise"``).
         timeout_s: Deadline of OpenSession and other unary calls, in seconds.
@@ -285,7 +290,7 @@ class Loader:
             ) from e
         ring = None
         try:
-            transport, ring, reason = select_transport(self._transport, reply.ring)
+            transport, ring, reason = select_transport(self._transport, reply)
             delivery = make_delivery(
                 self._device,
                 zero_copy=self._zero_copy,
@@ -418,25 +423,34 @@ class Loader:
 
     def _open_stream(
         self, session: _Session, epoch: int, start_batch: int
-    ) -> tuple[BatchStream, ReceivedBatch | None]:
+    ) -> tuple[BatchStream | ShmStream, ReceivedBatch | None]:
         """Start the epoch's call at ``start_batch`` and take its first batch.
 
         A stream this Loader cancelled moments ago may not have ended on the server yet; the
         server ends it when this one starts (one stream per session).
         """
+        session.streams += 1
         start = loader_pb2.StreamStart(
             session_id=session.reply.session_id,
             epoch=epoch,
             start_batch=start_batch,
             transport=session.transport,
         )
-        stream = BatchStream(
-            self._res.stub,
-            start,
-            ring=session.ring,
-            target=self._res.target,
-            timeout_s=self._timeout_s,
-        )
+        stream: BatchStream | ShmStream
+        if session.ring is not None:
+            start.seq = session.streams
+            start.held_leases.extend(session.delivery.lent())
+            stream = ShmStream(
+                self._res.stub,
+                start,
+                ring=session.ring,
+                target=self._res.target,
+                timeout_s=self._timeout_s,
+            )
+        else:
+            stream = BatchStream(
+                self._res.stub, start, target=self._res.target, timeout_s=self._timeout_s
+            )
         self._res.stream = stream
         try:
             return stream, self._receive(stream)
@@ -445,7 +459,7 @@ class Loader:
             stream.cancel()
             raise
 
-    def _receive(self, stream: BatchStream) -> ReceivedBatch | None:
+    def _receive(self, stream: BatchStream | ShmStream) -> ReceivedBatch | None:
         """The stream's next batch; the time spent blocked counts as waiting for data."""
         started = time.perf_counter()
         try:

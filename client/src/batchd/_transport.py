@@ -1,16 +1,19 @@
 """How batch bytes reach the client: the server's shm ring, or chunks inside the stream.
 
-``shm``: the server writes each batch into a slot of a shared-memory segment and sends only
-where its fields are; the client maps the segment once per session and reads the slot in
-place. The segment starts with a token the server also sends in ``RingLayout.token``: a
-client that reads the same bytes there has the server's segment (same host, same
-``/dev/shm``), not a same-named file of another machine or container.
+``shm``: the server writes each batch into a slot of a shared-memory segment and says, on the
+session's doorbell socket (``_doorbell.py``), where its fields are and under which lease;
+the client maps the segment once per session and reads the slot in place, and gives the
+slot back by acking the lease. The segment starts with a token the server also sends in
+``RingLayout.token``: a client that reads the same bytes there has the server's segment
+(same host, same ``/dev/shm``), not a same-named file of another machine or container.
 
 ``inline``: the bytes travel in ``StreamBatchesResponse.data``, a few MiB per message; the
 client reassembles each batch into one buffer of its own.
 
-:class:`BatchStream` is one ``StreamBatches`` call (one pass over an epoch): requests go in
-through a queue that gRPC's sending thread drains, batches come out in order.
+One pass over an epoch is one ``StreamBatches`` call: :class:`ShmStream` (the call carries
+only the start, the acceptance and the final status; batches and acks go over the doorbell)
+or :class:`BatchStream` (inline: requests go in through a queue that gRPC's sending thread
+drains, batches come out of the call in order).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from batchd._doorbell import BATCH, END, ClientDoorbell, DoorbellRefused, parse
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._status import error_from_rpc
 from batchd.errors import DataLoss, FailedPrecondition
@@ -39,6 +43,7 @@ __all__ = [
     "InlineAssembler",
     "ReceivedBatch",
     "ShmRing",
+    "ShmStream",
     "ShmUnusable",
     "select_transport",
 ]
@@ -70,6 +75,16 @@ class ReceivedBatch:
     """Field name → byte offset from the start of the slot or inline buffer."""
     owned: bool
     """True when the bytes are a buffer of this batch alone (inline), not a ring slot."""
+    memory: npt.NDArray[np.uint8]
+    """The slot (shm) or inline buffer every field is a view of: it lives as long as any
+    of them (NumPy points a view of a view at the first array)."""
+    lease: int = 0
+    """The slot's lease (shm), acked to give the slot back; 0 inline."""
+
+    @property
+    def ack_key(self) -> int:
+        """What acknowledges this batch: its lease (shm) or its index (inline)."""
+        return self.lease if not self.owned else self.index
 
 
 class ShmUnusable(Exception):
@@ -121,6 +136,8 @@ class ShmRing:
         self._mmap: mmap.mmap | None = mapping
         self.bytes: npt.NDArray[np.uint8] = np.frombuffer(mapping, dtype=np.uint8)
         """The whole segment; its ``.ctypes.data`` is the mapping's address."""
+        self.doorbell: ClientDoorbell | None = None
+        """The session's doorbell connection, once :func:`select_transport` made it."""
 
     @classmethod
     def open(cls, layout: loader_pb2.RingLayout, shm_dir: Path = SHM_DIR) -> ShmRing:
@@ -167,13 +184,20 @@ class ShmRing:
     def batch(self, msg: loader_pb2.StreamBatchesResponse) -> ReceivedBatch:
         """The batch ``msg`` describes, as views of its slot."""
         layout = self.layout
-        if not 0 <= msg.slot < layout.slots:
+        if not 0 <= msg.slot < layout.slots or self._mmap is None:
             raise DataLoss(
                 f"batch {msg.batch_index} arrived in slot {msg.slot}, but the ring has "
                 f"{layout.slots} slots; client and server disagree on the wire format"
             )
-        base = layout.header_bytes + msg.slot * layout.slot_bytes
-        arrays, offsets, extent = _views(self.bytes, base, layout.slot_bytes, msg)
+        # A slot-sized array of its own: every field view points at it, so it dies exactly
+        # when the last view (or tensor) of the batch does (the lend path watches that).
+        slot = np.frombuffer(
+            self._mmap,
+            dtype=np.uint8,
+            count=layout.slot_bytes,
+            offset=layout.header_bytes + msg.slot * layout.slot_bytes,
+        )
+        arrays, offsets, extent = _views(slot, 0, layout.slot_bytes, msg)
         return ReceivedBatch(
             index=msg.batch_index,
             slot=msg.slot,
@@ -183,10 +207,14 @@ class ShmRing:
             extent_bytes=extent,
             offsets=offsets,
             owned=False,
+            memory=slot,
+            lease=msg.lease,
         )
 
     def close(self) -> None:
         """Unmap, or leave the unmapping to the last zero-copy view still alive. Idempotent."""
+        if self.doorbell is not None:
+            self.doorbell.close()
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None
@@ -199,13 +227,13 @@ class ShmRing:
 
 
 def select_transport(
-    requested: str, layout: loader_pb2.RingLayout, shm_dir: Path = SHM_DIR
+    requested: str, session: loader_pb2.OpenSessionResponse, shm_dir: Path = SHM_DIR
 ) -> tuple[loader_pb2.Transport, ShmRing | None, str]:
     """The transport to use for a session, its mapped ring (shm) and why it was chosen.
 
     Args:
         requested: ``"auto"``, ``"shm"`` or ``"inline"``.
-        layout: The session's ring, from ``OpenSessionResponse.ring``.
+        session: The server's answer to OpenSession (its ring and doorbell).
         shm_dir: Where the server's segments are.
 
     Raises:
@@ -213,8 +241,14 @@ def select_transport(
     """
     if requested == "inline":
         return loader_pb2.TRANSPORT_INLINE, None, "transport='inline' was asked for"
+    layout = session.ring
     try:
         ring = ShmRing.open(layout, shm_dir)
+        try:
+            ring.doorbell = _connect_doorbell(layout, session.session_id, shm_dir)
+        except BaseException:
+            ring.close()
+            raise
     except ShmUnusable as e:
         if requested == "shm":
             raise FailedPrecondition(
@@ -222,6 +256,18 @@ def select_transport(
             ) from e
         return loader_pb2.TRANSPORT_INLINE, None, f"shm unusable ({e})"
     return loader_pb2.TRANSPORT_SHM, ring, "the server's segment is mapped"
+
+
+def _connect_doorbell(
+    layout: loader_pb2.RingLayout, session_id: str, shm_dir: Path
+) -> ClientDoorbell:
+    name = layout.doorbell
+    if not name or "/" in name or name in (".", ".."):
+        raise ShmUnusable(f"the server named no usable doorbell ({name!r})")
+    try:
+        return ClientDoorbell.connect(shm_dir / name, session_id, layout.token)
+    except DoorbellRefused as e:
+        raise ShmUnusable(str(e)) from e
 
 
 class InlineAssembler:
@@ -266,6 +312,7 @@ class InlineAssembler:
             extent_bytes=extent,
             offsets=offsets,
             owned=True,
+            memory=self._buffer,
         )
 
 
@@ -287,29 +334,17 @@ def _requests(
         yield request
 
 
-class BatchStream:
-    """One ``StreamBatches`` call: StreamStart first, then Acks; batches out in order.
-
-    Args:
-        stub: The Loader stub of the session's channel.
-        start: The call's first message.
-        ring: The mapped ring for shm; None for inline.
-        target: For error messages.
-        timeout_s: For error messages (the stream itself has no deadline: an epoch takes
-            as long as training takes).
-    """
+class _Call:
+    """A ``StreamBatches`` call: requests through a queue, responses read on demand."""
 
     def __init__(
         self,
         stub: loader_pb2_grpc.LoaderStub,
         start: loader_pb2.StreamStart,
         *,
-        ring: ShmRing | None,
         target: str,
         timeout_s: float,
     ) -> None:
-        self._ring = ring
-        self._assembler = InlineAssembler()
         self._target = target
         self._timeout_s = timeout_s
         self._pending: queue.Queue[loader_pb2.StreamBatchesRequest | None] = queue.Queue()
@@ -318,61 +353,15 @@ class BatchStream:
         self._call: Any = stub.StreamBatches(_requests(self._pending, self._stop))
         self._ended = False
 
-    def ack(self, batch_indices: Sequence[int], wait_s: float) -> None:
-        """Tell the server these batches are done with (their slots may be reused)."""
-        if batch_indices:
-            ack = loader_pb2.Ack(batch_indices=batch_indices, wait_s=wait_s)
-            self._pending.put(loader_pb2.StreamBatchesRequest(ack=ack))
+    def send(self, request: loader_pb2.StreamBatchesRequest) -> None:
+        self._pending.put(request)
 
-    def receive(self) -> ReceivedBatch | None:
-        """The next batch, blocking until it is complete; None when the server ended the call.
+    def next_message(self) -> loader_pb2.StreamBatchesResponse | None:
+        """The call's next response; None once it ended well.
 
         Raises:
-            BatchdError: the call failed (the server's error, mapped by ``error_from_rpc``),
-                or the server broke the wire format (DataLoss).
+            BatchdError: the call ended with an error (mapped by ``error_from_rpc``).
         """
-        while True:
-            msg = self._next_message()
-            if msg is None:
-                return None
-            if self._ring is not None:
-                if msg.data or msg.more:
-                    raise DataLoss(
-                        f"batch {msg.batch_index} arrived inline on an shm stream; client and "
-                        "server disagree on the wire format"
-                    )
-                return self._ring.batch(msg)
-            batch = self._assembler.feed(msg)
-            if batch is not None:
-                return batch
-
-    def finish(self) -> None:
-        """Half-close the requests and read the responses to their end (after the last batch).
-
-        Raises:
-            DataLoss: the server sent more batches than the epoch has.
-            BatchdError: the call ended with an error.
-        """
-        self._pending.put(None)
-        try:
-            extra = self._next_message()
-            if extra is not None:
-                raise DataLoss(
-                    f"the server sent batch {extra.batch_index} after the epoch's last batch; "
-                    "client and server disagree on the epoch's plan"
-                )
-        finally:
-            self._stop.set()
-
-    def cancel(self) -> None:
-        """Abandon the call (the consumer stopped early). Idempotent."""
-        self._stop.set()
-        self._pending.put(None)
-        if not self._ended:
-            self._ended = True
-            self._call.cancel()
-
-    def _next_message(self) -> loader_pb2.StreamBatchesResponse | None:
         if self._ended:
             return None
         try:
@@ -388,3 +377,178 @@ class BatchStream:
                 e, target=self._target, method="StreamBatches", timeout_s=self._timeout_s
             ) from e
         return msg
+
+    def finish(self, what: str) -> None:
+        """Half-close the requests and read the responses to their end.
+
+        Raises:
+            DataLoss: the server sent another response (``what`` says what it should be).
+            BatchdError: the call ended with an error.
+        """
+        self._pending.put(None)
+        try:
+            extra = self.next_message()
+            if extra is not None:
+                raise DataLoss(
+                    f"the server sent batch {extra.batch_index} {what}; client and server "
+                    "disagree on the epoch's plan"
+                )
+        finally:
+            self._stop.set()
+
+    def cancel(self) -> None:
+        """Abandon the call. Idempotent."""
+        self._stop.set()
+        self._pending.put(None)
+        if not self._ended:
+            self._ended = True
+            self._call.cancel()
+
+
+class BatchStream:
+    """One inline ``StreamBatches`` call: StreamStart first, then Acks; batches out in order.
+
+    Args:
+        stub: The Loader stub of the session's channel.
+        start: The call's first message.
+        target: For error messages.
+        timeout_s: For error messages (the stream itself has no deadline: an epoch takes
+            as long as training takes).
+    """
+
+    def __init__(
+        self,
+        stub: loader_pb2_grpc.LoaderStub,
+        start: loader_pb2.StreamStart,
+        *,
+        target: str,
+        timeout_s: float,
+    ) -> None:
+        self._assembler = InlineAssembler()
+        self._call = _Call(stub, start, target=target, timeout_s=timeout_s)
+
+    def ack(self, batch_indices: Sequence[int], wait_s: float) -> None:
+        """Tell the server these batches arrived (each is a credit for one more)."""
+        if batch_indices:
+            ack = loader_pb2.Ack(batch_indices=batch_indices, wait_s=wait_s)
+            self._call.send(loader_pb2.StreamBatchesRequest(ack=ack))
+
+    def receive(self) -> ReceivedBatch | None:
+        """The next batch, blocking until it is complete; None when the server ended the call.
+
+        Raises:
+            BatchdError: the call failed (the server's error, mapped by ``error_from_rpc``),
+                or the server broke the wire format (DataLoss).
+        """
+        while True:
+            msg = self._call.next_message()
+            if msg is None:
+                return None
+            batch = self._assembler.feed(msg)
+            if batch is not None:
+                return batch
+
+    def finish(self) -> None:
+        """Half-close the requests and read the responses to their end (after the last batch).
+
+        Raises:
+            DataLoss: the server sent more batches than the epoch has.
+            BatchdError: the call ended with an error.
+        """
+        self._call.finish("after the epoch's last batch")
+
+    def cancel(self) -> None:
+        """Abandon the call (the consumer stopped early). Idempotent."""
+        self._call.cancel()
+
+
+class ShmStream:
+    """One shm ``StreamBatches`` call: the call starts and ends it, the doorbell carries it.
+
+    The constructor waits for the server's ``accepted`` message, so a session the server
+    forgot raises NotFound here, before any batch is awaited.
+
+    Args:
+        stub: The Loader stub of the session's channel.
+        start: The call's first message (``seq`` and ``held_leases`` set).
+        ring: The session's mapped ring, with its doorbell.
+        target: For error messages.
+        timeout_s: For error messages.
+
+    Raises:
+        BatchdError: the server refused the stream.
+    """
+
+    def __init__(
+        self,
+        stub: loader_pb2_grpc.LoaderStub,
+        start: loader_pb2.StreamStart,
+        *,
+        ring: ShmRing,
+        target: str,
+        timeout_s: float,
+    ) -> None:
+        assert ring.doorbell is not None, "select_transport connects the doorbell"
+        self._ring = ring
+        self._bell = ring.doorbell
+        self._seq = start.seq
+        self._call = _Call(stub, start, target=target, timeout_s=timeout_s)
+        try:
+            first = self._call.next_message()
+        except BaseException:
+            self._call.cancel()
+            raise
+        if first is None or not first.accepted:
+            self._call.cancel()
+            raise DataLoss(
+                "the server answered an shm StreamStart with "
+                f"{'nothing' if first is None else 'a batch'} instead of accepting it; client "
+                "and server disagree on the wire format (upgrade both to the same version)"
+            )
+
+    def ack(self, leases: Sequence[int], wait_s: float) -> None:
+        """Give these slots back to the server (each is a credit for one more batch)."""
+        if leases or wait_s > 0:
+            self._bell.ack(list(leases), wait_s)
+
+    def receive(self) -> ReceivedBatch | None:
+        """The next batch of this stream; None when the server ended the call well.
+
+        Frames of earlier streams of the session (still on their way when this one started)
+        are skipped: their slots were given back by this stream's ``held_leases``.
+
+        Raises:
+            BatchdError: the call failed (its status), the doorbell closed (Unavailable), or
+                the server broke the wire format (DataLoss).
+        """
+        while True:
+            kind, payload = self._bell.read()
+            if kind not in (BATCH, END):
+                raise DataLoss(
+                    f"the doorbell sent a frame of kind {kind!r}; client and server disagree on "
+                    "the wire format (upgrade both to the same batchd version)"
+                )
+            msg = parse(loader_pb2.StreamBatchesResponse, payload)
+            if msg.seq != self._seq:
+                continue
+            if kind == BATCH:
+                return self._ring.batch(msg)
+            extra = self._call.next_message()  # the call's status: None, or it raises
+            if extra is not None:
+                raise DataLoss(
+                    "the server sent a second message on an shm stream; client and server "
+                    "disagree on the wire format"
+                )
+            return None
+
+    def finish(self) -> None:
+        """End the call after the epoch's last batch.
+
+        Raises:
+            BatchdError: the call ended with an error.
+        """
+        self._call.finish("on the call of an shm stream")
+
+    def cancel(self) -> None:
+        """Abandon the call (the consumer stopped early). Idempotent."""
+        self._call.cancel()

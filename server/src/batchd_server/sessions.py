@@ -8,29 +8,38 @@ small (see ``ring_slots``); each is big enough for one full batch. A slot is
   DELIVERED -- batch k is in it and the client was told so; the client has not acked it.
 A stream takes FREE slots for the next batches in order (so at most ``slots`` batches are
 ahead of the client: the ack is the flow-control credit), sends batches strictly in order,
-and an Ack of batch k turns k's slot FREE again. When a stream ends for any reason (epoch
-done, client gone, session closed), DELIVERED slots become FREE at once, queued tasks are
-cancelled, and a WORKING slot becomes FREE only when its worker has finished writing it, so a
-later stream never hands out a slot a worker is still writing. The ring itself is released
-when the session closes (CloseSession, lease expiry, shutdown), after every WORKING slot is
-done; workers are then told to drop their mapping.
+and an ack turns the slot FREE again. How a DELIVERED slot is acked depends on the stream:
+  inline -- by batch index, on the stream's own call; when the stream ends for any reason
+            (epoch done, client gone, session closed), its DELIVERED slots become FREE at
+            once (their bytes were copied into messages anyway);
+  shm    -- by the lease the batch was announced under, on the session's doorbell. Leases
+            belong to the session, not the stream: a client's training loop may keep a
+            batch's tensors (which are views of the slot) past the end of the epoch. Each
+            StreamStart lists the leases the client still holds; every other DELIVERED slot
+            becomes FREE then. Acks of unknown leases (late, repeated) are ignored.
+In both cases, queued tasks are cancelled when a stream ends, and a WORKING slot becomes FREE
+only when its worker has finished writing it, so a later stream never hands out a slot a
+worker is still writing. The ring itself is released when the session closes
+(CloseSession, lease expiry, shutdown), after every WORKING slot is done; workers are then
+told to drop their mapping.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +58,9 @@ from batchd_server.sampling import EpochPlan, SamplerOptions, plan_epoch
 from batchd_server.shm.segments import Segment, ShmRegistry, format_bytes
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField
+
+if TYPE_CHECKING:
+    from batchd_server.doorbell import ServerBell
 
 __all__ = [
     "Delivered",
@@ -122,6 +134,8 @@ class Delivered:
     rows: int
     fields: list[FieldView]
     failed_sample_ids: list[int]
+    lease: int = 0
+    """shm streams: what the client acks to give the slot back (NOTE [ Slot lifecycle ])."""
 
 
 def ring_slots(prefetch: int, slot_bytes: int) -> int:
@@ -165,10 +179,12 @@ class Stream:
     plan: EpochPlan
     next_submit: int
     """The next batch to hand to a worker once a slot is free."""
+    leased: bool = False
+    """An shm stream: delivered slots go out under session leases, not per batch index."""
     working: dict[int, tuple[int, Future[BatchResult]]] = field(default_factory=dict)
     delivered: dict[int, int] = field(default_factory=dict)
+    """Inline streams: batch index -> slot, until acked."""
     closed: bool = False
-    acked: int = 0
 
 
 class Session:
@@ -222,6 +238,11 @@ class Session:
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
         """Slots in the ring (``ring_slots`` decided how many when it was reserved)."""
         self._free: deque[int] = deque(range(self.slots))
+        self._leases: dict[int, int] = {}
+        """Lease -> slot of every shm batch delivered and not yet given back."""
+        self._lease_ids = itertools.count(1)
+        self.bell: ServerBell | None = None
+        """The client's doorbell connection, once it said hello (shm sessions)."""
         self._stream: Stream | None = None
         self._errors_by_epoch: dict[int, int] = {}
         self.closed = False
@@ -257,7 +278,30 @@ class Session:
 
     # -- streams --------------------------------------------------------------------------
 
-    def start_stream(self, epoch: int, start_batch: int) -> Stream:
+    def attach_bell(self, bell: ServerBell) -> None:
+        """``bell`` is now the client's doorbell; a previous connection is closed."""
+        with self._cond:
+            if self.closed:
+                raise NotFound(f"session {self.id} is closed; open a new one")
+            previous, self.bell = self.bell, bell
+        if previous is not None:
+            previous.close()
+
+    def detach_bell(self, bell: ServerBell) -> None:
+        with self._cond:
+            if self.bell is bell:
+                self.bell = None
+            self._cond.notify_all()
+
+    def start_stream(
+        self, epoch: int, start_batch: int, *, held_leases: Collection[int] | None = None
+    ) -> Stream:
+        """Start streaming ``epoch`` at ``start_batch``, ending any previous stream.
+
+        Args:
+            held_leases: For an shm stream, the leases the client still holds; every other
+                delivered slot becomes free. None for an inline stream.
+        """
         if epoch < 0:
             raise InvalidArgument(f"epoch={epoch} must be >= 0")
         if not 0 <= start_batch <= self.num_batches:
@@ -278,22 +322,38 @@ class Session:
             self.end_stream(previous)
         plan = self.plan(epoch)
         with self._cond:
-            stream = self._stream = Stream(epoch, start_batch, plan, start_batch)
+            if held_leases is not None:
+                held = set(held_leases)
+                for lease in [x for x in self._leases if x not in held]:
+                    self._free.append(self._leases.pop(lease))
+            stream = Stream(epoch, start_batch, plan, start_batch, leased=held_leases is not None)
+            self._stream = stream
             self.last_used = time.monotonic()
         metrics.STREAMS.inc()
         return stream
 
     def ack(self, stream: Stream, batch_indices: list[int]) -> None:
+        """Inline: the client received these batches of ``stream``."""
         with self._cond:
             for k in batch_indices:
                 slot = stream.delivered.pop(k, None)
                 if slot is None:
                     continue  # a duplicate ack, or one for a stream that ended: harmless
                 self._free.append(slot)
-                stream.acked += 1
             # The freed slot goes to a worker now, not when the stream next looks: it may be
             # waiting for a batch that takes a while, and an idle worker is lost throughput.
             self._fill(stream)
+            self._cond.notify_all()
+
+    def release(self, leases: list[int]) -> None:
+        """shm: the client is done with the slots of these leases (from any stream)."""
+        with self._cond:
+            for lease in leases:
+                slot = self._leases.pop(lease, None)
+                if slot is not None:  # else late or repeated: harmless
+                    self._free.append(slot)
+            if self._stream is not None:
+                self._fill(self._stream)
             self._cond.notify_all()
 
     def end_stream(self, stream: Stream) -> None:
@@ -344,8 +404,13 @@ class Session:
                 if stream.closed:
                     return
                 del stream.working[k]
-                stream.delivered[k] = slot
-            yield self._deliver(stream, result)
+                lease = 0
+                if stream.leased:
+                    lease = next(self._lease_ids)
+                    self._leases[lease] = slot
+                else:
+                    stream.delivered[k] = slot
+            yield self._deliver(stream, result, lease)
 
     def _fill(self, stream: Stream) -> None:
         """Hand the stream's next batches to the workers while slots are free (under the lock)."""
@@ -367,7 +432,7 @@ class Session:
             except CancelledError:  # the stream ended meanwhile and cancelled the task
                 return None
 
-    def _deliver(self, stream: Stream, result: BatchResult) -> Delivered:
+    def _deliver(self, stream: Stream, result: BatchResult, lease: int) -> Delivered:
         failures = result.failures
         if failures:
             self._account_errors(stream.epoch, result)
@@ -379,7 +444,12 @@ class Session:
         metrics.BATCHES.inc()
         metrics.SAMPLES.inc(result.rows)
         return Delivered(
-            result.batch_index, result.slot, result.rows, views, [x.sample_id for x in failures]
+            result.batch_index,
+            result.slot,
+            result.rows,
+            views,
+            [x.sample_id for x in failures],
+            lease,
         )
 
     def _account_errors(self, epoch: int, result: BatchResult) -> None:
@@ -425,6 +495,9 @@ class Session:
         with self._cond:
             self.closed = True
             stream = self._stream
+            bell, self.bell = self.bell, None
+        if bell is not None:
+            bell.close()
         if stream is not None:
             self.end_stream(stream)
         return [f for _, f in stream.working.values()] if stream is not None else []
@@ -450,6 +523,8 @@ class SessionManager:
         self._max_sessions = max_sessions
         self._record_errors = record_errors
         self._sessions: dict[str, Session] = {}
+        self.doorbell = ""
+        """The doorbell socket's name in the shm directory (``RingLayout.doorbell``)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="batchd-lease", daemon=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import secrets
 import socket
 import stat
 from concurrent import futures
@@ -27,9 +28,10 @@ from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.sample_errors import record_sample_errors
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig
+from batchd_server.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.sessions import SessionManager
-from batchd_server.shm.segments import ShmRegistry
+from batchd_server.shm.segments import PREFIX, ShmRegistry
 from batchd_server.workers.pool import WorkerPool
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
@@ -253,9 +255,11 @@ class _Parts:
     pool: WorkerPool
     catalog: CatalogCache
     sessions: SessionManager
+    doorbell: DoorbellServer
 
     def close(self) -> None:
         try:
+            self.doorbell.close()
             self.sessions.close_all()
             self.catalog.close()
         finally:
@@ -285,7 +289,17 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
         max_sessions=config.max_sessions,
         record_errors=lambda rows: record_sample_errors(engine, rows),
     )
-    return _Parts(registry, pool, catalog, sessions)
+    try:
+        bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
+        doorbell = DoorbellServer(bell_path, sessions)
+    except BaseException:
+        sessions.close_all()
+        catalog.close()
+        pool.stop()
+        registry.close()
+        raise
+    sessions.doorbell = doorbell.name
+    return _Parts(registry, pool, catalog, sessions, doorbell)
 
 
 def build_server(

@@ -12,7 +12,7 @@ import grpc
 
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd_server import metrics
-from batchd_server.errors import InvalidArgument
+from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.sampling import SamplerOptions
 from batchd_server.sessions import Delivered, Session, SessionManager, SessionOptions, Stream
 
@@ -121,6 +121,7 @@ def open_session(
             slot_bytes=session.slot_bytes,
             slots=session.slots,
             token=session.token,
+            doorbell=sessions.doorbell,
         ),
         lease_timeout_s=sessions.lease_timeout_s,
         version=session.catalog.arrays.dataset.version,
@@ -202,7 +203,9 @@ def stream_batches(
         raise InvalidArgument("StreamBatches must begin with a StreamStart message")
     start = first.start
     session = sessions.get(start.session_id)
-    inline = start.transport != pb.TRANSPORT_SHM
+    if start.transport == pb.TRANSPORT_SHM:
+        yield from _shm_stream(session, start, requests, context)
+        return
     stream = session.start_stream(start.epoch, start.start_batch)
     # The callback runs however the call ends, even while this generator is suspended in a
     # yield that grpc will never resume (a client killed mid-epoch).
@@ -213,17 +216,54 @@ def stream_batches(
     reader.start()
     try:
         for delivered in session.batches(stream, context.is_active):
-            if inline:
-                yield from _inline_messages(session, delivered)
-            else:
-                views, total = _views(delivered, inline=False)
-                metrics.BYTES_SERVED.labels(transport="shm").inc(total)
-                yield pb.StreamBatchesResponse(
-                    batch_index=delivered.batch_index,
-                    slot=delivered.slot,
-                    rows=delivered.rows,
-                    fields=views,
-                    failed_sample_ids=delivered.failed_sample_ids,
-                )
+            yield from _inline_messages(session, delivered)
     finally:
         session.end_stream(stream)
+
+
+def _shm_stream(
+    session: Session,
+    start: pb.StreamStart,
+    requests: Iterator[pb.StreamBatchesRequest],
+    context: grpc.ServicerContext,
+) -> Iterator[pb.StreamBatchesResponse]:
+    """An shm stream: accepted on the call, then batches on the session's doorbell.
+
+    Ends with an 'E' frame on the doorbell however it ends, so a client waiting there for a
+    batch reads the call's status next (an error such as DataLoss, or the end).
+    """
+    bell = session.bell
+    if bell is None:
+        raise FailedPrecondition(
+            f"session {session.id}: an shm stream needs the session's doorbell connection "
+            "(RingLayout.doorbell); connect and say hello before StreamStart, or use "
+            "TRANSPORT_INLINE"
+        )
+    stream = session.start_stream(start.epoch, start.start_batch, held_leases=start.held_leases)
+    context.add_callback(lambda: session.end_stream(stream))
+    # Nothing comes on the call any more but its half-close; the thread notices that.
+    reader = threading.Thread(
+        target=_read_acks, args=(requests, session, stream), name="batchd-acks", daemon=True
+    )
+    reader.start()
+    seq = start.seq
+    try:
+        yield pb.StreamBatchesResponse(accepted=True, seq=seq)
+        alive = lambda: context.is_active() and not bell.closed  # noqa: E731
+        for delivered in session.batches(stream, alive):
+            views, total = _views(delivered, inline=False)
+            metrics.BYTES_SERVED.labels(transport="shm").inc(total)
+            notice = pb.StreamBatchesResponse(
+                batch_index=delivered.batch_index,
+                slot=delivered.slot,
+                rows=delivered.rows,
+                fields=views,
+                failed_sample_ids=delivered.failed_sample_ids,
+                lease=delivered.lease,
+                seq=seq,
+            )
+            if not bell.send_batch(notice):
+                return  # the client hung up; its session's lease takes it from here
+    finally:
+        session.end_stream(stream)
+        bell.send_end(seq)

@@ -202,20 +202,30 @@ class FieldSchema(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RingLayout(_message.Message):
-    __slots__ = ("shm_name", "segment_bytes", "header_bytes", "slot_bytes", "slots", "token")
+    __slots__ = ("shm_name", "segment_bytes", "header_bytes", "slot_bytes", "slots", "token", "doorbell")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     segment_bytes: int
     header_bytes: int
     slot_bytes: int
     slots: int
     token: bytes
-    def __init__(self, shm_name: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slots: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    doorbell: str
+    def __init__(self, shm_name: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slots: _Optional[int] = ..., token: _Optional[bytes] = ..., doorbell: _Optional[str] = ...) -> None: ...
+
+class DoorbellHello(_message.Message):
+    __slots__ = ("session_id", "token")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token: bytes
+    def __init__(self, session_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch")
@@ -242,24 +252,30 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ...) -> None: ...
 
 class StreamStart(_message.Message):
-    __slots__ = ("session_id", "epoch", "start_batch", "transport")
+    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_BATCH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HELD_LEASES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     start_batch: int
     transport: Transport
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+    seq: int
+    held_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("batch_indices", "wait_s")
+    __slots__ = ("batch_indices", "wait_s", "leases")
     BATCH_INDICES_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
     batch_indices: _containers.RepeatedScalarFieldContainer[int]
     wait_s: float
-    def __init__(self, batch_indices: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_indices: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
     __slots__ = ("start", "ack")
@@ -284,7 +300,7 @@ class FieldView(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StreamBatchesResponse(_message.Message):
-    __slots__ = ("batch_index", "slot", "rows", "fields", "failed_sample_ids", "data", "more", "inline_bytes")
+    __slots__ = ("batch_index", "slot", "rows", "fields", "failed_sample_ids", "data", "more", "inline_bytes", "lease", "seq", "accepted")
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +309,9 @@ class StreamBatchesResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     batch_index: int
     slot: int
     rows: int
@@ -301,7 +320,10 @@ class StreamBatchesResponse(_message.Message):
     data: bytes
     more: bool
     inline_bytes: int
-    def __init__(self, batch_index: _Optional[int] = ..., slot: _Optional[int] = ..., rows: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldView, _Mapping]]] = ..., failed_sample_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., more: _Optional[bool] = ..., inline_bytes: _Optional[int] = ...) -> None: ...
+    lease: int
+    seq: int
+    accepted: bool
+    def __init__(self, batch_index: _Optional[int] = ..., slot: _Optional[int] = ..., rows: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldView, _Mapping]]] = ..., failed_sample_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., more: _Optional[bool] = ..., inline_bytes: _Optional[int] = ..., lease: _Optional[int] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

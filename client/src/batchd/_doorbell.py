@@ -1,0 +1,243 @@
+"""The doorbell: the small-message channel of shm streams, beside the ring segment.
+
+An shm batch is a few hundred bytes of news ("batch k is in slot s") and, back, an ack. As a
+gRPC message each way, that news costs the client about a millisecond of CPU per batch on a
+2-core machine: gRPC Python hands every message between several threads (about 25 context
+switches per batch, measured in ``bench/README.md``). A server therefore also listens on a
+unix socket in the directory of its segments, and a client that maps a session's ring
+connects there once per session. Batch notices and acks then travel as frames on that
+socket: one ``send`` and one ``recv`` per batch, on the thread that needs them. gRPC keeps
+the control plane: opening and closing sessions, starting a stream, and errors (the call's
+status).
+
+A frame is a 4-byte little-endian payload length, one kind byte and a protobuf payload:
+
+====  ==================  =======================================================
+kind  direction           payload
+====  ==================  =======================================================
+H     client -> server    ``DoorbellHello`` (session id and ring token); first frame
+W     server -> client    empty: the hello was accepted
+B     server -> client    ``StreamBatchesResponse``: a batch is in a slot (``lease``)
+E     server -> client    ``StreamBatchesResponse`` with ``seq``: that call ended
+R     client -> server    ``Ack`` with ``leases``: these slots may be reused
+====  ==================  =======================================================
+
+Both packages use this module: the framing is defined once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+from pathlib import Path
+from typing import Final, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from batchd._proto.batchd.v1 import loader_pb2
+from batchd.errors import DataLoss, Unavailable
+
+__all__ = [
+    "BATCH",
+    "END",
+    "HELLO",
+    "MAX_FRAME_BYTES",
+    "RELEASE",
+    "WELCOME",
+    "ClientDoorbell",
+    "DoorbellRefused",
+    "FrameReader",
+    "encode_frame",
+    "parse",
+]
+
+HELLO: Final = ord("H")
+WELCOME: Final = ord("W")
+BATCH: Final = ord("B")
+END: Final = ord("E")
+RELEASE: Final = ord("R")
+MAX_FRAME_BYTES: Final = 64 << 20
+"""Far above any real frame (a batch's failed ids at most); a longer one is a broken peer."""
+_HEADER: Final = struct.Struct("<IB")
+_RECV_BYTES: Final = 1 << 16
+_HELLO_TIMEOUT_S: Final = 10.0
+_M = TypeVar("_M", bound=Message)
+
+
+def encode_frame(kind: int, payload: bytes = b"") -> bytes:
+    return _HEADER.pack(len(payload), kind) + payload
+
+
+class FrameReader:
+    """Frames from a stream socket; several per ``recv`` when the peer is ahead."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray()
+
+    def read(self) -> tuple[int, bytes] | None:
+        """The next frame's kind and payload, blocking; None once the peer closed.
+
+        Raises:
+            DataLoss: the peer sent a frame longer than MAX_FRAME_BYTES, or closed the
+                connection in the middle of one.
+            OSError: the socket failed.
+        """
+        buffer = self._buffer
+        while True:
+            if len(buffer) >= _HEADER.size:
+                length, kind = _HEADER.unpack_from(buffer)
+                if length > MAX_FRAME_BYTES:
+                    raise DataLoss(
+                        f"a doorbell frame of {length} bytes is announced, more than "
+                        f"{MAX_FRAME_BYTES}; the peer does not speak batchd's doorbell protocol"
+                    )
+                end = _HEADER.size + length
+                if len(buffer) >= end:
+                    payload = bytes(buffer[_HEADER.size : end])
+                    del buffer[:end]
+                    return kind, payload
+            data = self._sock.recv(_RECV_BYTES)
+            if not data:
+                if buffer:
+                    raise DataLoss("the doorbell connection closed in the middle of a frame")
+                return None
+            buffer += data
+
+
+def parse(message: type[_M], payload: bytes) -> _M:
+    """``payload`` as a ``message``; DataLoss when it is not one."""
+    try:
+        return message.FromString(payload)
+    except DecodeError as e:
+        raise DataLoss(
+            f"a doorbell frame does not hold a {message.__name__}: {e}; client and server "
+            "disagree on the wire format (upgrade both to the same batchd version)"
+        ) from e
+
+
+class DoorbellRefused(Exception):
+    """The doorbell cannot be used from here; the message says why."""
+
+
+class ClientDoorbell:
+    """A session's connection to the server's doorbell (see the module docstring).
+
+    Frames are read by the thread iterating the Loader only. Acks may also be sent from
+    whichever thread drops the last tensor of a lent batch (a finalizer), so sending takes a
+    lock; a finalizer that finds it taken queues its leases for the next send instead of
+    waiting (it may be running inside that very send, on the same thread).
+    """
+
+    def __init__(self, sock: socket.socket, path: Path) -> None:
+        self._sock = sock
+        self.path = path
+        self._reader = FrameReader(sock)
+        self._send_lock = threading.Lock()
+        self._queued: list[int] = []
+        self._queue_lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def connect(cls, path: Path, session_id: str, token: bytes) -> ClientDoorbell:
+        """Connect to ``path`` and introduce ourselves as the client of ``session_id``.
+
+        Raises:
+            DoorbellRefused: nothing listens there, or the server refused the hello.
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_HELLO_TIMEOUT_S)
+            try:
+                sock.connect(str(path))
+            except OSError as e:
+                raise DoorbellRefused(
+                    f"cannot connect to the doorbell {path}: {e.strerror or e}"
+                ) from e
+            hello = loader_pb2.DoorbellHello(session_id=session_id, token=token)
+            reader = FrameReader(sock)
+            try:
+                sock.sendall(encode_frame(HELLO, hello.SerializeToString()))
+                frame = reader.read()
+            except (OSError, DataLoss) as e:
+                raise DoorbellRefused(f"the doorbell {path} failed during the hello: {e}") from e
+            if frame is None or frame[0] != WELCOME:
+                raise DoorbellRefused(
+                    f"the server at {path} refused the hello of session {session_id}"
+                )
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        bell = cls(sock, path)
+        bell._reader = reader
+        return bell
+
+    def read(self) -> tuple[int, bytes]:
+        """The next frame from the server.
+
+        Raises:
+            Unavailable: the server closed the connection (it stopped, died or closed the
+                session).
+            DataLoss: a malformed frame.
+        """
+        try:
+            frame = self._reader.read()
+        except OSError as e:
+            raise Unavailable(
+                f"the batchd server's doorbell {self.path} failed: {e.strerror or e}; the "
+                "server may have stopped. Create a new Loader and "
+                "load_state_dict(old.state_dict()) to resume"
+            ) from e
+        if frame is None:
+            raise Unavailable(
+                f"the batchd server closed the doorbell {self.path}: it stopped, or closed "
+                "this session. Create a new Loader and load_state_dict(old.state_dict()) "
+                "to resume"
+            )
+        return frame
+
+    def ack(self, leases: list[int], wait_s: float = 0.0) -> None:
+        """Give these slots back, with anything queued by finalizers; silent once closed."""
+        with self._send_lock:
+            with self._queue_lock:
+                if self._queued:
+                    leases = [*self._queued, *leases]
+                    self._queued.clear()
+            if leases or wait_s > 0:
+                self._send_ack(leases, wait_s)
+
+    def release(self, leases: list[int]) -> None:
+        """Give these slots back from any thread, at once when the socket is free."""
+        if not self._send_lock.acquire(blocking=False):
+            with self._queue_lock:
+                self._queued.extend(leases)
+            return
+        try:
+            with self._queue_lock:
+                leases = [*self._queued, *leases]
+                self._queued.clear()
+            self._send_ack(leases, 0.0)
+        finally:
+            self._send_lock.release()
+
+    def _send_ack(self, leases: list[int], wait_s: float) -> None:
+        if self.closed:
+            return
+        frame = encode_frame(
+            RELEASE, loader_pb2.Ack(leases=leases, wait_s=wait_s).SerializeToString()
+        )
+        try:
+            self._sock.sendall(frame)
+        except OSError:
+            # The server is gone; the next read says so, with the whole story.
+            self.closed = True
+
+    def close(self) -> None:
+        """Idempotent. The server frees the session's slots when it closes the session."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
