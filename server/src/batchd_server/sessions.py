@@ -1,8 +1,9 @@
 """Sessions: one client's view of one split, its ring of slots, and the epochs it streams.
 
 # NOTE [ Slot lifecycle ]
-A session's ring has ``slots`` slots: ``prefetch`` of them, plus a few more when batches are
-small (see ``ring_slots``); each is big enough for one full batch. A slot is
+A session's ring has ``slots`` slots: ``prefetch`` of them, two for the batches in the
+training loop's hands, and a few more when batches are small (see ``ring_slots``); each is
+big enough for one full batch. A slot is
   FREE      -- nobody uses it;
   WORKING   -- a worker has been asked to fill it with batch k (the future is pending);
   DELIVERED -- batch k is in it and the client was told so; the client has not acked it.
@@ -83,6 +84,7 @@ _SLOT_ALIGN = 4096  # page-aligned slots: cudaHostRegister and huge copies like 
 _POLL_S = 0.25
 """How often a waiting stream re-checks that its client is still there."""
 _MAX_PLANS = 2
+_LOOP_SLOTS = 2
 _EXTRA_SLOTS_MAX = 12
 _EXTRA_SLOTS_BYTES = 8 << 20
 _CLOSE_WAIT_S = 60.0
@@ -139,15 +141,17 @@ class Delivered:
 
 
 def ring_slots(prefetch: int, slot_bytes: int) -> int:
-    """Slots for a ring: ``prefetch``, plus up to 12 more while they fit in 8 MiB.
+    """Slots for a ring: ``prefetch``, 2 for the training loop, and up to 12 more in 8 MiB.
 
-    A batch takes a round trip through several threads and processes (ack, dispatch,
-    decode, send) of about 3 ms here, so ``prefetch`` slots cap a stream at roughly
-    ``prefetch / 3 ms`` batches per second, whatever the batch costs to decode. Small batches
-    (records, tokens) hit that cap long before the CPUs are busy; a deeper ring of them costs
-    a few MiB. Image batches of several MiB get exactly ``prefetch``.
+    ``prefetch`` batches are ahead of the loop; the loop itself holds one or two more (a
+    client's default CPU tensors are views of their slot, and the batch just used is still
+    referenced while the next is handed over), which must not come out of the prefetch.
+    A batch's round trip (ack, dispatch, decode, notice) also caps a stream at roughly
+    ``slots`` batches per round trip, whatever the batch costs to decode; small batches
+    (records, tokens) hit that cap long before the CPUs are busy, and a deeper ring of them
+    costs a few MiB.
     """
-    return prefetch + min(_EXTRA_SLOTS_MAX, _EXTRA_SLOTS_BYTES // slot_bytes)
+    return prefetch + _LOOP_SLOTS + min(_EXTRA_SLOTS_MAX, _EXTRA_SLOTS_BYTES // slot_bytes)
 
 
 def slot_layout(fields: list[FieldSpec], batch_size: int) -> tuple[tuple[SlotField, ...], int]:
