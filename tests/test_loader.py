@@ -260,7 +260,7 @@ def test_the_doorbell_answers_only_the_sessions_own_client(server: RunningServer
 
 def test_a_closed_session_ends_a_waiting_loop_with_unavailable(server: RunningServer) -> None:
     """The server closing the session hangs up its doorbell: the loop fails, never hangs."""
-    with _records(server, prefetch=1, batch_size=64) as loader:
+    with _records(server, prefetch=1, batch_size=1) as loader:  # more batches than slots
         session = loader._res.session
         assert session is not None
         it = iter(loader)

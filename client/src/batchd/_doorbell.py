@@ -3,12 +3,12 @@
 An shm batch is a few hundred bytes of news ("batch k is in slot s") and, back, an ack. As a
 gRPC message each way, that news costs the client about a millisecond of CPU per batch on a
 2-core machine: gRPC Python hands every message between several threads (about 25 context
-switches per batch, measured in ``bench/README.md``). A server therefore also listens on a
-unix socket in the directory of its segments, and a client that maps a session's ring
-connects there once per session. Batch notices and acks then travel as frames on that
-socket: one ``send`` and one ``recv`` per batch, on the thread that needs them. gRPC keeps
-the control plane: opening and closing sessions, starting a stream, and errors (the call's
-status).
+switches per batch, measured in ``bench/README.md``), and a new call per epoch costs
+several more. A server therefore also listens on a unix socket in the directory of its
+segments, and a client that maps a session's ring connects there once per session. Its shm
+streams then run entirely as frames on that socket: one ``send`` and one ``recv`` per batch,
+on the thread that needs them. gRPC keeps opening and closing sessions, the catalog, and
+inline streams.
 
 A frame is a 4-byte little-endian payload length, one kind byte and a protobuf payload:
 
@@ -17,9 +17,12 @@ kind  direction           payload
 ====  ==================  =======================================================
 H     client -> server    ``DoorbellHello`` (session id and ring token); first frame
 W     server -> client    empty: the hello was accepted
+S     client -> server    ``StreamStart`` (``seq``, ``held_leases``): start a stream
+A     server -> client    ``StreamBatchesResponse`` (``accepted``, ``seq``): it started
 B     server -> client    ``StreamBatchesResponse``: a batch is in a slot (``lease``)
-E     server -> client    ``StreamBatchesResponse`` with ``seq``: that call ended
 R     client -> server    ``Ack`` with ``leases``: these slots may be reused
+C     client -> server    ``DoorbellCancel``: stop the stream of ``seq``
+E     server -> client    ``DoorbellEnd``: the stream of ``seq`` is over (or failed)
 ====  ==================  =======================================================
 
 Both packages use this module: the framing is defined once.
@@ -40,11 +43,14 @@ from batchd._proto.batchd.v1 import loader_pb2
 from batchd.errors import DataLoss, Unavailable
 
 __all__ = [
+    "ACCEPTED",
     "BATCH",
+    "CANCEL",
     "END",
     "HELLO",
     "MAX_FRAME_BYTES",
     "RELEASE",
+    "START",
     "WELCOME",
     "ClientDoorbell",
     "DoorbellRefused",
@@ -55,9 +61,12 @@ __all__ = [
 
 HELLO: Final = ord("H")
 WELCOME: Final = ord("W")
+START: Final = ord("S")
+ACCEPTED: Final = ord("A")
 BATCH: Final = ord("B")
-END: Final = ord("E")
 RELEASE: Final = ord("R")
+CANCEL: Final = ord("C")
+END: Final = ord("E")
 MAX_FRAME_BYTES: Final = 64 << 20
 """Far above any real frame (a batch's failed ids at most); a longer one is a broken peer."""
 _HEADER: Final = struct.Struct("<IB")
@@ -198,6 +207,17 @@ class ClientDoorbell:
                 "to resume"
             )
         return frame
+
+    def send(self, kind: int, message: Message) -> None:
+        """Send one frame (from the iterating thread); silent once closed (reads tell why)."""
+        frame = encode_frame(kind, message.SerializeToString())
+        with self._send_lock:
+            if self.closed:
+                return
+            try:
+                self._sock.sendall(frame)
+            except OSError:
+                self.closed = True
 
     def ack(self, leases: list[int], wait_s: float = 0.0) -> None:
         """Give these slots back, with anything queued by finalizers; silent once closed."""

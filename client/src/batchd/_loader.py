@@ -440,13 +440,7 @@ class Loader:
         if session.ring is not None:
             start.seq = session.streams
             start.held_leases.extend(session.delivery.lent())
-            stream = ShmStream(
-                self._res.stub,
-                start,
-                ring=session.ring,
-                target=self._res.target,
-                timeout_s=self._timeout_s,
-            )
+            stream = ShmStream(start, ring=session.ring)
         else:
             stream = BatchStream(
                 self._res.stub, start, target=self._res.target, timeout_s=self._timeout_s

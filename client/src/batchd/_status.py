@@ -16,7 +16,13 @@ import grpc
 from batchd import errors
 from batchd.errors import BatchdError
 
-__all__ = ["ERROR_CLASS_BY_CODE", "ERROR_CLASS_KEY", "error_from_rpc", "status_code_for"]
+__all__ = [
+    "ERROR_CLASS_BY_CODE",
+    "ERROR_CLASS_KEY",
+    "error_from_rpc",
+    "error_named",
+    "status_code_for",
+]
 
 ERROR_CLASS_KEY = "batchd-error-class"
 """Trailing-metadata key carrying the ``batchd.errors`` class name of a failed call."""
@@ -56,6 +62,11 @@ def _class_named(name: str | None, base: type[BatchdError]) -> type[BatchdError]
         return base
     cls = getattr(errors, name)
     return cls if isinstance(cls, type) and issubclass(cls, base) else base
+
+
+def error_named(name: str, message: str) -> BatchdError:
+    """The ``batchd.errors`` exception the server named (``BatchdError`` for unknown names)."""
+    return _class_named(name, BatchdError)(message)
 
 
 def error_from_rpc(

@@ -10,10 +10,10 @@ slot back by acking the lease. The segment starts with a token the server also s
 ``inline``: the bytes travel in ``StreamBatchesResponse.data``, a few MiB per message; the
 client reassembles each batch into one buffer of its own.
 
-One pass over an epoch is one ``StreamBatches`` call: :class:`ShmStream` (the call carries
-only the start, the acceptance and the final status; batches and acks go over the doorbell)
-or :class:`BatchStream` (inline: requests go in through a queue that gRPC's sending thread
-drains, batches come out of the call in order).
+One pass over an epoch is a stream: :class:`ShmStream` runs on the session's doorbell
+(start, batch notices, acks, end: no gRPC at all), :class:`BatchStream` is one inline
+``StreamBatches`` call (requests go in through a queue that gRPC's sending thread drains,
+batches come out of the call in order).
 """
 
 from __future__ import annotations
@@ -32,10 +32,19 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from batchd._doorbell import BATCH, END, ClientDoorbell, DoorbellRefused, parse
+from batchd._doorbell import (
+    ACCEPTED,
+    BATCH,
+    CANCEL,
+    END,
+    START,
+    ClientDoorbell,
+    DoorbellRefused,
+    parse,
+)
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
-from batchd._status import error_from_rpc
-from batchd.errors import DataLoss, FailedPrecondition
+from batchd._status import error_from_rpc, error_named
+from batchd.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
 
 __all__ = [
     "SHM_DIR",
@@ -463,48 +472,60 @@ class BatchStream:
 
 
 class ShmStream:
-    """One shm ``StreamBatches`` call: the call starts and ends it, the doorbell carries it.
+    """One shm stream, run on the session's doorbell: start, batches, acks, end.
 
-    The constructor waits for the server's ``accepted`` message, so a session the server
+    The constructor waits for the server to accept the start, so a session the server
     forgot raises NotFound here, before any batch is awaited.
 
     Args:
-        stub: The Loader stub of the session's channel.
-        start: The call's first message (``seq`` and ``held_leases`` set).
+        start: The stream's StreamStart (``seq`` and ``held_leases`` set).
         ring: The session's mapped ring, with its doorbell.
-        target: For error messages.
-        timeout_s: For error messages.
 
     Raises:
-        BatchdError: the server refused the stream.
+        BatchdError: the server refused the stream (NotFound when the session is gone).
     """
 
-    def __init__(
-        self,
-        stub: loader_pb2_grpc.LoaderStub,
-        start: loader_pb2.StreamStart,
-        *,
-        ring: ShmRing,
-        target: str,
-        timeout_s: float,
-    ) -> None:
+    def __init__(self, start: loader_pb2.StreamStart, *, ring: ShmRing) -> None:
         assert ring.doorbell is not None, "select_transport connects the doorbell"
         self._ring = ring
         self._bell = ring.doorbell
         self._seq = start.seq
-        self._call = _Call(stub, start, target=target, timeout_s=timeout_s)
+        self._ended = False
+        self._bell.send(START, start)
         try:
-            first = self._call.next_message()
-        except BaseException:
-            self._call.cancel()
-            raise
-        if first is None or not first.accepted:
-            self._call.cancel()
+            kind, _ = self._next_frame()
+        except Unavailable as e:
+            # The server hangs up a session's doorbell when it closes the session (its lease
+            # expired while the loop was busy elsewhere, say): the session is gone.
+            raise NotFound(
+                f"session {start.session_id} is gone (its doorbell is closed: {e})"
+            ) from e
+        if kind != ACCEPTED:
             raise DataLoss(
-                "the server answered an shm StreamStart with "
-                f"{'nothing' if first is None else 'a batch'} instead of accepting it; client "
-                "and server disagree on the wire format (upgrade both to the same version)"
+                f"the server answered a StreamStart with a frame of kind {kind!r}; client and "
+                "server disagree on the wire format (upgrade both to the same batchd version)"
             )
+
+    def _next_frame(self) -> tuple[int, Any]:
+        """The next frame of this stream (others' are skipped); an error end raises."""
+        while True:
+            kind, payload = self._bell.read()
+            if kind in (ACCEPTED, BATCH):
+                msg: Any = parse(loader_pb2.StreamBatchesResponse, payload)
+            elif kind == END:
+                msg = parse(loader_pb2.DoorbellEnd, payload)
+            else:
+                raise DataLoss(
+                    f"the doorbell sent a frame of kind {kind!r}; client and server disagree "
+                    "on the wire format (upgrade both to the same batchd version)"
+                )
+            if msg.seq != self._seq:
+                continue  # a frame of an earlier stream, still on its way when it ended
+            if kind == END:
+                self._ended = True
+                if msg.error_class:
+                    raise error_named(msg.error_class, msg.message)
+            return kind, msg
 
     def ack(self, leases: Sequence[int], wait_s: float) -> None:
         """Give these slots back to the server (each is a credit for one more batch)."""
@@ -512,43 +533,38 @@ class ShmStream:
             self._bell.ack(list(leases), wait_s)
 
     def receive(self) -> ReceivedBatch | None:
-        """The next batch of this stream; None when the server ended the call well.
-
-        Frames of earlier streams of the session (still on their way when this one started)
-        are skipped: their slots were given back by this stream's ``held_leases``.
+        """The next batch of this stream; None when the server ended it.
 
         Raises:
-            BatchdError: the call failed (its status), the doorbell closed (Unavailable), or
-                the server broke the wire format (DataLoss).
+            BatchdError: the stream failed (the server's error), the doorbell closed
+                (Unavailable), or the server broke the wire format (DataLoss).
         """
-        while True:
-            kind, payload = self._bell.read()
-            if kind not in (BATCH, END):
-                raise DataLoss(
-                    f"the doorbell sent a frame of kind {kind!r}; client and server disagree on "
-                    "the wire format (upgrade both to the same batchd version)"
-                )
-            msg = parse(loader_pb2.StreamBatchesResponse, payload)
-            if msg.seq != self._seq:
-                continue
-            if kind == BATCH:
-                return self._ring.batch(msg)
-            extra = self._call.next_message()  # the call's status: None, or it raises
-            if extra is not None:
-                raise DataLoss(
-                    "the server sent a second message on an shm stream; client and server "
-                    "disagree on the wire format"
-                )
+        if self._ended:
             return None
+        kind, msg = self._next_frame()
+        if kind == BATCH:
+            return self._ring.batch(msg)
+        if kind == END:
+            return None
+        raise DataLoss("the server accepted an shm stream twice; client and server disagree")
 
     def finish(self) -> None:
-        """End the call after the epoch's last batch.
+        """Wait for the server's end of the stream after the epoch's last batch.
 
         Raises:
-            BatchdError: the call ended with an error.
+            DataLoss: the server sent more batches than the epoch has.
+            BatchdError: the stream ended with an error.
         """
-        self._call.finish("on the call of an shm stream")
+        while not self._ended:
+            kind, msg = self._next_frame()
+            if kind == BATCH:
+                raise DataLoss(
+                    f"the server sent batch {msg.batch_index} after the epoch's last batch; "
+                    "client and server disagree on the epoch's plan"
+                )
 
     def cancel(self) -> None:
-        """Abandon the call (the consumer stopped early). Idempotent."""
-        self._call.cancel()
+        """Abandon the stream (the consumer stopped early). Idempotent."""
+        if not self._ended:
+            self._ended = True
+            self._bell.send(CANCEL, loader_pb2.DoorbellCancel(seq=self._seq))

@@ -1,11 +1,13 @@
-"""The server's end of the doorbell: shm streams' batch notices out, slot acks in.
+"""The server's end of the doorbell, where shm streams run: starts and acks in, batches out.
 
 The protocol and the reason for it are in the client's ``batchd/_doorbell.py``. Here: one
 listening unix socket per server instance, beside its segments in the shm directory
 (``batchd-<instance>-bell-<random>``, mode 0600, so only who may open the segments may
 connect, and a sweep removes it with the segments of a dead instance). Each connection says
 hello for one session, proving with the ring's token that it mapped the segment, and then
-gets a thread that applies its acks. Batch notices are written by the stream's RPC thread.
+gets a thread that reads its frames: acks are applied at once, a StreamStart starts a
+thread that streams the epoch's batch notices, a cancel ends that stream. A connection that
+closes (the client exited or died) ends its stream; the session's lease does the rest.
 """
 
 from __future__ import annotations
@@ -19,23 +21,30 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from google.protobuf.message import Message
+
 from batchd._doorbell import (
+    ACCEPTED,
     BATCH,
+    CANCEL,
     END,
     HELLO,
     RELEASE,
+    START,
     WELCOME,
     FrameReader,
     encode_frame,
     parse,
 )
 from batchd._proto.batchd.v1 import loader_pb2 as pb
+from batchd._status import status_code_for
 from batchd.errors import BatchdError
 from batchd_server import metrics
-from batchd_server.errors import FailedPrecondition, NotFound
+from batchd_server.api.sessions import shm_notice
+from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound
 
 if TYPE_CHECKING:
-    from batchd_server.sessions import SessionManager
+    from batchd_server.sessions import Session, SessionManager, Stream
 
 __all__ = ["DoorbellServer", "ServerBell"]
 
@@ -46,14 +55,18 @@ _MAX_UNIX_PATH_BYTES: Final = 107
 
 
 class ServerBell:
-    """One client's doorbell connection, attached to its session."""
+    """One client's doorbell connection, attached to its session, and its streams."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, session: Session) -> None:
         self._sock = sock
+        self._session = session
         self._lock = threading.Lock()
         self.closed = False
+        self._streams: dict[int, Stream] = {}
+        """seq -> running stream (normally one: a new start ends the previous)."""
+        self._cancelled: set[int] = set()
 
-    def send(self, kind: int, message: pb.StreamBatchesResponse) -> bool:
+    def send(self, kind: int, message: Message) -> bool:
         """Send one frame; False when the client is gone (the connection failed)."""
         frame = encode_frame(kind, message.SerializeToString())
         with self._lock:
@@ -66,17 +79,70 @@ class ServerBell:
                 return False
         return True
 
-    def send_batch(self, message: pb.StreamBatchesResponse) -> bool:
-        return self.send(BATCH, message)
+    def start(self, start: pb.StreamStart) -> None:
+        """Run the stream ``start`` asks for in a thread of its own."""
+        thread = threading.Thread(
+            target=self._stream, args=(start,), name="batchd-bell-stream", daemon=True
+        )
+        thread.start()
 
-    def send_end(self, seq: int) -> bool:
-        return self.send(END, pb.StreamBatchesResponse(seq=seq))
+    def _stream(self, start: pb.StreamStart) -> None:
+        session, seq = self._session, start.seq
+        stream = None
+        end = pb.DoorbellEnd(seq=seq)
+        try:
+            if start.session_id and start.session_id != session.id:
+                raise InvalidArgument(
+                    f"StreamStart for session {start.session_id} on the doorbell of {session.id}"
+                )
+            stream = session.start_stream(
+                start.epoch, start.start_batch, held_leases=start.held_leases
+            )
+            with self._lock:
+                cancelled = seq in self._cancelled
+                self._streams[seq] = stream
+            if cancelled or not self.send(
+                ACCEPTED, pb.StreamBatchesResponse(accepted=True, seq=seq)
+            ):
+                return
+            for delivered in session.batches(stream, lambda: not self.closed):
+                if not self.send(BATCH, shm_notice(delivered, seq)):
+                    return  # the client hung up; its session's lease takes it from here
+        except Exception as e:
+            mapped = status_code_for(e)
+            if mapped is None:
+                logger.exception("session %s: stream %d failed", session.id, seq)
+                end.error_class = "BatchdError"
+                end.message = (
+                    f"internal error in batchd-server ({type(e).__name__}: {e}); see its log"
+                )
+            else:
+                end.error_class, end.message = mapped[1], str(e)
+        finally:
+            if stream is not None:
+                session.end_stream(stream)
+            with self._lock:
+                self._streams.pop(seq, None)
+                self._cancelled.discard(seq)
+            self.send(END, end)
+
+    def cancel(self, seq: int) -> None:
+        with self._lock:
+            stream = self._streams.get(seq)
+            if stream is None:
+                self._cancelled.add(seq)  # not started yet: it ends as soon as it does
+        if stream is not None:
+            self._session.end_stream(stream)
 
     def close(self) -> None:
-        """Hang up (the client's next read fails); the reader thread then ends. Idempotent."""
+        """Hang up (the client's next read fails) and end its streams. Idempotent."""
         self.closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            self._session.end_stream(stream)
 
 
 class DoorbellServer:
@@ -162,7 +228,7 @@ class DoorbellServer:
                 )
                 return
             conn.settimeout(None)
-            bell = ServerBell(conn)
+            bell = ServerBell(conn, session)
             session.attach_bell(bell)
             conn.sendall(encode_frame(WELCOME))
             while True:
@@ -170,15 +236,20 @@ class DoorbellServer:
                 if frame is None:
                     return
                 kind, payload = frame
-                if kind != RELEASE:
+                if kind == RELEASE:
+                    ack = parse(pb.Ack, payload)
+                    session.release(list(ack.leases))
+                    if ack.wait_s > 0:
+                        metrics.CLIENT_WAIT_SECONDS.inc(ack.wait_s)
+                elif kind == START:
+                    bell.start(parse(pb.StreamStart, payload))
+                elif kind == CANCEL:
+                    bell.cancel(parse(pb.DoorbellCancel, payload).seq)
+                else:
                     logger.warning(
                         "doorbell: session %s sent a frame of kind %r; closed", session.id, kind
                     )
                     return
-                ack = parse(pb.Ack, payload)
-                session.release(list(ack.leases))
-                if ack.wait_s > 0:
-                    metrics.CLIENT_WAIT_SECONDS.inc(ack.wait_s)
         except (OSError, BatchdError) as e:
             logger.debug("doorbell connection ended: %s", e)
         finally:

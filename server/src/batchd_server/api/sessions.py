@@ -16,7 +16,13 @@ from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.sampling import SamplerOptions
 from batchd_server.sessions import Delivered, Session, SessionManager, SessionOptions, Stream
 
-__all__ = ["INLINE_CHUNK_BYTES", "open_session", "session_options", "stream_batches"]
+__all__ = [
+    "INLINE_CHUNK_BYTES",
+    "open_session",
+    "session_options",
+    "shm_notice",
+    "stream_batches",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +152,21 @@ def _read_acks(
         pass
 
 
+def shm_notice(delivered: Delivered, seq: int) -> pb.StreamBatchesResponse:
+    """The doorbell notice of an shm batch of the stream ``seq`` (counted as served)."""
+    views, total = _views(delivered, inline=False)
+    metrics.BYTES_SERVED.labels(transport="shm").inc(total)
+    return pb.StreamBatchesResponse(
+        batch_index=delivered.batch_index,
+        slot=delivered.slot,
+        rows=delivered.rows,
+        fields=views,
+        failed_sample_ids=delivered.failed_sample_ids,
+        lease=delivered.lease,
+        seq=seq,
+    )
+
+
 def _views(delivered: Delivered, *, inline: bool) -> tuple[list[pb.FieldView], int]:
     """The batch's field views and its inline size; inline fields are packed at 64-byte
     boundaries (as in a slot) so the client can view them without realigning."""
@@ -204,8 +225,10 @@ def stream_batches(
     start = first.start
     session = sessions.get(start.session_id)
     if start.transport == pb.TRANSPORT_SHM:
-        yield from _shm_stream(session, start, requests, context)
-        return
+        raise FailedPrecondition(
+            "shm streams run on the session's doorbell (RingLayout.doorbell), not as a "
+            "StreamBatches call; send the StreamStart there, or use TRANSPORT_INLINE"
+        )
     stream = session.start_stream(start.epoch, start.start_batch)
     # The callback runs however the call ends, even while this generator is suspended in a
     # yield that grpc will never resume (a client killed mid-epoch).
@@ -219,51 +242,3 @@ def stream_batches(
             yield from _inline_messages(session, delivered)
     finally:
         session.end_stream(stream)
-
-
-def _shm_stream(
-    session: Session,
-    start: pb.StreamStart,
-    requests: Iterator[pb.StreamBatchesRequest],
-    context: grpc.ServicerContext,
-) -> Iterator[pb.StreamBatchesResponse]:
-    """An shm stream: accepted on the call, then batches on the session's doorbell.
-
-    Ends with an 'E' frame on the doorbell however it ends, so a client waiting there for a
-    batch reads the call's status next (an error such as DataLoss, or the end).
-    """
-    bell = session.bell
-    if bell is None:
-        raise FailedPrecondition(
-            f"session {session.id}: an shm stream needs the session's doorbell connection "
-            "(RingLayout.doorbell); connect and say hello before StreamStart, or use "
-            "TRANSPORT_INLINE"
-        )
-    stream = session.start_stream(start.epoch, start.start_batch, held_leases=start.held_leases)
-    context.add_callback(lambda: session.end_stream(stream))
-    # Nothing comes on the call any more but its half-close; the thread notices that.
-    reader = threading.Thread(
-        target=_read_acks, args=(requests, session, stream), name="batchd-acks", daemon=True
-    )
-    reader.start()
-    seq = start.seq
-    try:
-        yield pb.StreamBatchesResponse(accepted=True, seq=seq)
-        alive = lambda: context.is_active() and not bell.closed  # noqa: E731
-        for delivered in session.batches(stream, alive):
-            views, total = _views(delivered, inline=False)
-            metrics.BYTES_SERVED.labels(transport="shm").inc(total)
-            notice = pb.StreamBatchesResponse(
-                batch_index=delivered.batch_index,
-                slot=delivered.slot,
-                rows=delivered.rows,
-                fields=views,
-                failed_sample_ids=delivered.failed_sample_ids,
-                lease=delivered.lease,
-                seq=seq,
-            )
-            if not bell.send_batch(notice):
-                return  # the client hung up; its session's lease takes it from here
-    finally:
-        session.end_stream(stream)
-        bell.send_end(seq)

@@ -325,6 +325,22 @@ class StreamBatchesResponse(_message.Message):
     accepted: bool
     def __init__(self, batch_index: _Optional[int] = ..., slot: _Optional[int] = ..., rows: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldView, _Mapping]]] = ..., failed_sample_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., more: _Optional[bool] = ..., inline_bytes: _Optional[int] = ..., lease: _Optional[int] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
+class DoorbellEnd(_message.Message):
+    __slots__ = ("seq", "error_class", "message")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    error_class: str
+    message: str
+    def __init__(self, seq: _Optional[int] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DoorbellCancel(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -97,7 +97,8 @@ class LoaderServicer:
         request is a StreamStart; the rest are Acks. The server keeps at most RingLayout.slots
         batches unacknowledged: an Ack frees the batch's slot and is the credit for the next one.
         One stream per session at a time: a new one ends the session's previous stream. A
-        sample the policy cannot absorb ends the stream with DATA_LOSS.
+        sample the policy cannot absorb ends the stream with DATA_LOSS. This call serves
+        TRANSPORT_INLINE; shm streams run on the session's doorbell (RingLayout.doorbell).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
