@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 import batchd
 from batchd import errors
 from batchd._doorbell import ClientDoorbell, DoorbellRefused
+from batchd_server import metrics
 from batchd_server.api import RunningServer
 from batchd_server.catalog.schema import sample_errors
 
@@ -224,6 +225,19 @@ def test_default_batches_lend_their_slot_until_the_loop_drops_them(
         rest = list(it)
         assert len(rest) == len(loader) - delivery.max_lent - 3
         assert delivery.copies == 3  # one batch held at a time: lent, never copied
+
+
+def test_the_loops_wait_for_data_reaches_the_servers_metric(server: RunningServer) -> None:
+    """The loop's wait rides on the doorbell's acks into batchd_client_wait_seconds_total."""
+
+    def reported() -> float:
+        return metrics.REGISTRY.get_sample_value("batchd_client_wait_seconds_total") or 0.0
+
+    before = reported()
+    with _records(server, prefetch=2, batch_size=4) as loader:
+        assert len(_epoch_ids(loader)) == len(loader) and loader.wait_s > 0
+        _until(lambda: reported() > before, "a wait report")
+        assert reported() - before <= loader.wait_s + 1e-9
 
 
 def test_zero_copy_batches_are_acked_when_the_next_one_is_asked_for(

@@ -147,6 +147,7 @@ class ClientDoorbell:
         self._send_lock = threading.Lock()
         self._queued: list[int] = []
         self._queue_lock = threading.Lock()
+        self._wait_s = 0.0
         self.closed = False
 
     @classmethod
@@ -220,14 +221,20 @@ class ClientDoorbell:
                 self.closed = True
 
     def ack(self, leases: list[int], wait_s: float = 0.0) -> None:
-        """Give these slots back, with anything queued by finalizers; silent once closed."""
+        """Give these slots back, with anything queued by finalizers; silent once closed.
+
+        ``wait_s`` (the loop's wait for data, for the server's metrics) rides along with the
+        next frame that carries leases: lent batches go back from their finalizers, and a
+        frame for the wait alone would double the frames per batch.
+        """
         with self._send_lock:
+            self._wait_s += wait_s
             with self._queue_lock:
                 if self._queued:
                     leases = [*self._queued, *leases]
                     self._queued.clear()
-            if leases or wait_s > 0:
-                self._send_ack(leases, wait_s)
+            if leases:
+                self._send_ack(leases)
 
     def release(self, leases: list[int]) -> None:
         """Give these slots back from any thread, at once when the socket is free."""
@@ -239,18 +246,18 @@ class ClientDoorbell:
             with self._queue_lock:
                 leases = [*self._queued, *leases]
                 self._queued.clear()
-            self._send_ack(leases, 0.0)
+            self._send_ack(leases)
         finally:
             self._send_lock.release()
 
-    def _send_ack(self, leases: list[int], wait_s: float) -> None:
+    def _send_ack(self, leases: list[int]) -> None:
+        """Under the send lock."""
         if self.closed:
             return
-        frame = encode_frame(
-            RELEASE, loader_pb2.Ack(leases=leases, wait_s=wait_s).SerializeToString()
-        )
+        ack = loader_pb2.Ack(leases=leases, wait_s=self._wait_s)
+        self._wait_s = 0.0
         try:
-            self._sock.sendall(frame)
+            self._sock.sendall(encode_frame(RELEASE, ack.SerializeToString()))
         except OSError:
             # The server is gone; the next read says so, with the whole story.
             self.closed = True

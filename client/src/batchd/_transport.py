@@ -529,8 +529,7 @@ class ShmStream:
 
     def ack(self, leases: Sequence[int], wait_s: float) -> None:
         """Give these slots back to the server (each is a credit for one more batch)."""
-        if leases or wait_s > 0:
-            self._bell.ack(list(leases), wait_s)
+        self._bell.ack(list(leases), wait_s)
 
     def receive(self) -> ReceivedBatch | None:
         """The next batch of this stream; None when the server ended it.
