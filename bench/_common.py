@@ -255,6 +255,24 @@ def interleave(*sides: list[Contender]) -> list[Contender]:
     return [c for *_, c in sorted(keyed, key=lambda t: t[:2])]
 
 
+def quiesce(limit_s: float = 2.0) -> float:
+    """Wait until this process's CPU clock stops moving; return the seconds waited.
+
+    torch's OpenMP threads spin for several ms after a parallel op (a 0-worker DataLoader's
+    collate): without this, that spin (~5 ms, ~0.3 ms per batch of a 16-batch epoch) is
+    billed to whichever configuration runs next in the same process.
+    """
+    start = time.monotonic()
+    last = self_cpu_s()
+    while time.monotonic() - start < limit_s:
+        time.sleep(0.02)
+        now = self_cpu_s()
+        if now - last < 0.0005:
+            break
+        last = now
+    return time.monotonic() - start
+
+
 def compete(
     first: list[Contender],
     make_second: Callable[[], list[Contender]],
@@ -267,12 +285,14 @@ def compete(
     """Warm every contender up once, then ``reps`` rounds; returns them all, closed.
 
     Each round runs every contender once, the sides interleaved and the order rotated by one
-    per round, so slow drift of a shared machine spreads over both sides. ``first`` warms up
+    per round, so slow drift of a shared machine spreads over both sides; before each run the
+    process goes quiet (:func:`quiesce`). ``first`` warms up
     before ``make_second`` builds the others: DataLoaders fork their persistent workers
     then, before any batchd Loader (a gRPC channel) of the section exists.
     """
 
     def once(c: Contender) -> Run:
+        quiesce()
         return c.run(batches=batches, warmup_batches=warmup_batches, touch=touch)
 
     second: list[Contender] = []

@@ -19,7 +19,8 @@ only past the batches a loop may hold, which this loop never reaches) and with
 ``zero_copy=True`` (views valid until the next batch), at
 each ``--prefetch`` depth (the first, the Loader's default 4, is the one the targets use).
 Every configuration gets one warm-up pass, then ``--reps`` rounds in which each runs once,
-the order alternating DataLoader and batchd and rotating per round. Neither side caches
+the order alternating DataLoader and batchd and rotating per round, the process quiet
+before each run (see ``quiesce``). Neither side caches
 decoded samples: each epoch decodes every file again (the files are in the page cache for
 both). The loop only counts each batch's rows unless ``--touch`` makes it read every byte.
 
