@@ -471,3 +471,46 @@ def test_iterable_dataset_feeds_a_dataloader_every_sample_once(server: RunningSe
         data = torch.utils.data.DataLoader(batchd.IterableDataset(loader), batch_size=None)
         ids = [i for batch in data for i in batch["sample_id"].tolist()]
     assert len(ids) == len(set(ids)) == N_RECORDS
+
+
+# -- CUDA (run on a machine with a GPU; deselected loudly elsewhere) ----------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("transport", "h2d", "prefetch", "strategy"),
+    [
+        ("shm", "auto", 4, "registered"),
+        ("shm", "auto", 1, "registered"),
+        ("shm", "pinned", 2, "pinned"),
+        ("inline", "auto", 2, "pinned"),
+    ],
+)
+def test_cuda_batches_equal_the_cpu_ones(
+    server: RunningServer,
+    monkeypatch: pytest.MonkeyPatch,
+    transport: str,
+    h2d: str,
+    prefetch: int,
+    strategy: str,
+) -> None:
+    """Batches land on the GPU equal to the CPU run, readable on the consumer's stream."""
+    with _records(server, shuffle=False, transport=transport, device="cpu") as loader:
+        expected = [{name: t.clone() for name, t in batch.items()} for batch in loader]
+    monkeypatch.setattr(batchd.Loader, "_h2d", h2d)
+    options = {"shuffle": False, "transport": transport, "prefetch": prefetch}
+    with _records(server, device="cuda", **options) as loader:
+        session = loader._res.session
+        assert session is not None and loader.transport == transport
+        assert session.delivery.strategy == strategy
+        n = len(loader)
+        got = []
+        for batch in loader:
+            assert {t.device.type for t in batch.values()} == {"cuda"}
+            # Work queued on the consumer stream right away must see the finished copy.
+            got.append({name: (t * 1).cpu() for name, t in batch.items()})
+        assert len(_epoch_ids(loader)) == len(loader)  # a second epoch: the slots came back
+    assert len(got) == len(expected) == n
+    for mine, theirs in zip(got, expected, strict=True):
+        assert sorted(mine) == sorted(theirs)
+        assert all(torch.equal(mine[name], theirs[name]) for name in mine)
