@@ -228,12 +228,11 @@ class CpuDelivery(Delivery):
         # A torch tensor has no read-only flag: a view of a read-only mapping would turn the
         # user's first in-place op into a segfault, so such views are only handed out as
         # NumPy arrays (which do refuse writes).
-        shareable = not (readonly and self._torch is not None)
-        if self._zero_copy and shareable:
-            self._held.append(batch.ack_key)
-            return _as_tensors(self._torch, batch.arrays), []
-        if shareable and not self._zero_copy:
+        if not (readonly and self._torch is not None):
             key = batch.ack_key
+            if self._zero_copy:
+                self._held.append(key)
+                return _as_tensors(self._torch, batch.arrays), []
             with self._lent_lock:
                 lend = len(self._lent) < self.max_lent
                 if lend:

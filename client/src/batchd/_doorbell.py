@@ -55,6 +55,7 @@ __all__ = [
     "ClientDoorbell",
     "DoorbellRefused",
     "FrameReader",
+    "FrameWriter",
     "encode_frame",
     "parse",
 ]
@@ -131,6 +132,41 @@ class DoorbellRefused(Exception):
     """The doorbell cannot be used from here; the message says why."""
 
 
+class FrameWriter:
+    """Frames onto a socket from several threads; ``closed`` once a send failed or it hung up.
+
+    A failed send means the peer is gone: it is not raised, because the reading side learns
+    it too, with the whole story (EOF), and the sender has nothing better to do.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def send(self, kind: int, message: Message) -> bool:
+        """Send one frame; False when the connection is closed or the send failed."""
+        with self.lock:
+            return self.send_locked(kind, message)
+
+    def send_locked(self, kind: int, message: Message) -> bool:
+        """:meth:`send` for a caller that holds ``lock``."""
+        if self.closed:
+            return False
+        try:
+            self.sock.sendall(encode_frame(kind, message.SerializeToString()))
+        except OSError:
+            self.closed = True
+            return False
+        return True
+
+    def hang_up(self) -> None:
+        """Shut the socket down both ways (the peer's read ends); idempotent."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
 class ClientDoorbell:
     """A session's connection to the server's doorbell (see the module docstring).
 
@@ -140,15 +176,17 @@ class ClientDoorbell:
     waiting (it may be running inside that very send, on the same thread).
     """
 
-    def __init__(self, sock: socket.socket, path: Path) -> None:
-        self._sock = sock
+    def __init__(self, sock: socket.socket, reader: FrameReader, path: Path) -> None:
         self.path = path
-        self._reader = FrameReader(sock)
-        self._send_lock = threading.Lock()
+        self._reader = reader
+        self._writer = FrameWriter(sock)
         self._queued: list[int] = []
         self._queue_lock = threading.Lock()
         self._wait_s = 0.0
-        self.closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._writer.closed
 
     @classmethod
     def connect(cls, path: Path, session_id: str, token: bytes) -> ClientDoorbell:
@@ -181,9 +219,7 @@ class ClientDoorbell:
         except BaseException:
             sock.close()
             raise
-        bell = cls(sock, path)
-        bell._reader = reader
-        return bell
+        return cls(sock, reader, path)
 
     def read(self) -> tuple[int, bytes]:
         """The next frame from the server.
@@ -211,14 +247,7 @@ class ClientDoorbell:
 
     def send(self, kind: int, message: Message) -> None:
         """Send one frame (from the iterating thread); silent once closed (reads tell why)."""
-        frame = encode_frame(kind, message.SerializeToString())
-        with self._send_lock:
-            if self.closed:
-                return
-            try:
-                self._sock.sendall(frame)
-            except OSError:
-                self.closed = True
+        self._writer.send(kind, message)
 
     def ack(self, leases: list[int], wait_s: float = 0.0) -> None:
         """Give these slots back, with anything queued by finalizers; silent once closed.
@@ -227,44 +256,32 @@ class ClientDoorbell:
         next frame that carries leases: lent batches go back from their finalizers, and a
         frame for the wait alone would double the frames per batch.
         """
-        with self._send_lock:
+        with self._writer.lock:
             self._wait_s += wait_s
-            with self._queue_lock:
-                if self._queued:
-                    leases = [*self._queued, *leases]
-                    self._queued.clear()
-            if leases:
-                self._send_ack(leases)
+            self._send_ack_locked(leases)
 
     def release(self, leases: list[int]) -> None:
         """Give these slots back from any thread, at once when the socket is free."""
-        if not self._send_lock.acquire(blocking=False):
+        if not self._writer.lock.acquire(blocking=False):
             with self._queue_lock:
                 self._queued.extend(leases)
             return
         try:
-            with self._queue_lock:
+            self._send_ack_locked(leases)
+        finally:
+            self._writer.lock.release()
+
+    def _send_ack_locked(self, leases: list[int]) -> None:
+        """Send ``leases`` and the queued ones, with the wait so far; under the send lock."""
+        with self._queue_lock:
+            if self._queued:
                 leases = [*self._queued, *leases]
                 self._queued.clear()
-            self._send_ack(leases)
-        finally:
-            self._send_lock.release()
-
-    def _send_ack(self, leases: list[int]) -> None:
-        """Under the send lock."""
-        if self.closed:
-            return
-        ack = loader_pb2.Ack(leases=leases, wait_s=self._wait_s)
-        self._wait_s = 0.0
-        try:
-            self._sock.sendall(encode_frame(RELEASE, ack.SerializeToString()))
-        except OSError:
-            # The server is gone; the next read says so, with the whole story.
-            self.closed = True
+        if leases:
+            self._writer.send_locked(RELEASE, loader_pb2.Ack(leases=leases, wait_s=self._wait_s))
+            self._wait_s = 0.0
 
     def close(self) -> None:
         """Idempotent. The server frees the session's slots when it closes the session."""
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        self._writer.hang_up()
+        self._writer.sock.close()

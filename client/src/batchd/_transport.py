@@ -343,79 +343,11 @@ def _requests(
         yield request
 
 
-class _Call:
-    """A ``StreamBatches`` call: requests through a queue, responses read on demand."""
-
-    def __init__(
-        self,
-        stub: loader_pb2_grpc.LoaderStub,
-        start: loader_pb2.StreamStart,
-        *,
-        target: str,
-        timeout_s: float,
-    ) -> None:
-        self._target = target
-        self._timeout_s = timeout_s
-        self._pending: queue.Queue[loader_pb2.StreamBatchesRequest | None] = queue.Queue()
-        self._stop = threading.Event()
-        self._pending.put(loader_pb2.StreamBatchesRequest(start=start))
-        self._call: Any = stub.StreamBatches(_requests(self._pending, self._stop))
-        self._ended = False
-
-    def send(self, request: loader_pb2.StreamBatchesRequest) -> None:
-        self._pending.put(request)
-
-    def next_message(self) -> loader_pb2.StreamBatchesResponse | None:
-        """The call's next response; None once it ended well.
-
-        Raises:
-            BatchdError: the call ended with an error (mapped by ``error_from_rpc``).
-        """
-        if self._ended:
-            return None
-        try:
-            msg: loader_pb2.StreamBatchesResponse = next(self._call)
-        except StopIteration:
-            self._ended = True
-            self._stop.set()
-            return None
-        except grpc.RpcError as e:
-            self._ended = True
-            self._stop.set()
-            raise error_from_rpc(
-                e, target=self._target, method="StreamBatches", timeout_s=self._timeout_s
-            ) from e
-        return msg
-
-    def finish(self, what: str) -> None:
-        """Half-close the requests and read the responses to their end.
-
-        Raises:
-            DataLoss: the server sent another response (``what`` says what it should be).
-            BatchdError: the call ended with an error.
-        """
-        self._pending.put(None)
-        try:
-            extra = self.next_message()
-            if extra is not None:
-                raise DataLoss(
-                    f"the server sent batch {extra.batch_index} {what}; client and server "
-                    "disagree on the epoch's plan"
-                )
-        finally:
-            self._stop.set()
-
-    def cancel(self) -> None:
-        """Abandon the call. Idempotent."""
-        self._stop.set()
-        self._pending.put(None)
-        if not self._ended:
-            self._ended = True
-            self._call.cancel()
-
-
 class BatchStream:
     """One inline ``StreamBatches`` call: StreamStart first, then Acks; batches out in order.
+
+    Requests go in through a queue that gRPC's sending thread drains; responses are read on
+    demand.
 
     Args:
         stub: The Loader stub of the session's channel.
@@ -434,13 +366,19 @@ class BatchStream:
         timeout_s: float,
     ) -> None:
         self._assembler = InlineAssembler()
-        self._call = _Call(stub, start, target=target, timeout_s=timeout_s)
+        self._target = target
+        self._timeout_s = timeout_s
+        self._pending: queue.Queue[loader_pb2.StreamBatchesRequest | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._pending.put(loader_pb2.StreamBatchesRequest(start=start))
+        self._call: Any = stub.StreamBatches(_requests(self._pending, self._stop))
+        self._ended = False
 
     def ack(self, batch_indices: Sequence[int], wait_s: float) -> None:
         """Tell the server these batches arrived (each is a credit for one more)."""
         if batch_indices:
             ack = loader_pb2.Ack(batch_indices=batch_indices, wait_s=wait_s)
-            self._call.send(loader_pb2.StreamBatchesRequest(ack=ack))
+            self._pending.put(loader_pb2.StreamBatchesRequest(ack=ack))
 
     def receive(self) -> ReceivedBatch | None:
         """The next batch, blocking until it is complete; None when the server ended the call.
@@ -450,7 +388,7 @@ class BatchStream:
                 or the server broke the wire format (DataLoss).
         """
         while True:
-            msg = self._call.next_message()
+            msg = self._next_message()
             if msg is None:
                 return None
             batch = self._assembler.feed(msg)
@@ -464,11 +402,41 @@ class BatchStream:
             DataLoss: the server sent more batches than the epoch has.
             BatchdError: the call ended with an error.
         """
-        self._call.finish("after the epoch's last batch")
+        self._pending.put(None)
+        try:
+            extra = self._next_message()
+            if extra is not None:
+                raise DataLoss(
+                    f"the server sent batch {extra.batch_index} after the epoch's last batch; "
+                    "client and server disagree on the epoch's plan"
+                )
+        finally:
+            self._stop.set()
 
     def cancel(self) -> None:
         """Abandon the call (the consumer stopped early). Idempotent."""
-        self._call.cancel()
+        self._stop.set()
+        self._pending.put(None)
+        if not self._ended:
+            self._ended = True
+            self._call.cancel()
+
+    def _next_message(self) -> loader_pb2.StreamBatchesResponse | None:
+        if self._ended:
+            return None
+        try:
+            msg: loader_pb2.StreamBatchesResponse = next(self._call)
+        except StopIteration:
+            self._ended = True
+            self._stop.set()
+            return None
+        except grpc.RpcError as e:
+            self._ended = True
+            self._stop.set()
+            raise error_from_rpc(
+                e, target=self._target, method="StreamBatches", timeout_s=self._timeout_s
+            ) from e
+        return msg
 
 
 class ShmStream:

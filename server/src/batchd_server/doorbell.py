@@ -33,6 +33,7 @@ from batchd._doorbell import (
     START,
     WELCOME,
     FrameReader,
+    FrameWriter,
     encode_frame,
     parse,
 )
@@ -46,38 +47,33 @@ from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound
 if TYPE_CHECKING:
     from batchd_server.sessions import Session, SessionManager, Stream
 
-__all__ = ["DoorbellServer", "ServerBell"]
+__all__ = ["MAX_UNIX_PATH_BYTES", "DoorbellServer", "ServerBell"]
 
 logger = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT_S: Final = 10.0
-_MAX_UNIX_PATH_BYTES: Final = 107
+MAX_UNIX_PATH_BYTES: Final = 107
+"""sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL."""
 
 
 class ServerBell:
     """One client's doorbell connection, attached to its session, and its streams."""
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
-        self._sock = sock
+        self._writer = FrameWriter(sock)
         self._session = session
         self._lock = threading.Lock()
-        self.closed = False
         self._streams: dict[int, Stream] = {}
         """seq -> running stream (normally one: a new start ends the previous)."""
         self._cancelled: set[int] = set()
 
+    @property
+    def closed(self) -> bool:
+        return self._writer.closed
+
     def send(self, kind: int, message: Message) -> bool:
         """Send one frame; False when the client is gone (the connection failed)."""
-        frame = encode_frame(kind, message.SerializeToString())
-        with self._lock:
-            if self.closed:
-                return False
-            try:
-                self._sock.sendall(frame)
-            except OSError:
-                self.closed = True
-                return False
-        return True
+        return self._writer.send(kind, message)
 
     def start(self, start: pb.StreamStart) -> None:
         """Run the stream ``start`` asks for in a thread of its own."""
@@ -136,9 +132,7 @@ class ServerBell:
 
     def close(self) -> None:
         """Hang up (the client's next read fails) and end its streams. Idempotent."""
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+        self._writer.hang_up()
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
@@ -155,14 +149,13 @@ class DoorbellServer:
     def __init__(self, path: Path, sessions: SessionManager) -> None:
         self.path = path
         self._sessions = sessions
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if len(str(path).encode()) > _MAX_UNIX_PATH_BYTES:
-            self._listener.close()
+        if len(str(path).encode()) > MAX_UNIX_PATH_BYTES:
             raise FailedPrecondition(
                 f"the shm directory {path.parent} is too long a path for the doorbell socket "
-                f"{path.name} (unix socket paths have at most {_MAX_UNIX_PATH_BYTES} bytes); "
+                f"{path.name} (unix socket paths have at most {MAX_UNIX_PATH_BYTES} bytes); "
                 "use a shorter BATCHD_SHM_DIR"
             )
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._listener.bind(str(path))
             # Before listen(): until then nobody can connect, so no one slips in before the
@@ -183,11 +176,6 @@ class DoorbellServer:
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept, name="batchd-bell", daemon=True)
         self._acceptor.start()
-
-    @property
-    def name(self) -> str:
-        """The socket's file name, as ``RingLayout.doorbell`` gives it to clients."""
-        return self.path.name
 
     def _accept(self) -> None:
         while True:

@@ -519,6 +519,7 @@ class SessionManager:
         lease_timeout_s: float,
         max_sessions: int,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
+        doorbell: str = "",
     ) -> None:
         self._catalog = catalog
         self._pool = pool
@@ -527,7 +528,7 @@ class SessionManager:
         self._max_sessions = max_sessions
         self._record_errors = record_errors
         self._sessions: dict[str, Session] = {}
-        self.doorbell = ""
+        self.doorbell = doorbell
         """The doorbell socket's name in the shm directory (``RingLayout.doorbell``)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()

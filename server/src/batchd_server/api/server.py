@@ -28,7 +28,7 @@ from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.sample_errors import record_sample_errors
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig
-from batchd_server.doorbell import DoorbellServer
+from batchd_server.doorbell import MAX_UNIX_PATH_BYTES, DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.sessions import SessionManager
 from batchd_server.shm.segments import PREFIX, ShmRegistry
@@ -55,8 +55,6 @@ _KEEPALIVE_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 
-# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
-_MAX_UNIX_PATH_BYTES = 107
 _LISTEN_HINT = "use unix:///path/to/grpc.sock or host:port (port 0 picks a free one)"
 
 
@@ -178,10 +176,10 @@ class RunningServer:
 def _check_unix_path(listen: str, path: Path) -> None:
     """Refuse a socket path that is too long, has no directory, or that a live server holds."""
     size = len(str(path).encode())
-    if size > _MAX_UNIX_PATH_BYTES:
+    if size > MAX_UNIX_PATH_BYTES:
         raise InvalidArgument(
             f"cannot listen on {listen!r}: the socket path is {size} bytes, the limit is "
-            f"{_MAX_UNIX_PATH_BYTES}; choose a shorter path"
+            f"{MAX_UNIX_PATH_BYTES}; choose a shorter path"
         )
     if not path.parent.is_dir():
         raise FailedPrecondition(
@@ -281,6 +279,7 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
     metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
     metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
     catalog = CatalogCache(engine, registry)
+    bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
     sessions = SessionManager(
         catalog=catalog,
         pool=pool,
@@ -288,9 +287,9 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
         lease_timeout_s=config.lease_timeout_s,
         max_sessions=config.max_sessions,
         record_errors=lambda rows: record_sample_errors(engine, rows),
+        doorbell=bell_path.name,
     )
     try:
-        bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
         doorbell = DoorbellServer(bell_path, sessions)
     except BaseException:
         sessions.close_all()
@@ -298,7 +297,6 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
         pool.stop()
         registry.close()
         raise
-    sessions.doorbell = doorbell.name
     return _Parts(registry, pool, catalog, sessions, doorbell)
 
 
