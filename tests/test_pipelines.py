@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import simplejpeg
+import torch
 from PIL import Image
 
 from batchd_server.errors import InvalidArgument
@@ -26,9 +27,6 @@ from batchd_server.pipelines import (
     SampleInfo,
     sample_rng,
 )
-
-BILINEAR = Image.Resampling.BILINEAR
-
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -73,37 +71,48 @@ def reference_shift(short: int, target: int) -> int:
     return max(k for k in range(4) if short >= target * 2**k)
 
 
-def reference_decode(data: bytes, shift: Any) -> Image.Image:
-    """Steps 1-3 without the pipeline: simplejpeg for JPEG, Pillow for the rest."""
+def reference_decode(data: bytes, shift: Any) -> np.ndarray:
+    """Steps 1-3 without the pipeline: simplejpeg for JPEG, Pillow for the rest; HWC RGB."""
     image = Image.open(io.BytesIO(data))
     width, height = image.size
     if image.format != "JPEG":
-        return image.convert("RGB")
+        return np.asarray(image.convert("RGB"))
     k = shift(width, height)
     if k == 0:
-        return Image.fromarray(simplejpeg.decode_jpeg(data))
+        return simplejpeg.decode_jpeg(data)
     scaled_w, scaled_h = math.ceil(width / 2**k), math.ceil(height / 2**k)
     pixels = simplejpeg.decode_jpeg(data, min_width=scaled_w, min_height=scaled_h)
     assert pixels.shape == (scaled_h, scaled_w, 3)
-    return Image.fromarray(pixels)
+    return pixels
 
 
-def reference_centre(data: bytes, size: int, resize: int) -> np.ndarray:
-    """Steps 1-4 and 7: resize the shorter side, centre crop, CHW."""
-    image = reference_decode(data, lambda w, h: reference_shift(min(w, h), resize))
-    width, height = image.size
+def resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Step 4: torch's antialiased bilinear, HWC uint8 in, CHW uint8 out."""
+    chw = torch.from_numpy(np.array(pixels)).permute(2, 0, 1).contiguous()
+    out = torch.nn.functional.interpolate(
+        chw[None], size=(height, width), mode="bilinear", antialias=True
+    )
+    return out[0].numpy()
+
+
+def resize_centre(pixels: np.ndarray, size: int, resize_to: int) -> np.ndarray:
+    """Steps 4, 5 and 8, as torchvision's Resize(resize_to) + CenterCrop(size) compute them."""
+    height, width = pixels.shape[:2]
     short, long = min(width, height), max(width, height)
-    long_resized = round(long * resize / short)
-    new_w, new_h = (resize, long_resized) if width <= height else (long_resized, resize)
-    ox, oy = (new_w - size) // 2, (new_h - size) // 2
-    box = (ox * width / new_w, oy * height / new_h, (ox + size) * width / new_w,
-           (oy + size) * height / new_h)  # fmt: skip
-    out = image.resize((size, size), BILINEAR, box=box)
-    return np.asarray(out).transpose(2, 0, 1)
+    long_resized = int(resize_to * long / short)
+    new_w, new_h = (resize_to, long_resized) if width <= height else (long_resized, resize_to)
+    top, left = round((new_h - size) / 2.0), round((new_w - size) / 2.0)
+    return resize(pixels, new_h, new_w)[:, top : top + size, left : left + size]
+
+
+def reference_centre(data: bytes, size: int, resize_to: int) -> np.ndarray:
+    """Steps 1-5 and 8: DCT-scaled decode, resize the shorter side, centre crop, CHW."""
+    pixels = reference_decode(data, lambda w, h: reference_shift(min(w, h), resize_to))
+    return resize_centre(pixels, size, resize_to)
 
 
 def reference_random(data: bytes, size: int, sample: SampleInfo, flip: bool) -> np.ndarray:
-    """Steps 1-3 and 5-7: torchvision's RandomResizedCrop drawn from the sample's rng."""
+    """Steps 1-4 and 6-8: torchvision's RandomResizedCrop drawn from the sample's rng."""
     original = Image.open(io.BytesIO(data))
     width, height = original.size
     rng = sample_rng(sample.seed, sample.epoch, sample.sample_id)
@@ -117,13 +126,13 @@ def reference_random(data: bytes, size: int, sample: SampleInfo, flip: bool) -> 
     else:
         raise AssertionError("these tests use images where a crop is always found")
     k = reference_shift(min(w, h), size) if original.format == "JPEG" else 0
-    image = reference_decode(data, lambda _w, _h: k)
+    pixels = reference_decode(data, lambda _w, _h: k)
     s = 2**k
-    out = np.asarray(image.resize((size, size), BILINEAR, box=(j / s, i / s, (j + w) / s,
-                                                                (i + h) / s)))  # fmt: skip
+    cut = pixels[i // s : math.ceil((i + h) / s), j // s : math.ceil((j + w) / s)]
+    out = resize(cut, size, size)
     if flip and rng.random() < 0.5:
-        out = out[:, ::-1]
-    return out.transpose(2, 0, 1)
+        out = out[:, :, ::-1]
+    return out
 
 
 # --- images: exact content -------------------------------------------------------------------
@@ -166,10 +175,17 @@ def test_dct_scaled_decoding_stays_close_to_a_full_decode() -> None:
     """The 1/2**k shortcut changes pixels only slightly against full decode + resize."""
     data = encode(photo(960, 720), "JPEG", quality=95)
     got = decode_row(ImagePipeline(size=96), data).astype(np.float64)
-    full = Image.fromarray(simplejpeg.decode_jpeg(data))
-    box = ((960 - 720) / 2, 0.0, (960 + 720) / 2, 720.0)
-    expected = np.asarray(full.resize((96, 96), BILINEAR, box=box)).transpose(2, 0, 1)
+    expected = resize_centre(simplejpeg.decode_jpeg(data), 96, 96)
     assert np.abs(got - expected).mean() < 3.0
+
+
+def test_the_resize_is_within_one_level_of_pillows_bilinear() -> None:
+    """Step 4's torch kernel against Pillow's BILINEAR on the same decoded image."""
+    pixels = photo(500, 375)
+    got = decode_row(ImagePipeline(size=224), encode(pixels, "PNG")).astype(int)
+    pillow = Image.fromarray(pixels).resize((298, 224), Image.Resampling.BILINEAR)
+    expected = np.asarray(pillow)[:, 37:261].transpose(2, 0, 1).astype(int)
+    assert np.abs(got - expected).max() <= 1
 
 
 @pytest.mark.parametrize("mode", ["L", "P", "RGBA", "LA", "1"])
@@ -186,10 +202,9 @@ def test_non_rgb_pngs_are_converted_to_rgb(mode: str) -> None:
 def test_grayscale_and_cmyk_jpegs_decode_like_pillow(decoder: str, mode: str) -> None:
     """JPEGs simplejpeg cannot or should not convert give Pillow's RGB with either decoder."""
     data = encode(photo(60, 50), "JPEG", mode=mode)
-    image = Image.open(io.BytesIO(data)).convert("RGB")
-    expected = np.asarray(image.resize((40, 40), BILINEAR, box=(5.0, 0.0, 55.0, 50.0)))
+    expected = resize_centre(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), 40, 40)
     got = decode_row(ImagePipeline(size=40, decoder=decoder), data)
-    np.testing.assert_array_equal(got, expected.transpose(2, 0, 1))
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_the_format_comes_from_the_bytes_not_the_name(tmp_path: Path) -> None:

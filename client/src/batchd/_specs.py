@@ -158,8 +158,9 @@ class Image:
 
     Args:
         size: Output height and width, in pixels.
-        resize: The shorter side is resized to this before a centre crop of ``size``;
-            default ``size``. Ignored with ``random_crop``.
+        resize: The shorter side is resized to this before a centre crop of ``size``, as
+            torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` do on a ``uint8`` tensor
+            (antialiased bilinear); default ``size``. Ignored with ``random_crop``.
         random_crop: A random-resized crop (area fraction in ``scale``, aspect ratio in
             ``ratio``, as torchvision's ``RandomResizedCrop``) instead of resize + centre crop.
         flip: Flip horizontally with probability 1/2.

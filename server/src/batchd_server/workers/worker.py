@@ -14,6 +14,7 @@ import ctypes
 import logging
 import os
 import signal
+import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -23,6 +24,9 @@ __all__ = ["WorkerError", "worker_main"]
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PRELOAD = ("torch",)
+"""Imported in the background once the worker is ready: torch takes about a second to import,
+which the image pipeline's first batch would otherwise wait for (see ``_preload``)."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +48,27 @@ def _die_with_parent() -> None:
         pass
 
 
+def _preload() -> None:
+    # The image pipeline imports torch on its first decode. A server usually starts long before
+    # its first session, so importing it here, beside an idle worker, takes that second off
+    # the first batch; a task that needs torch meanwhile waits on Python's import lock.
+    for name in _PRELOAD:
+        try:
+            __import__(name)
+        except Exception as e:  # a broken install shows on the first decode that needs it
+            logger.debug("preloading %s failed: %s", name, e)
+
+
 def worker_main(conn: Connection, parent_pid: int, log_level: int) -> None:
     """Serve tasks from ``conn`` until told to stop or the server goes away."""
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
+    # A worker is one core's worth of decoding, and there is one per core: thread pools that
+    # libraries size to the machine (torch's, used by the image resize; OpenMP; BLAS) would
+    # only fight each other and spin idle cores. Set before anything imports them.
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[name] = "1"
     # Ctrl-C goes to the whole process group; the server decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -57,6 +77,7 @@ def worker_main(conn: Connection, parent_pid: int, log_level: int) -> None:
 
     contexts: dict[str, SessionContext] = {}
     conn.send(("ready",))
+    threading.Thread(target=_preload, name="batchd-preload", daemon=True).start()
     try:
         while True:
             try:
