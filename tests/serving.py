@@ -74,6 +74,25 @@ def serve(database_url: str, socket_dir: Path, **config: Any) -> Iterator[Runnin
     assert not survivors, f"processes outlived the server: {survivors}"
 
 
+def install_decoders(site: Path, source: str, entry_points: dict[str, str]) -> str:
+    """A real distribution in ``site`` (put it on sys.path) whose module holds ``source`` and
+    registers ``entry_points`` (name -> attribute, or ``module:attribute`` elsewhere) in the
+    group ``batchd.decoders``. Returns the module's name, unique per ``site``."""
+    module = "batchd_test_decoders_" + "".join(c if c.isalnum() else "_" for c in site.parent.name)
+    dist_info = site / "batchd_test_decoders-0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: batchd-test-decoders\nVersion: 0\n"
+    )
+    lines = [
+        f"{name} = {target if ':' in target else f'{module}:{target}'}"
+        for name, target in entry_points.items()
+    ]
+    (dist_info / "entry_points.txt").write_text("[batchd.decoders]\n" + "\n".join(lines) + "\n")
+    (site / f"{module}.py").write_text(source)
+    return module
+
+
 def image_dataset(
     engine: Engine, root: Path, *, n: int = 40, name: str = "images"
 ) -> dict[str, Any]:

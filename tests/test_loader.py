@@ -24,7 +24,14 @@ from batchd_server import metrics
 from batchd_server.api import RunningServer
 from batchd_server.catalog.schema import sample_errors
 
-from serving import RECORD_FLOATS, image_dataset, record_dataset, serve, token_dataset
+from serving import (
+    RECORD_FLOATS,
+    image_dataset,
+    install_decoders,
+    record_dataset,
+    serve,
+    token_dataset,
+)
 from test_pipelines import reference_centre
 
 N_RECORDS = 203  # prime: no world size or batch size divides it
@@ -453,6 +460,44 @@ def test_too_many_bad_samples_fail_the_session_clearly(engine: Engine, tmp_path:
     ):
         for _ in loader:
             pass
+
+
+THREADS_DECODER = """
+import os
+
+import numpy as np
+import torch
+
+from batchd_server.pipelines.base import FieldSpec, Pipeline
+
+
+class Threads(Pipeline):
+    def fields(self):
+        return [FieldSpec("threads", np.dtype(np.int64), (2,))]
+
+    def decode_into(self, data, sample, row):
+        row["threads"][...] = (torch.get_num_threads(), int(os.environ.get("OMP_NUM_THREADS", 0)))
+"""
+
+
+def test_workers_run_torch_and_openmp_single_threaded(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker per core is the parallelism: inside a worker torch (which resizes images)
+    and OpenMP get one thread, whatever the machine has."""
+    install_decoders(tmp_path / "site", THREADS_DECODER, {"threads": "Threads"})
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))  # before the workers are spawned
+    record_dataset(engine, tmp_path / "r", n=20)
+    url = engine.url.render_as_string(hide_password=False)
+    with (
+        serve(url, tmp_path) as srv,
+        batchd.Loader(
+            srv.address, dataset="records", batch_size=5, pipeline=batchd.Custom("threads")
+        ) as loader,
+    ):
+        seen = np.concatenate([batch["threads"].numpy() for batch in loader])
+    assert seen.shape == (20, 2)
+    assert (seen == 1).all(), f"(torch threads, OMP_NUM_THREADS) in workers: {seen.tolist()}"
 
 
 def test_open_session_errors_say_what_is_wrong(server: RunningServer) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,15 @@ def resize_centre(pixels: np.ndarray, size: int, resize_to: int) -> np.ndarray:
     long_resized = int(resize_to * long / short)
     new_w, new_h = (resize_to, long_resized) if width <= height else (long_resized, resize_to)
     top, left = round((new_h - size) / 2.0), round((new_w - size) / 2.0)
+    # Very long images: only the kept span of the long side is resized.
+    if new_w > 4 * new_h:
+        first = left * width // new_w
+        last = max(first + 1, min(width, math.ceil(Fraction((left + size) * width, new_w))))
+        return resize(pixels[:, first:last], new_h, size)[:, top : top + size]
+    if new_h > 4 * new_w:
+        first = top * height // new_h
+        last = max(first + 1, min(height, math.ceil(Fraction((top + size) * height, new_h))))
+        return resize(pixels[first:last], size, new_w)[:, :, left : left + size]
     return resize(pixels, new_h, new_w)[:, top : top + size, left : left + size]
 
 
@@ -186,6 +196,25 @@ def test_the_resize_is_within_one_level_of_pillows_bilinear() -> None:
     pillow = Image.fromarray(pixels).resize((298, 224), Image.Resampling.BILINEAR)
     expected = np.asarray(pillow)[:, 37:261].transpose(2, 0, 1).astype(int)
     assert np.abs(got - expected).max() <= 1
+
+
+@pytest.mark.parametrize(("width", "height"), [(900, 40), (40, 900), (50_000, 1), (3, 7_000)])
+def test_very_long_images_resize_only_their_kept_span(width: int, height: int) -> None:
+    """Past 4:1 after the resize, only the kept span is resized: exact to the recipe, close to
+    the full resize, and never the full resized image (1 x 50,000 would be 7.5 GB at 224)."""
+    pixels = photo(width, height)
+    data = encode(pixels, "PNG")
+    size = 224 if min(width, height) == 1 else 32
+    got = decode_row(ImagePipeline(size=size), data)
+    np.testing.assert_array_equal(got, reference_centre(data, size, size))
+    if min(width, height) >= 40:  # small enough to resize in full for comparison
+        short, long = min(width, height), max(width, height)
+        new_long = int(size * long / short)
+        new_h, new_w = (size, new_long) if width > height else (new_long, size)
+        full = resize(pixels, new_h, new_w)
+        top, left = round((new_h - size) / 2), round((new_w - size) / 2)
+        expected = full[:, top : top + size, left : left + size].astype(int)
+        assert np.abs(got.astype(int) - expected).mean() < 2.0
 
 
 @pytest.mark.parametrize("mode", ["L", "P", "RGBA", "LA", "1"])

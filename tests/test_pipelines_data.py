@@ -20,6 +20,7 @@ from batchd_server.pipelines import (
     build_pipeline,
 )
 
+from serving import install_decoders
 from test_pipelines import bad_kind, decode_row, info
 
 # --- arrays ----------------------------------------------------------------------------------
@@ -268,30 +269,21 @@ def claims_label(**options):
     return Bad(1)
 """
 
-ENTRY_POINTS = """
-[batchd.decoders]
-reverse = {module}:Reverse
-crashy = {module}:Crashy
-raising = {module}:raising_factory
-notpipe = {module}:not_a_pipeline
-claims_label = {module}:claims_label
-unimportable = batchd_no_such_module_xyz:Thing
-"""
+ENTRY_POINTS = {
+    "reverse": "Reverse",
+    "crashy": "Crashy",
+    "raising": "raising_factory",
+    "notpipe": "not_a_pipeline",
+    "claims_label": "claims_label",
+    "unimportable": "batchd_no_such_module_xyz:Thing",
+}
 
 
 @pytest.fixture
 def decoders_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A real distribution on sys.path registering decoders in group batchd.decoders."""
-    module = f"batchd_test_decoders_{tmp_path.name.replace('-', '_')}"
-    site = tmp_path / "site"
-    dist_info = site / "batchd_test_decoders-0.dist-info"
-    dist_info.mkdir(parents=True)
-    (dist_info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: batchd-test-decoders\nVersion: 0\n"
-    )
-    (dist_info / "entry_points.txt").write_text(ENTRY_POINTS.format(module=module))
-    (site / f"{module}.py").write_text(DECODERS_MODULE)
-    monkeypatch.syspath_prepend(str(site))
+    module = install_decoders(tmp_path / "site", DECODERS_MODULE, ENTRY_POINTS)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
     yield
     monkeypatch.delitem(__import__("sys").modules, module, raising=False)
 

@@ -29,6 +29,11 @@ The recipe, exactly (a test reimplements it and demands equal bytes):
    ``short = min(W, H)``, ``target = resize``, the shorter side becomes ``resize`` and the
    longer ``int(resize * long / short)``, giving ``W' x H'``; the crop starts at
    ``left = round((W' - size) / 2)``, ``top = round((H' - size) / 2)`` (Python ``round``).
+   Very long images (``W' > 4 H'``, or ``H' > 4 W'``) would make that resized image huge
+   (a 1 x 50,000 banner: gigabytes), so for them only the kept span of the long side is
+   resized: for a wide one, columns ``left * W // W'`` up to ``ceil((left + size) * W / W')``
+   of the decoded image become the ``size`` columns (likewise rows for a tall one). That is
+   within a few levels of the full resize, and the memory stays that of the crop.
 6. **Random** (``random_crop=True``): torchvision's ``RandomResizedCrop`` on the full-size
    ``W x H`` (see :func:`random_resized_crop`) gives a box ``(i, j, h, w)``; ``k`` is chosen
    for ``short = min(w, h)``, ``target = size``; the decoded image is cut to rows
@@ -83,6 +88,8 @@ MAX_SIZE: Final = 16384
 _MIN_DCT_TARGET: Final = 8
 _MAX_DCT_SHIFT: Final = 3
 _PILLOW_CMYK: Final = ("CMYK", "YCCK")
+_MAX_RESIZED_ASPECT: Final = 4
+"""Longer than this times the short side after the resize: only the kept span is resized."""
 
 _Rng = np.random.Generator | None
 Crop = tuple[int, int, int, int]
@@ -158,6 +165,12 @@ def centre_crop_plan(width: int, height: int, resize: int, size: int) -> tuple[i
     new_long = int(resize * long / short)
     new_w, new_h = (resize, new_long) if width <= height else (new_long, resize)
     return new_w, new_h, round((new_w - size) / 2), round((new_h - size) / 2)
+
+
+def _kept_span(start: int, size: int, full: int, resized: int) -> slice:
+    """The decoded pixels behind ``[start, start + size)`` of a side resized ``full -> resized``."""
+    first = start * full // resized
+    return slice(first, max(first + 1, min(full, -(-(start + size) * full // resized))))
 
 
 def _pair(name: str, value: Sequence[float], upper: float | None) -> tuple[float, float]:
@@ -253,9 +266,14 @@ class ImagePipeline(Pipeline):
         image = torch.from_numpy(pixels)
         size = self.size
         if crop is None:
-            new_w, new_h, left, top = centre_crop_plan(
-                pixels.shape[1], pixels.shape[0], self.resize, size
-            )
+            height, width = pixels.shape[:2]
+            new_w, new_h, left, top = centre_crop_plan(width, height, self.resize, size)
+            if new_w > _MAX_RESIZED_ASPECT * new_h:
+                image = image[:, _kept_span(left, size, width, new_w)]
+                new_w, left = size, 0
+            elif new_h > _MAX_RESIZED_ASPECT * new_w:
+                image = image[_kept_span(top, size, height, new_h)]
+                new_h, top = size, 0
         else:
             i, j, h, w = crop
             s = 1 << k
