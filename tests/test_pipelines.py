@@ -96,19 +96,22 @@ def resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     return out[0].numpy()
 
 
-def resize_centre(pixels: np.ndarray, size: int, resize_to: int) -> np.ndarray:
-    """Steps 4, 5 and 8, as torchvision's Resize(resize_to) + CenterCrop(size) compute them."""
+def resize_centre(
+    pixels: np.ndarray, size: int, resize_to: int, *, long_span: bool = True
+) -> np.ndarray:
+    """Steps 4, 5 and 8, as torchvision's Resize(resize_to) + CenterCrop(size) compute them;
+    ``long_span=False`` resizes very long images in full too (for comparison only)."""
     height, width = pixels.shape[:2]
     short, long = min(width, height), max(width, height)
     long_resized = int(resize_to * long / short)
     new_w, new_h = (resize_to, long_resized) if width <= height else (long_resized, resize_to)
     top, left = round((new_h - size) / 2.0), round((new_w - size) / 2.0)
     # Very long images: only the kept span of the long side is resized.
-    if new_w > 4 * new_h:
+    if long_span and new_w > 4 * new_h:
         first = left * width // new_w
         last = max(first + 1, min(width, math.ceil(Fraction((left + size) * width, new_w))))
         return resize(pixels[:, first:last], new_h, size)[:, top : top + size]
-    if new_h > 4 * new_w:
+    if long_span and new_h > 4 * new_w:
         first = top * height // new_h
         last = max(first + 1, min(height, math.ceil(Fraction((top + size) * height, new_h))))
         return resize(pixels[first:last], size, new_w)[:, :, left : left + size]
@@ -208,12 +211,7 @@ def test_very_long_images_resize_only_their_kept_span(width: int, height: int) -
     got = decode_row(ImagePipeline(size=size), data)
     np.testing.assert_array_equal(got, reference_centre(data, size, size))
     if min(width, height) >= 40:  # small enough to resize in full for comparison
-        short, long = min(width, height), max(width, height)
-        new_long = int(size * long / short)
-        new_h, new_w = (size, new_long) if width > height else (new_long, size)
-        full = resize(pixels, new_h, new_w)
-        top, left = round((new_h - size) / 2), round((new_w - size) / 2)
-        expected = full[:, top : top + size, left : left + size].astype(int)
+        expected = resize_centre(pixels, size, size, long_span=False).astype(int)
         assert np.abs(got.astype(int) - expected).mean() < 2.0
 
 

@@ -45,8 +45,9 @@ The recipe, exactly (a test reimplements it and demands equal bytes):
 8. The result is written to the row as ``(3, size, size)``.
 
 All randomness comes from ``SampleInfo.rng()``, so every worker decodes a sample the same
-way in a given epoch. torch is imported on the first decode, not with this module, so a
-server that never decodes images never loads it; workers run it single-threaded (see
+way in a given epoch. torch is imported where the resize runs, not with this module: the
+server's own process builds pipelines to check a session's options and never needs it. Workers
+import it in the background as soon as they are ready and run it single-threaded (see
 ``workers/worker.py``).
 """
 
@@ -72,15 +73,7 @@ except ImportError:  # pragma: no cover - simplejpeg is an optional speed-up
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "DECODERS",
-    "MAX_SIZE",
-    "ImagePipeline",
-    "centre_crop_plan",
-    "dct_shift",
-    "random_resized_crop",
-    "sniff",
-]
+__all__ = ["DECODERS", "MAX_SIZE", "ImagePipeline", "dct_shift", "random_resized_crop", "sniff"]
 
 DECODERS: Final = ("auto", "pillow")
 MAX_SIZE: Final = 16384
@@ -159,7 +152,7 @@ def random_resized_crop(
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def centre_crop_plan(width: int, height: int, resize: int, size: int) -> tuple[int, int, int, int]:
+def _centre_crop_plan(width: int, height: int, resize: int, size: int) -> tuple[int, int, int, int]:
     """Step 5 of the recipe: ``(new_w, new_h, left, top)`` for a ``width x height`` image."""
     short, long = min(width, height), max(width, height)
     new_long = int(resize * long / short)
@@ -267,7 +260,7 @@ class ImagePipeline(Pipeline):
         size = self.size
         if crop is None:
             height, width = pixels.shape[:2]
-            new_w, new_h, left, top = centre_crop_plan(width, height, self.resize, size)
+            new_w, new_h, left, top = _centre_crop_plan(width, height, self.resize, size)
             if new_w > _MAX_RESIZED_ASPECT * new_h:
                 image = image[:, _kept_span(left, size, width, new_w)]
                 new_w, left = size, 0
