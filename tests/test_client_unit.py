@@ -32,9 +32,11 @@ import pytest
 import torch
 
 import batchd
+from batchd._inline import InlineAssembler
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._shm import SHM_DIR, ShmRing
 from batchd._specs import resolve_rank
-from batchd._transport import SHM_DIR, InlineAssembler, ShmRing, select_transport
+from batchd._transport import select_transport
 from batchd.errors import (
     DataLoss,
     FailedPrecondition,
@@ -277,7 +279,7 @@ def test_a_ring_with_the_right_token_maps_and_reads_its_slots_in_place(segment: 
         batch = ring.batch(
             _response(5, 1, [("sample_id", "<i8", [3], 0), ("array", "<f4", [3, 2], 64)])
         )
-        assert batch.index == 5 and not batch.owned and batch.extent_bytes == 88
+        assert batch.index == 5 and not batch.inline and batch.extent_bytes == 88
         assert batch.arrays["array"].base is batch.memory  # what the lend path watches
         assert batch.arrays["sample_id"].tolist() == [7, 8, 9]
         assert batch.arrays["array"].tolist() == [[0, 1], [2, 3], [4, 5]]
@@ -354,7 +356,7 @@ def test_inline_chunks_are_joined_into_one_owned_buffer() -> None:
     results = [assembler.feed(m) for m in _chunks(head, data, 7)]
     assert results[:-1] == [None] * (len(results) - 1) and len(results) == math.ceil(88 / 7)
     batch = results[-1]
-    assert batch is not None and batch.owned and batch.slot == -1
+    assert batch is not None and batch.inline and batch.slot == -1
     assert batch.index == 4 and batch.failed_sample_ids == (9,)
     assert batch.arrays["sample_id"].tolist() == [3, 1, 2]
     assert np.array_equal(batch.arrays["array"], values)
@@ -567,7 +569,7 @@ def test_an_epoch_yields_every_batch_with_exactly_its_fields(double: Any, transp
             assert b["array"].tolist() == [[i, -i] for i in b["sample_id"].tolist()]
         assert loader.batches_served == 4 and loader.last_failed_sample_ids == ()
         assert 0 <= server.acked_wait_s <= loader.wait_s and loader.wait_s > 0
-        session_id = loader._res.session.reply.session_id
+        session_id = loader._conn.session.reply.session_id
     assert server.closed == [session_id]
 
 
@@ -652,7 +654,7 @@ def test_load_state_dict_reopens_the_session_on_the_saved_snapshot(double: Any) 
     """Another snapshot reopens the session pinned to it; a vanished one leaves it as it was."""
     server, address = double
     with _loader(address) as loader:
-        first = loader._res.session.reply.session_id
+        first = loader._conn.session.reply.session_id
         loader.load_state_dict({**loader.state_dict(), "snapshot": "snap-0", "next_batch": 1})
         assert server.opened[-1].snapshot == "snap-0" and loader.snapshot == "snap-0"
         assert server.closed == [first]

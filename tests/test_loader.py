@@ -208,7 +208,7 @@ def test_default_batches_lend_their_slot_until_the_loop_drops_them(
     ids = _catalog_ids(catalog["engine"], "records")
     index_of = {sample_id: i for i, sample_id in enumerate(ids)}
     with _records(server, prefetch=2, batch_size=8) as loader:
-        session = loader._res.session
+        session = loader._conn.session
         assert session is not None and loader.transport == "shm"
         delivery = session.delivery
         on_server = server.sessions.get(session.reply.session_id)
@@ -252,20 +252,20 @@ def test_zero_copy_batches_are_acked_when_the_next_one_is_asked_for(
 ) -> None:
     """zero_copy=True: a batch is the loop's only until it asks for the next one."""
     with _records(server, prefetch=2, zero_copy=True) as loader:
-        session = loader._res.session
+        session = loader._conn.session
         assert session is not None
         it = iter(loader)
         next(it)
-        assert session.delivery.held() == 1 and session.delivery.lent() == []
+        assert session.delivery.held_count() == 1 and session.delivery.lent() == []
         next(it)
-        assert session.delivery.held() == 1  # the first went back with this request
+        assert session.delivery.held_count() == 1  # the first went back with this request
         assert len(list(it)) == len(loader) - 2
 
 
 def test_the_doorbell_answers_only_the_sessions_own_client(server: RunningServer) -> None:
     """A hello needs the session's id and its ring's token; anything else is hung up on."""
     with _records(server) as loader:
-        session = loader._res.session
+        session = loader._conn.session
         assert session is not None
         ring = session.reply.ring
         path = server.registry.shm_dir / ring.doorbell
@@ -282,7 +282,7 @@ def test_the_doorbell_answers_only_the_sessions_own_client(server: RunningServer
 def test_a_closed_session_ends_a_waiting_loop_with_unavailable(server: RunningServer) -> None:
     """The server closing the session hangs up its doorbell: the loop fails, never hangs."""
     with _records(server, prefetch=1, batch_size=1) as loader:  # more batches than slots
-        session = loader._res.session
+        session = loader._conn.session
         assert session is not None
         it = iter(loader)
         next(it)
@@ -545,7 +545,7 @@ def test_cuda_batches_equal_the_cpu_ones(
     monkeypatch.setattr(batchd.Loader, "_h2d", h2d)
     options = {"shuffle": False, "transport": transport, "prefetch": prefetch}
     with _records(server, device="cuda", **options) as loader:
-        session = loader._res.session
+        session = loader._conn.session
         assert session is not None and loader.transport == transport
         assert session.delivery.strategy == strategy
         n = len(loader)

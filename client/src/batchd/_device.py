@@ -1,6 +1,6 @@
 """From a received batch to the user's tensors: on the CPU, or onto a CUDA device.
 
-A :class:`Delivery` turns each :class:`~batchd._transport.ReceivedBatch` into the dict the
+A :class:`Delivery` turns each :class:`~batchd._stream.ReceivedBatch` into the dict the
 training loop gets and says when the batch's ring slot may be acknowledged (reused by the
 server). See the NOTE below for when that is on each path.
 
@@ -55,7 +55,8 @@ from typing import Any, Final, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from batchd._transport import ReceivedBatch, ShmRing
+from batchd._shm import ShmRing
+from batchd._stream import ReceivedBatch
 from batchd.errors import InvalidArgument
 
 __all__ = [
@@ -146,7 +147,7 @@ class Delivery(ABC):
         """
 
     @abstractmethod
-    def held(self) -> int:
+    def held_count(self) -> int:
         """Batches delivered and not yet acknowledgeable."""
 
     @abstractmethod
@@ -218,7 +219,7 @@ class CpuDelivery(Delivery):
         """Batches copied out of their slot (not lent) since the session opened."""
 
     def deliver(self, batch: ReceivedBatch) -> tuple[Batch, list[int]]:
-        if batch.owned:
+        if batch.inline:
             # The batch's own buffer: no copy, except of a field the server packed at an
             # offset that is not a multiple of its itemsize (misaligned tensors are legal
             # but slow, and some kernels assume alignment).
@@ -244,13 +245,13 @@ class CpuDelivery(Delivery):
         self.copies += 1
         # np.copyto beats Tensor.copy_ for this (perf-baselines §1).
         buffer = self._recycler.take(batch.extent_bytes)
-        owned = {}
+        copied = {}
         for name, arr in batch.arrays.items():
             start = batch.offsets[name]
-            owned[name] = buffer[start : start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
-            np.copyto(owned[name], arr)
+            copied[name] = buffer[start : start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+            np.copyto(copied[name], arr)
         del buffer
-        return _as_tensors(self._torch, owned), [batch.ack_key]
+        return _as_tensors(self._torch, copied), [batch.ack_key]
 
     def _returned(self, key: int) -> None:
         """The last view of lent batch ``key`` died (any thread): its slot goes back."""
@@ -270,7 +271,7 @@ class CpuDelivery(Delivery):
         released, self._held = self._held, []
         return released
 
-    def held(self) -> int:
+    def held_count(self) -> int:
         return len(self._held)
 
     def drain(self) -> list[int]:
@@ -404,7 +405,7 @@ class CudaDelivery(Delivery):
         torch = self._torch
         done = torch.cuda.Event()
         pinned = -1
-        if self._registered is not None and not batch.owned:
+        if self._registered is not None and not batch.inline:
             sources = {name: torch.from_numpy(arr) for name, arr in batch.arrays.items()}
             acks: list[int] = []
         else:
@@ -441,7 +442,7 @@ class CudaDelivery(Delivery):
             acks.append(index)
         return acks
 
-    def held(self) -> int:
+    def held_count(self) -> int:
         return len(self._in_flight)
 
     def drain(self) -> list[int]:

@@ -40,6 +40,7 @@ from typing import Final, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._status import disagreement
 from batchd.errors import DataLoss, Unavailable
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "CANCEL",
     "END",
     "HELLO",
+    "HELLO_TIMEOUT_S",
     "MAX_FRAME_BYTES",
     "RELEASE",
     "START",
@@ -72,7 +74,8 @@ MAX_FRAME_BYTES: Final = 64 << 20
 """Far above any real frame (a batch's failed ids at most); a longer one is a broken peer."""
 _HEADER: Final = struct.Struct("<IB")
 _RECV_BYTES: Final = 1 << 16
-_HELLO_TIMEOUT_S: Final = 10.0
+HELLO_TIMEOUT_S: Final = 10.0
+"""How long either end waits for the other's side of the hello, in seconds."""
 _M = TypeVar("_M", bound=Message)
 
 
@@ -122,10 +125,7 @@ def parse(message: type[_M], payload: bytes) -> _M:
     try:
         return message.FromString(payload)
     except DecodeError as e:
-        raise DataLoss(
-            f"a doorbell frame does not hold a {message.__name__}: {e}; client and server "
-            "disagree on the wire format (upgrade both to the same batchd version)"
-        ) from e
+        raise disagreement(f"a doorbell frame does not hold a {message.__name__}: {e}") from e
 
 
 class DoorbellRefused(Exception):
@@ -197,7 +197,7 @@ class ClientDoorbell:
         """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(_HELLO_TIMEOUT_S)
+            sock.settimeout(HELLO_TIMEOUT_S)
             try:
                 sock.connect(str(path))
             except OSError as e:

@@ -9,114 +9,33 @@ starts, and a fresh Loader given that state yields exactly the rest of the run.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
 
-import grpc
-
 from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
-from batchd._device import Batch, Delivery, make_delivery, resolve_device
-from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
-from batchd._specs import (
-    TRANSPORTS,
-    PipelineSpec,
-    check_choice,
-    check_int,
-    on_error_to_proto,
-    pipeline_or_default,
-    resolve_rank,
-    sampling_to_proto,
-)
+from batchd._connection import Connection, SessionHandle
+from batchd._device import Batch, resolve_device
+from batchd._inline import InlineStream
+from batchd._options import MAX_BATCH_SIZE, LoaderOptions
+from batchd._proto.batchd.v1 import loader_pb2
+from batchd._shm import ShmStream
+from batchd._specs import PipelineSpec, check_int
 from batchd._state import STATE_FORMAT, check_state
-from batchd._status import error_from_rpc
-from batchd._transport import BatchStream, ReceivedBatch, ShmRing, ShmStream, select_transport
+from batchd._stream import BatchStream, ReceivedBatch
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
-__all__ = ["MAX_BATCH_SIZE", "MAX_MESSAGE_BYTES", "STATE_FORMAT", "Loader"]
+__all__ = ["MAX_BATCH_SIZE", "STATE_FORMAT", "Loader"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BATCH_SIZE: Final = 65536
-MAX_MESSAGE_BYTES: Final = 64 << 20
-"""gRPC message limit each way; inline chunks are a few MiB, far below it."""
-_CLOSE_TIMEOUT_S: Final = 5.0
 _SUPERSEDED: Final = (
     "this iterator over the Loader was abandoned: a newer iter(loader), set_epoch(), "
     "load_state_dict() or close() took over; iterate the Loader again"
 )
-
-
-@dataclass
-class _Session:
-    """One OpenSession: the server's answer and what the client mapped and set up for it."""
-
-    reply: loader_pb2.OpenSessionResponse
-    transport: loader_pb2.Transport
-    ring: ShmRing | None
-    delivery: Delivery
-    transport_reason: str
-    streams: int = 0
-    """Streams started so far; the next one's ``StreamStart.seq`` is one more."""
-
-    @property
-    def prefetch(self) -> int:
-        return max(self.reply.prefetch, 1)
-
-    def close(self, stub: loader_pb2_grpc.LoaderStub, target: str) -> None:
-        """Free the client side, then tell the server. Never raises for a gone server."""
-        try:
-            self.delivery.close()
-        finally:
-            if self.ring is not None:
-                self.ring.close()
-        try:
-            request = loader_pb2.CloseSessionRequest(session_id=self.reply.session_id)
-            stub.CloseSession(request, timeout=_CLOSE_TIMEOUT_S)
-        except grpc.RpcError as e:
-            error = error_from_rpc(
-                e, target=target, method="CloseSession", timeout_s=_CLOSE_TIMEOUT_S
-            )
-            logger.warning(
-                "batchd: closing session %s failed (%s); the server reclaims it after its "
-                "lease timeout (%.0f s)",
-                self.reply.session_id,
-                error,
-                self.reply.lease_timeout_s,
-            )
-
-
-class _Resources:
-    """What a Loader holds outside Python: its finalizer closes this, never the Loader."""
-
-    def __init__(self, channel: grpc.Channel, target: str) -> None:
-        self.channel = channel
-        self.stub = loader_pb2_grpc.LoaderStub(channel)
-        self.target = target
-        self.session: _Session | None = None
-        self.stream: BatchStream | ShmStream | None = None
-
-    def abandon_stream(self) -> None:
-        stream, self.stream = self.stream, None
-        if stream is not None:
-            # Wait for device copies still reading slots before the server may reuse them.
-            if self.session is not None:
-                self.session.delivery.drain()
-            stream.cancel()
-
-    def close(self) -> None:
-        try:
-            self.abandon_stream()
-            session, self.session = self.session, None
-            if session is not None:
-                session.close(self.stub, self.target)
-        finally:
-            self.channel.close()
 
 
 class Loader:
@@ -205,58 +124,29 @@ class Loader:
         max_error_fraction: float = 0.01,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        for name, text in (("dataset", dataset), ("split", split)):
-            if not isinstance(text, str) or not text.strip():
-                raise InvalidArgument(f"{name}={text!r} must be a non-empty string")
-        for name, optional in (("version", version), ("snapshot", snapshot)):
-            if optional is not None and not isinstance(optional, str):
-                raise InvalidArgument(f"{name}={optional!r} must be a string or None")
-        batch_size = check_int("batch_size", batch_size, 1, MAX_BATCH_SIZE)
-        seed = check_int("seed", seed, 0, (1 << 64) - 1)
-        prefetch = check_int("prefetch", prefetch, 1, 1 << 16)
-        if not 0 < max_error_fraction <= 1:
-            raise InvalidArgument(
-                f"max_error_fraction={max_error_fraction} must be in (0, 1]; to fail on the "
-                "first bad sample use on_error='raise'"
-            )
-        if not timeout_s > 0:
-            raise InvalidArgument(f"timeout_s={timeout_s} must be > 0 seconds")
-        self._transport = check_choice("transport", transport, TRANSPORTS)
-        self._request = loader_pb2.OpenSessionRequest(
+        self._options = LoaderOptions(
             dataset=dataset,
             split=split,
             batch_size=batch_size,
-            shuffle=bool(shuffle),
+            shuffle=shuffle,
             seed=seed,
-            drop_last=bool(drop_last),
-            sampling=sampling_to_proto(sampling),
-            pipeline=pipeline_or_default(pipeline)._to_proto(),
+            rank=rank,
+            world_size=world_size,
+            drop_last=drop_last,
+            pipeline=pipeline,
             prefetch=prefetch,
-            on_error=on_error_to_proto(on_error),
+            transport=transport,
+            snapshot=snapshot,
+            sampling=sampling,
+            on_error=on_error,
+            version=version,
+            zero_copy=zero_copy,
             max_error_fraction=max_error_fraction,
+            timeout_s=timeout_s,
         )
-        self._request.rank, self._request.world_size = resolve_rank(rank, world_size)
-        self._sampling = sampling
-        self._version = version
-        self._zero_copy = bool(zero_copy)
         self._device = resolve_device(device)
-        self._timeout_s = float(timeout_s)
-
-        target = resolve_target(target)
-        channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                # A server whose machine vanished (no FIN, no RST) fails the stream within
-                # about a minute instead of blocking the training loop forever. The server
-                # permits pings this often (grpc.http2.min_ping_interval_without_data_ms).
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.keepalive_timeout_ms", 20_000),
-            ],
-        )
-        self._res = _Resources(channel, target)
-        self._finalizer = weakref.finalize(self, self._res.close)
+        self._conn = Connection(resolve_target(target))
+        self._finalizer = weakref.finalize(self, self._conn.close)
         self._closed = False
         self._iteration: object | None = None
         self._epoch = 0
@@ -270,64 +160,44 @@ class Loader:
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
         or replaced (``"replace"``)."""
         try:
-            self._res.session = self._open_session(version, snapshot)
+            self._conn.replace_session(self._open_session())
         except BaseException:
             self._finalizer()
             raise
 
     # -- session ---------------------------------------------------------------------------
 
-    def _open_session(self, version: str | None, snapshot: str | None) -> _Session:
-        request = loader_pb2.OpenSessionRequest()
-        request.CopyFrom(self._request)
-        request.version = version or ""
-        request.snapshot = snapshot or ""
-        try:
-            reply = self._res.stub.OpenSession(request, timeout=self._timeout_s)
-        except grpc.RpcError as e:
-            raise error_from_rpc(
-                e, target=self._res.target, method="OpenSession", timeout_s=self._timeout_s
-            ) from e
-        ring = None
-        try:
-            transport, ring, reason = select_transport(self._transport, reply)
-            delivery = make_delivery(
-                self._device,
-                zero_copy=self._zero_copy,
-                ring=ring,
-                prefetch=max(reply.prefetch, 1),
-                h2d=self._h2d,
-            )
-        except BaseException:
-            if ring is not None:
-                ring.close()
-            # Best effort: the error that got us here is the one to report; an unclosed
-            # session is reclaimed after the server's lease timeout anyway.
-            with contextlib.suppress(grpc.RpcError):
-                self._res.stub.CloseSession(
-                    loader_pb2.CloseSessionRequest(session_id=reply.session_id),
-                    timeout=_CLOSE_TIMEOUT_S,
-                )
-            raise
-        logger.debug("batchd: session %s uses %s", reply.session_id, reason)
-        return _Session(reply, transport, ring, delivery, reason)
+    def _open_session(
+        self, version: str | None = None, snapshot: str | None = None
+    ) -> SessionHandle:
+        options = self._options
+        return self._conn.open_session(
+            options.to_request(version=version, snapshot=snapshot),
+            transport=options.transport,
+            timeout_s=options.timeout_s,
+            delivery_options={
+                "device": self._device,
+                "zero_copy": options.zero_copy,
+                "h2d": self._h2d,
+            },
+        )
 
-    def _session(self) -> _Session:
-        if self._closed or self._res.session is None:
+    def _session(self) -> SessionHandle:
+        if self._closed or self._conn.session is None:
             raise FailedPrecondition(
-                f"this Loader for dataset {self._request.dataset!r} is closed; create a new one"
+                f"this Loader for dataset {self._options.dataset!r} is closed; create a new one"
             )
-        return self._res.session
+        return self._conn.session
 
     def _abandon(self) -> None:
         self._iteration = None
-        self._res.abandon_stream()
+        self._conn.abandon_stream()
 
     # -- iteration -------------------------------------------------------------------------
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same on every rank)."""
-        return int(self._session().reply.num_batches)
+        return self._session().num_batches
 
     def _position(self) -> tuple[int, int]:
         """The (epoch, batch) the next iteration starts at."""
@@ -363,7 +233,7 @@ class Loader:
         session = self._session()
         epoch, start = self._position()
         self._epoch, self._next_batch = epoch, start
-        num_batches = int(session.reply.num_batches)
+        num_batches = session.num_batches
         if start >= num_batches:  # an epoch without batches (drop_last, tiny split)
             self._epoch, self._next_batch = epoch + 1, 0
             return
@@ -375,11 +245,10 @@ class Loader:
             # options and the snapshot, so a new session on the same snapshot serves exactly
             # the batches the old one would have.
             logger.info("batchd: session %s is gone; reopening it", session.reply.session_id)
-            self._res.session = None
-            session.close(self._res.stub, self._res.target)
-            session = self._res.session = self._open_session(
-                session.reply.version, session.reply.snapshot
-            )
+            self._conn.session = None
+            session.close(self._conn.stub, self._conn.target)
+            session = self._open_session(session.reply.version, session.reply.snapshot)
+            self._conn.replace_session(session)
             stream, batch = self._open_stream(session, epoch, start)
         delivery = session.delivery
         finished = False
@@ -388,31 +257,31 @@ class Loader:
                 if index > start:
                     # The held batches' acks go out before blocking: they are the credits
                     # the server may need to produce the batch awaited.
-                    held = delivery.held() >= session.prefetch
-                    stream.ack(delivery.advance(wait=held), self._wait())
+                    out_of_credits = delivery.held_count() >= session.prefetch
+                    stream.ack(delivery.advance(wait=out_of_credits), self._take_unreported_wait())
                     batch = self._receive(stream)
                 if batch is None or batch.index != index:
                     got = "the end of the stream" if batch is None else f"batch {batch.index}"
                     raise Unavailable(
-                        f"the server at {self._res.target!r} sent {got} where batch {index} of "
+                        f"the server at {self._conn.target!r} sent {got} where batch {index} of "
                         f"{num_batches} (epoch {epoch}) was due; it may have restarted. Create "
                         "a new Loader and load_state_dict(old.state_dict()) to resume"
                     )
                 out, acks = delivery.deliver(batch)
-                stream.ack(acks, self._wait())
+                stream.ack(acks, self._take_unreported_wait())
                 self._next_batch = index + 1
                 self.batches_served += 1
                 self.last_failed_sample_ids = batch.failed_sample_ids
                 yield out
                 if self._iteration is not token:
                     raise FailedPrecondition(_SUPERSEDED)
-            stream.ack(delivery.drain(), self._wait())
+            stream.ack(delivery.drain(), self._take_unreported_wait())
             stream.finish()
             finished = True
             self._epoch, self._next_batch = epoch + 1, 0
         finally:
-            if self._res.stream is stream:
-                self._res.stream = None
+            if self._conn.stream is stream:
+                self._conn.stream = None
                 if not finished:
                     delivery.drain()
                     stream.cancel()
@@ -422,38 +291,41 @@ class Loader:
                 self._iteration = None
 
     def _open_stream(
-        self, session: _Session, epoch: int, start_batch: int
-    ) -> tuple[BatchStream | ShmStream, ReceivedBatch | None]:
-        """Start the epoch's call at ``start_batch`` and take its first batch.
+        self, session: SessionHandle, epoch: int, start_batch: int
+    ) -> tuple[BatchStream, ReceivedBatch | None]:
+        """Start the epoch's stream at ``start_batch`` and take its first batch.
 
         A stream this Loader cancelled moments ago may not have ended on the server yet; the
         server ends it when this one starts (one stream per session).
         """
-        session.streams += 1
+        session.streams_started += 1
         start = loader_pb2.StreamStart(
             session_id=session.reply.session_id,
             epoch=epoch,
             start_batch=start_batch,
             transport=session.transport,
         )
-        stream: BatchStream | ShmStream
+        stream: BatchStream
         if session.ring is not None:
-            start.seq = session.streams
+            start.seq = session.streams_started
             start.held_leases.extend(session.delivery.lent())
             stream = ShmStream(start, ring=session.ring)
         else:
-            stream = BatchStream(
-                self._res.stub, start, target=self._res.target, timeout_s=self._timeout_s
+            stream = InlineStream(
+                self._conn.stub,
+                start,
+                target=self._conn.target,
+                timeout_s=self._options.timeout_s,
             )
-        self._res.stream = stream
+        self._conn.stream = stream
         try:
             return stream, self._receive(stream)
         except BaseException:
-            self._res.stream = None
+            self._conn.stream = None
             stream.cancel()
             raise
 
-    def _receive(self, stream: BatchStream | ShmStream) -> ReceivedBatch | None:
+    def _receive(self, stream: BatchStream) -> ReceivedBatch | None:
         """The stream's next batch; the time spent blocked counts as waiting for data."""
         started = time.perf_counter()
         try:
@@ -463,8 +335,9 @@ class Loader:
             self.wait_s += waited
             self._unreported_wait_s += waited
 
-    def _wait(self) -> float:
-        """The wait since the last Ack, for the next one (only taken when one is sent)."""
+    def _take_unreported_wait(self) -> float:
+        """The wait for data not yet reported to the server, for the next ack; the count
+        restarts at zero."""
         waited, self._unreported_wait_s = self._unreported_wait_s, 0.0
         return waited
 
@@ -478,22 +351,22 @@ class Loader:
         """
         session = self._session()
         epoch, next_batch = self._position()
-        request = self._request
+        options = self._options
         return {
             "format": STATE_FORMAT,
-            "dataset": request.dataset,
-            "version": session.reply.version or self._version or "",
-            "split": session.reply.split or request.split,
-            "batch_size": request.batch_size,
-            "rank": request.rank,
-            "world_size": request.world_size,
-            "seed": request.seed,
-            "shuffle": request.shuffle,
-            "drop_last": request.drop_last,
-            "sampling": self._sampling,
+            "dataset": options.dataset,
+            "version": session.reply.version or options.version or "",
+            "split": session.reply.split or options.split,
+            "batch_size": options.batch_size,
+            "rank": options.rank,
+            "world_size": options.world_size,
+            "seed": options.seed,
+            "shuffle": options.shuffle,
+            "drop_last": options.drop_last,
+            "sampling": options.sampling,
             "epoch": epoch,
             "next_batch": next_batch,
-            "num_batches": int(session.reply.num_batches),
+            "num_batches": session.num_batches,
             "snapshot": session.reply.snapshot,
         }
 
@@ -510,23 +383,21 @@ class Loader:
         """
         session = self._session()
         mine = self.state_dict()
-        epoch, next_batch = check_state(state, mine, pinned_version=self._version)
+        epoch, next_batch = check_state(state, mine, pinned_version=self._options.version)
         self._abandon()
         candidate = session
         if state["snapshot"] != mine["snapshot"] or state["version"] != mine["version"]:
             candidate = self._open_session(state["version"] or None, state["snapshot"] or None)
-        num_batches = int(candidate.reply.num_batches)
+        num_batches = candidate.num_batches
         saved = state.get("num_batches", num_batches)
         if saved != num_batches or next_batch > num_batches:
             if candidate is not session:
-                candidate.close(self._res.stub, self._res.target)
+                candidate.close(self._conn.stub, self._conn.target)
             raise InvalidArgument(
                 f"state num_batches={saved!r}, next_batch={next_batch} do not fit this "
                 f"session's {num_batches} batches per epoch; the state is from another plan"
             )
-        if candidate is not session:
-            self._res.session = candidate
-            session.close(self._res.stub, self._res.target)
+        self._conn.replace_session(candidate)
         self._epoch, self._next_batch = epoch, next_batch
 
     # -- lifetime --------------------------------------------------------------------------
@@ -562,7 +433,7 @@ class Loader:
 
     @property
     def target(self) -> str:
-        return self._res.target
+        return self._conn.target
 
     @property
     def epoch(self) -> int:
@@ -603,6 +474,6 @@ class Loader:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"epoch {self._epoch}, batch {self._next_batch}"
         return (
-            f"Loader(target={self._res.target!r}, dataset={self._request.dataset!r}, "
-            f"split={self._request.split!r}, batch_size={self._request.batch_size}) [{state}]"
+            f"Loader(target={self._conn.target!r}, dataset={self._options.dataset!r}, "
+            f"split={self._options.split!r}, batch_size={self._options.batch_size}) [{state}]"
         )

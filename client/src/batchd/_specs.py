@@ -24,8 +24,13 @@ from batchd._proto.batchd.v1 import loader_pb2
 from batchd.errors import InvalidArgument
 
 __all__ = [
+    "IMAGE_DECODERS",
+    "IMAGE_DEFAULT_RATIO",
+    "IMAGE_DEFAULT_SCALE",
+    "IMAGE_DEFAULT_SIZE",
     "MAX_IMAGE_SIZE",
     "MAX_TOKENS",
+    "ON_ERROR_CHOICES",
     "ON_ERROR_POLICIES",
     "SAMPLING_MODES",
     "TRANSPORTS",
@@ -44,6 +49,12 @@ __all__ = [
 
 MAX_IMAGE_SIZE: Final = 16384
 """Largest output side (and resize) of :class:`Image`, in pixels."""
+IMAGE_DEFAULT_SIZE: Final = 224
+IMAGE_DEFAULT_SCALE: Final = (0.08, 1.0)
+"""Area fraction range of a random-resized crop (torchvision's ``RandomResizedCrop``)."""
+IMAGE_DEFAULT_RATIO: Final = (3 / 4, 4 / 3)
+"""Aspect ratio range of a random-resized crop (torchvision's ``RandomResizedCrop``)."""
+IMAGE_DECODERS: Final = ("auto", "pillow")
 MAX_TOKENS: Final = 1 << 20
 """Largest ``max_len`` of :class:`Tokens`."""
 
@@ -58,9 +69,10 @@ ON_ERROR_POLICIES: Final[Mapping[str, loader_pb2.OnError]] = {
     "raise": loader_pb2.ON_ERROR_RAISE,
     "replace": loader_pb2.ON_ERROR_REPLACE,
 }
+ON_ERROR_CHOICES: Final = tuple(ON_ERROR_POLICIES)
+"""What may happen to a bad sample; the server checks against the same tuple."""
 TRANSPORTS: Final = ("auto", "shm", "inline")
 
-_IMAGE_DECODERS: Final = ("auto", "pillow")
 _TOKEN_DTYPES: Final = {"int32": (-(1 << 31), (1 << 31) - 1), "uint16": (0, (1 << 16) - 1)}
 # bool, signed, unsigned, float, complex: what a fixed-shape array field can hold.
 _ARRAY_DTYPE_KINDS: Final = "biufc"
@@ -81,7 +93,7 @@ def sampling_to_proto(sampling: str) -> loader_pb2.Sampling:
 
 def on_error_to_proto(on_error: str) -> loader_pb2.OnError:
     """The wire's ``OnError`` value of ``on_error`` (InvalidArgument for an unknown one)."""
-    return ON_ERROR_POLICIES[check_choice("on_error", on_error, tuple(ON_ERROR_POLICIES))]
+    return ON_ERROR_POLICIES[check_choice("on_error", on_error, ON_ERROR_CHOICES)]
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -172,13 +184,13 @@ class Image:
     Randomness comes from (seed, epoch, sample id): the same whichever worker decodes it.
     """
 
-    size: int = 224
+    size: int = IMAGE_DEFAULT_SIZE
     resize: int | None = None
     random_crop: bool = False
     flip: bool = False
     decoder: str = "auto"
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    scale: tuple[float, float] = IMAGE_DEFAULT_SCALE
+    ratio: tuple[float, float] = IMAGE_DEFAULT_RATIO
 
     def __post_init__(self) -> None:
         size = check_int("Image size", self.size, 1, MAX_IMAGE_SIZE)
@@ -188,7 +200,7 @@ class Image:
         object.__setattr__(self, "size", size)
         object.__setattr__(self, "random_crop", bool(self.random_crop))
         object.__setattr__(self, "flip", bool(self.flip))
-        check_choice("Image decoder", self.decoder, _IMAGE_DECODERS)
+        check_choice("Image decoder", self.decoder, IMAGE_DECODERS)
         object.__setattr__(self, "scale", _range("Image scale", self.scale, upper=1.0))
         object.__setattr__(self, "ratio", _range("Image ratio", self.ratio, upper=math.inf))
 

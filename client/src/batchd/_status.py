@@ -10,15 +10,18 @@ both sides install, means the two directions cannot drift apart.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final
 
 import grpc
 
 from batchd import errors
-from batchd.errors import BatchdError
+from batchd.errors import BatchdError, DataLoss
 
 __all__ = [
     "ERROR_CLASS_BY_CODE",
     "ERROR_CLASS_KEY",
+    "UPGRADE_BOTH",
+    "disagreement",
     "error_from_rpc",
     "error_named",
     "status_code_for",
@@ -103,3 +106,12 @@ def error_from_rpc(
     if code in ERROR_CLASS_BY_CODE:
         return ERROR_CLASS_BY_CODE[code](details)
     return BatchdError(f"{method} on {target!r} failed with {code.name}: {details}")
+
+
+UPGRADE_BOTH: Final = "upgrade both to the same batchd version"
+"""The remedy when client and server speak different versions of the protocol."""
+
+
+def disagreement(problem: str, *, on: str = "the wire format") -> DataLoss:
+    """The DataLoss for a peer that broke the protocol: ``problem``, then the remedy."""
+    return DataLoss(f"{problem}; client and server disagree on {on} ({UPGRADE_BOTH})")

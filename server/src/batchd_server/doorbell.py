@@ -19,7 +19,6 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
 
 from google.protobuf.message import Message
 
@@ -29,6 +28,7 @@ from batchd._doorbell import (
     CANCEL,
     END,
     HELLO,
+    HELLO_TIMEOUT_S,
     RELEASE,
     START,
     WELCOME,
@@ -41,19 +41,14 @@ from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._status import status_code_for
 from batchd.errors import BatchdError
 from batchd_server import metrics
-from batchd_server.api.sessions import shm_notice
+from batchd_server.batch_messages import shm_notice
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound
+from batchd_server.limits import MAX_UNIX_PATH_BYTES
+from batchd_server.sessions import Session, SessionManager, Stream
 
-if TYPE_CHECKING:
-    from batchd_server.sessions import Session, SessionManager, Stream
-
-__all__ = ["MAX_UNIX_PATH_BYTES", "DoorbellServer", "ServerBell"]
+__all__ = ["DoorbellServer", "ServerBell"]
 
 logger = logging.getLogger(__name__)
-
-_HELLO_TIMEOUT_S: Final = 10.0
-MAX_UNIX_PATH_BYTES: Final = 107
-"""sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL."""
 
 
 class ServerBell:
@@ -101,8 +96,8 @@ class ServerBell:
                 ACCEPTED, pb.StreamBatchesResponse(accepted=True, seq=seq)
             ):
                 return
-            for delivered in session.batches(stream, lambda: not self.closed):
-                if not self.send(BATCH, shm_notice(delivered, seq)):
+            for ready in session.batches(stream, lambda: not self.closed):
+                if not self.send(BATCH, shm_notice(ready, seq)):
                     return  # the client hung up; its session's lease takes it from here
         except Exception as e:
             mapped = status_code_for(e)
@@ -199,7 +194,7 @@ class DoorbellServer:
         session = None
         try:
             reader = FrameReader(conn)
-            conn.settimeout(_HELLO_TIMEOUT_S)
+            conn.settimeout(HELLO_TIMEOUT_S)
             frame = reader.read()
             if frame is None or frame[0] != HELLO:
                 logger.warning("doorbell: a connection did not start with a hello; closed")

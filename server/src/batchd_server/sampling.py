@@ -1,4 +1,4 @@
-"""Deterministic sampling: which samples each rank gets in each batch of an epoch (DESIGN §4.3).
+"""Deterministic sampling: which samples each rank gets in each batch of an epoch.
 
 A session's batches are a pure function of the split's size, the ``SamplerOptions``, the
 epoch and (for the non-uniform modes) one column of the split. Every server replica computes
@@ -29,6 +29,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from batchd._ring import ceil_div
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 
 __all__ = [
@@ -117,7 +118,7 @@ class EpochPlan:
 
     def __post_init__(self) -> None:
         assert self.positions.ndim == 1, "positions are flat"
-        assert self.num_batches == -(-self.positions.size // self.batch_size), "batch count"
+        assert self.num_batches == ceil_div(self.positions.size, self.batch_size), "batch count"
         self.positions.setflags(write=False)
 
     def batch(self, k: int) -> Int64Array:
@@ -140,7 +141,7 @@ def samples_per_rank(n: int, options: SamplerOptions) -> int:
     if options.drop_last:
         return num_batches(n, options) * options.batch_size
     _require_samples(n)
-    return -(-n // options.world_size)
+    return ceil_div(n, options.world_size)
 
 
 def num_batches(n: int, options: SamplerOptions) -> int:
@@ -151,7 +152,7 @@ def num_batches(n: int, options: SamplerOptions) -> int:
     _require_samples(n)
     if options.drop_last:
         return n // options.world_size // options.batch_size
-    return -(-samples_per_rank(n, options) // options.batch_size)
+    return ceil_div(samples_per_rank(n, options), options.batch_size)
 
 
 def epoch_order(

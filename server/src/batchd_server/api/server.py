@@ -28,8 +28,9 @@ from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.sample_errors import record_sample_errors
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig
-from batchd_server.doorbell import MAX_UNIX_PATH_BYTES, DoorbellServer
+from batchd_server.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
+from batchd_server.limits import MAX_UNIX_PATH_BYTES
 from batchd_server.sessions import SessionManager
 from batchd_server.shm.segments import PREFIX, ShmRegistry
 from batchd_server.workers.pool import WorkerPool

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
-from batchd_server.api import sessions as session_rpcs
+from batchd_server.api import session_rpcs
 from batchd_server.api.status import map_errors
 from batchd_server.catalog import queries
 from batchd_server.catalog.queries import DatasetSummary

@@ -1,4 +1,4 @@
-"""Load one split of a dataset into compact numpy arrays (DESIGN.md §4.2).
+"""Load one split of a dataset into compact numpy arrays.
 
 A session starts by reading every verified row of its split, in id order, once. The rows
 land in a handful of flat numpy arrays (48 bytes per sample plus the path bytes), never in

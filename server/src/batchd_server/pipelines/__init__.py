@@ -1,4 +1,4 @@
-"""Decode pipelines: sample bytes to rows of a batch (DESIGN.md §5).
+"""Decode pipelines: sample bytes to rows of a batch.
 
 Workers build one pipeline per session with :func:`build_pipeline`, read each sample's bytes
 through one :class:`SampleFiles` per session, and call :meth:`Pipeline.decode_into` per

@@ -1,4 +1,4 @@
-"""Read sample bytes from a dataset root, never from outside it (DESIGN.md §6, Security).
+"""Read sample bytes from a dataset root, never from outside it.
 
 A catalog path is untrusted input: an ingest may have recorded ``../../etc/shadow``, an
 absolute path, or a path through a symlink that leads elsewhere. :class:`SampleFiles` is the

@@ -61,6 +61,13 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 from PIL import Image
 
+from batchd._ring import ceil_div
+from batchd._specs import (
+    IMAGE_DECODERS,
+    IMAGE_DEFAULT_RATIO,
+    IMAGE_DEFAULT_SCALE,
+    MAX_IMAGE_SIZE,
+)
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
 from batchd_server.pipelines.files import MAX_CACHED_BUFFER_BYTES
@@ -75,8 +82,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DECODERS", "MAX_SIZE", "ImagePipeline", "dct_shift", "random_resized_crop", "sniff"]
 
-DECODERS: Final = ("auto", "pillow")
-MAX_SIZE: Final = 16384
+DECODERS: Final = IMAGE_DECODERS
+MAX_SIZE: Final = MAX_IMAGE_SIZE
 """Largest ``size`` and ``resize``, as the client's ``batchd.Image`` allows."""
 _MIN_DCT_TARGET: Final = 8
 _MAX_DCT_SHIFT: Final = 3
@@ -163,7 +170,7 @@ def _centre_crop_plan(width: int, height: int, resize: int, size: int) -> tuple[
 def _kept_span(start: int, size: int, full: int, resized: int) -> slice:
     """The decoded pixels behind ``[start, start + size)`` of a side resized ``full -> resized``."""
     first = start * full // resized
-    return slice(first, max(first + 1, min(full, -(-(start + size) * full // resized))))
+    return slice(first, max(first + 1, min(full, ceil_div((start + size) * full, resized))))
 
 
 def _pair(name: str, value: Sequence[float], upper: float | None) -> tuple[float, float]:
@@ -201,8 +208,8 @@ class ImagePipeline(Pipeline):
         random_crop: bool = False,
         flip: bool = False,
         decoder: str = "auto",
-        scale: Sequence[float] = (0.08, 1.0),
-        ratio: Sequence[float] = (3 / 4, 4 / 3),
+        scale: Sequence[float] = IMAGE_DEFAULT_SCALE,
+        ratio: Sequence[float] = IMAGE_DEFAULT_RATIO,
     ) -> None:
         if not isinstance(size, int) or not 1 <= size <= MAX_SIZE:
             raise InvalidArgument(f"image size={size!r} must be an integer in 1..{MAX_SIZE}")
@@ -270,7 +277,7 @@ class ImagePipeline(Pipeline):
         else:
             i, j, h, w = crop
             s = 1 << k
-            image = image[i >> k : -(-(i + h) // s), j >> k : -(-(j + w) // s)]
+            image = image[i >> k : ceil_div(i + h, s), j >> k : ceil_div(j + w, s)]
             new_w = new_h = size
             left = top = 0
         # (1, 3, H, W) over the HWC pixels without a copy; torch's uint8 antialiased kernel
@@ -312,7 +319,7 @@ class ImagePipeline(Pipeline):
         rng = self._rng(sample)
         k, crop = self._plan(width, height, True, rng)
         s = 1 << k
-        out_h, out_w = -(-height // s), -(-width // s)
+        out_h, out_w = ceil_div(height, s), ceil_div(width, s)
         needed = out_h * out_w * 3
         if self._pixels.size < needed <= MAX_CACHED_BUFFER_BYTES:
             self._pixels = np.empty(needed, np.uint8)

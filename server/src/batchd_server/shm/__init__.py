@@ -1,4 +1,4 @@
-"""Shared memory: the only package that creates or unlinks segments (DESIGN.md §4.5).
+"""Shared memory: the only package that creates or unlinks segments.
 
 ``ShmRegistry`` creates, budgets, releases and sweeps a server's segments; ``attach`` maps
 one in another process; ``pack_arrays`` / ``attach_arrays`` share numpy arrays read-only.

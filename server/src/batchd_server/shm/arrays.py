@@ -26,6 +26,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from batchd._ring import round_up
 from batchd_server.errors import InvalidArgument
 from batchd_server.shm.segments import SHM_DIR, Attachment, Segment, ShmRegistry, attach
 
@@ -133,4 +134,4 @@ def _packable(name: object, array: npt.ArrayLike) -> npt.NDArray[Any]:
 
 
 def _align(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+    return round_up(n, ALIGN_BYTES)

@@ -1,4 +1,4 @@
-"""Shared-memory segments: created, reserved, budgeted and swept in one place (DESIGN.md §4.5).
+"""Shared-memory segments: created, reserved, budgeted and swept in one place.
 
 A segment is a file in ``/dev/shm`` (which is what ``shm_open`` makes on Linux). We create the
 files ourselves instead of using ``multiprocessing.shared_memory``, whose resource tracker

@@ -3,7 +3,7 @@
 Why processes are spawned, not forked: grpcio is not fork-safe, and a replacement worker is
 started while the gRPC server runs. ``spawn`` starts a fresh interpreter (fork + exec), so no
 lock or thread of the server leaks into a worker. The initial workers are started before any
-gRPC object exists all the same, as DESIGN.md asks, so the server is not "ready" before they
+gRPC object exists all the same, so the server is not "ready" (listening) before they
 are.
 
 One dispatcher thread owns every pipe: it hands each worker up to ``tasks_per_worker``

@@ -5,7 +5,7 @@ the slot and the batch's sample positions; the result says how many rows were fi
 field's final shape and which samples failed. Sample data never travels through a pipe: the
 worker reads the catalog arrays from a read-only shared-memory segment and writes every
 field of every sample straight into the session's ring (see NOTE [ Slot lifecycle ] in
-``batchd_server.sessions``).
+``batchd_server/sessions/slots.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from batchd._ring import slot_offset
 from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
 from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline
@@ -32,7 +33,6 @@ __all__ = [
     "run_batch",
 ]
 
-ON_ERROR_POLICIES = ("skip", "raise", "replace")
 _REPLACE_ATTEMPTS = 8
 """Substitutes tried for one bad sample under on_error="replace" before it is skipped."""
 
@@ -124,7 +124,7 @@ class SessionContext:
 
     def slot_block(self, slot: int) -> Block:
         """Every field of ``slot`` as a ``(batch_size, *shape)`` array over the ring."""
-        base = self.spec.header_bytes + slot * self.spec.slot_bytes
+        base = slot_offset(slot, self.spec.slot_bytes, self.spec.header_bytes)
         block: Block = {}
         for f in self.spec.fields:
             count = self.spec.batch_size * int(np.prod(f.shape, dtype=np.int64))

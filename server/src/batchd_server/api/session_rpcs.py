@@ -11,24 +11,17 @@ from typing import Any
 import grpc
 
 from batchd._proto.batchd.v1 import loader_pb2 as pb
+from batchd._specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
 from batchd_server import metrics
+from batchd_server.batch_messages import inline_messages
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.sampling import SamplerOptions
-from batchd_server.sessions import Delivered, Session, SessionManager, SessionOptions, Stream
+from batchd_server.sessions import Session, SessionManager, SessionOptions, Stream
 
-__all__ = [
-    "INLINE_CHUNK_BYTES",
-    "open_session",
-    "session_options",
-    "shm_notice",
-    "stream_batches",
-]
+__all__ = ["open_session", "session_options", "stream_batches"]
 
 logger = logging.getLogger(__name__)
 
-INLINE_CHUNK_BYTES = 4 << 20
-"""Inline batches travel in messages of at most this many bytes of data."""
-_INLINE_ALIGN = 64
 
 _SAMPLING = {
     pb.SAMPLING_UNSPECIFIED: "uniform",
@@ -53,9 +46,15 @@ def _pipeline(spec: pb.Pipeline) -> tuple[str, dict[str, Any]]:
         options.update(random_crop=image.random_crop, flip=image.flip)
         options["decoder"] = image.decoder or "auto"
         if image.scale_min or image.scale_max:
-            options["scale"] = (image.scale_min or 0.08, image.scale_max or 1.0)
+            options["scale"] = (
+                image.scale_min or IMAGE_DEFAULT_SCALE[0],
+                image.scale_max or IMAGE_DEFAULT_SCALE[1],
+            )
         if image.ratio_min or image.ratio_max:
-            options["ratio"] = (image.ratio_min or 3 / 4, image.ratio_max or 4 / 3)
+            options["ratio"] = (
+                image.ratio_min or IMAGE_DEFAULT_RATIO[0],
+                image.ratio_max or IMAGE_DEFAULT_RATIO[1],
+            )
         return "image", options
     if kind == "array":
         array = spec.array
@@ -152,68 +151,6 @@ def _read_acks(
         pass
 
 
-def shm_notice(delivered: Delivered, seq: int) -> pb.StreamBatchesResponse:
-    """The doorbell notice of an shm batch of the stream ``seq`` (counted as served)."""
-    views, total = _views(delivered, inline=False)
-    metrics.BYTES_SERVED.labels(transport="shm").inc(total)
-    return pb.StreamBatchesResponse(
-        batch_index=delivered.batch_index,
-        slot=delivered.slot,
-        rows=delivered.rows,
-        fields=views,
-        failed_sample_ids=delivered.failed_sample_ids,
-        lease=delivered.lease,
-        seq=seq,
-    )
-
-
-def _views(delivered: Delivered, *, inline: bool) -> tuple[list[pb.FieldView], int]:
-    """The batch's field views and its inline size; inline fields are packed at 64-byte
-    boundaries (as in a slot) so the client can view them without realigning."""
-    views = []
-    offset = 0
-    for f in delivered.fields:
-        views.append(
-            pb.FieldView(
-                name=f.name,
-                dtype=f.dtype,
-                shape=f.shape,
-                offset=offset if inline else f.offset,
-                nbytes=f.nbytes,
-            )
-        )
-        offset += -(-f.nbytes // _INLINE_ALIGN) * _INLINE_ALIGN
-    return views, offset
-
-
-def _inline_messages(session: Session, delivered: Delivered) -> Iterator[pb.StreamBatchesResponse]:
-    views, total = _views(delivered, inline=True)
-    payload = bytearray(total)
-    memory = session.slot_memory(delivered.slot)
-    for f, view in zip(delivered.fields, views, strict=True):
-        payload[view.offset : view.offset + f.nbytes] = memory[f.offset : f.offset + f.nbytes]
-    del memory
-    metrics.BYTES_SERVED.labels(transport="inline").inc(total)
-    for start in range(0, max(total, 1), INLINE_CHUNK_BYTES):
-        chunk = bytes(payload[start : start + INLINE_CHUNK_BYTES])
-        more = start + INLINE_CHUNK_BYTES < total
-        if start == 0:
-            yield pb.StreamBatchesResponse(
-                batch_index=delivered.batch_index,
-                slot=-1,
-                rows=delivered.rows,
-                fields=views,
-                failed_sample_ids=delivered.failed_sample_ids,
-                data=chunk,
-                more=more,
-                inline_bytes=total,
-            )
-        else:
-            yield pb.StreamBatchesResponse(
-                batch_index=delivered.batch_index, slot=-1, data=chunk, more=more
-            )
-
-
 def stream_batches(
     sessions: SessionManager,
     requests: Iterator[pb.StreamBatchesRequest],
@@ -238,7 +175,7 @@ def stream_batches(
     )
     reader.start()
     try:
-        for delivered in session.batches(stream, context.is_active):
-            yield from _inline_messages(session, delivered)
+        for ready in session.batches(stream, context.is_active):
+            yield from inline_messages(session, ready)
     finally:
         session.end_stream(stream)

@@ -1,0 +1,155 @@
+"""What a Loader holds outside Python: its channel, its open session, its live stream.
+
+A :class:`Connection` is closed by the Loader's ``weakref.finalize``, never by the Loader
+itself, so a Loader that is garbage-collected without ``close()`` still frees its ring
+mapping, its doorbell and its session on the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Final
+
+import grpc
+
+from batchd._device import Delivery, make_delivery
+from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._shm import ShmRing
+from batchd._status import error_from_rpc
+from batchd._stream import BatchStream
+from batchd._transport import select_transport
+
+__all__ = ["MAX_MESSAGE_BYTES", "Connection", "SessionHandle"]
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES: Final = 64 << 20
+"""gRPC message limit each way; inline chunks are a few MiB, far below it."""
+_CLOSE_TIMEOUT_S: Final = 5.0
+_CHANNEL_OPTIONS: Final = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A server whose machine vanished (no FIN, no RST) fails the stream within about a
+    # minute instead of blocking the training loop forever. The server permits pings this
+    # often (grpc.http2.min_ping_interval_without_data_ms).
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+]
+
+
+@dataclass
+class SessionHandle:
+    """One OpenSession: the server's answer and what the client mapped and set up for it."""
+
+    reply: loader_pb2.OpenSessionResponse
+    transport: loader_pb2.Transport
+    ring: ShmRing | None
+    delivery: Delivery
+    transport_reason: str
+    streams_started: int = 0
+    """The next stream's ``StreamStart.seq`` is one more."""
+
+    @property
+    def prefetch(self) -> int:
+        return max(self.reply.prefetch, 1)
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.reply.num_batches)
+
+    def close(self, stub: loader_pb2_grpc.LoaderStub, target: str) -> None:
+        """Free the client side, then tell the server. Never raises for a gone server."""
+        try:
+            self.delivery.close()
+        finally:
+            if self.ring is not None:
+                self.ring.close()
+        try:
+            request = loader_pb2.CloseSessionRequest(session_id=self.reply.session_id)
+            stub.CloseSession(request, timeout=_CLOSE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            error = error_from_rpc(
+                e, target=target, method="CloseSession", timeout_s=_CLOSE_TIMEOUT_S
+            )
+            logger.warning(
+                "batchd: closing session %s failed (%s); the server reclaims it after its "
+                "lease timeout (%.0f s)",
+                self.reply.session_id,
+                error,
+                self.reply.lease_timeout_s,
+            )
+
+
+class Connection:
+    """A Loader's channel to ``target``, its session and its live stream."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.stub = loader_pb2_grpc.LoaderStub(self.channel)
+        self.session: SessionHandle | None = None
+        self.stream: BatchStream | None = None
+
+    def open_session(
+        self,
+        request: loader_pb2.OpenSessionRequest,
+        *,
+        transport: str,
+        timeout_s: float,
+        delivery_options: dict[str, Any],
+    ) -> SessionHandle:
+        """Open a session and set up its transport and delivery (not yet this connection's
+        :attr:`session`: the caller decides when it replaces the current one).
+
+        Raises:
+            BatchdError: the server refused (mapped from its status), or the transport or
+                the delivery path cannot be set up (the session is closed again then).
+        """
+        try:
+            reply = self.stub.OpenSession(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise error_from_rpc(
+                e, target=self.target, method="OpenSession", timeout_s=timeout_s
+            ) from e
+        ring = None
+        try:
+            chosen, ring, reason = select_transport(transport, reply)
+            delivery = make_delivery(ring=ring, prefetch=max(reply.prefetch, 1), **delivery_options)
+        except BaseException:
+            if ring is not None:
+                ring.close()
+            # Best effort: the error that got us here is the one to report; an unclosed
+            # session is reclaimed after the server's lease timeout anyway.
+            with contextlib.suppress(grpc.RpcError):
+                self.stub.CloseSession(
+                    loader_pb2.CloseSessionRequest(session_id=reply.session_id),
+                    timeout=_CLOSE_TIMEOUT_S,
+                )
+            raise
+        logger.debug("batchd: session %s uses %s", reply.session_id, reason)
+        return SessionHandle(reply, chosen, ring, delivery, reason)
+
+    def replace_session(self, session: SessionHandle) -> None:
+        """Make ``session`` the current one and close the previous one (if another)."""
+        previous, self.session = self.session, session
+        if previous is not None and previous is not session:
+            previous.close(self.stub, self.target)
+
+    def abandon_stream(self) -> None:
+        """Cancel the live stream, after device copies still reading its slots finish."""
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            if self.session is not None:
+                self.session.delivery.drain()
+            stream.cancel()
+
+    def close(self) -> None:
+        try:
+            self.abandon_stream()
+            session, self.session = self.session, None
+            if session is not None:
+                session.close(self.stub, self.target)
+        finally:
+            self.channel.close()

@@ -1,0 +1,112 @@
+"""A Loader's options: checked once when built, then turned into the OpenSession request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from batchd._catalog import DEFAULT_TIMEOUT_S
+from batchd._proto.batchd.v1 import loader_pb2
+from batchd._specs import (
+    TRANSPORTS,
+    PipelineSpec,
+    check_choice,
+    check_int,
+    on_error_to_proto,
+    pipeline_or_default,
+    resolve_rank,
+    sampling_to_proto,
+)
+from batchd.errors import InvalidArgument
+
+__all__ = ["MAX_BATCH_SIZE", "MAX_PREFETCH", "LoaderOptions"]
+
+MAX_BATCH_SIZE: Final = 65536
+MAX_PREFETCH: Final = 1 << 16
+"""The client's bound; the server may allow fewer (and says so)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderOptions:
+    """What a :class:`batchd.Loader` asks the server for; see its docstring for each field.
+
+    ``rank`` and ``world_size`` are resolved when built (given, else ``torch.distributed``,
+    else ``$RANK``/``$WORLD_SIZE``), and ``pipeline`` defaults to ``batchd.Image()``.
+
+    Raises:
+        InvalidArgument: (when built) a bad value, named with its valid range.
+    """
+
+    dataset: str
+    split: str = "train"
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    drop_last: bool = False
+    pipeline: PipelineSpec | None = None
+    prefetch: int = 4
+    transport: str = "auto"
+    snapshot: str | None = None
+    sampling: str = "uniform"
+    on_error: str = "skip"
+    version: str | None = None
+    zero_copy: bool = False
+    max_error_fraction: float = 0.01
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name, text in (("dataset", self.dataset), ("split", self.split)):
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidArgument(f"{name}={text!r} must be a non-empty string")
+        for name, optional in (("version", self.version), ("snapshot", self.snapshot)):
+            if optional is not None and not isinstance(optional, str):
+                raise InvalidArgument(f"{name}={optional!r} must be a string or None")
+        self._set("batch_size", check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE))
+        self._set("seed", check_int("seed", self.seed, 0, (1 << 64) - 1))
+        self._set("prefetch", check_int("prefetch", self.prefetch, 1, MAX_PREFETCH))
+        if not 0 < self.max_error_fraction <= 1:
+            raise InvalidArgument(
+                f"max_error_fraction={self.max_error_fraction} must be in (0, 1]; to fail on "
+                "the first bad sample use on_error='raise'"
+            )
+        if not self.timeout_s > 0:
+            raise InvalidArgument(f"timeout_s={self.timeout_s} must be > 0 seconds")
+        self._set("timeout_s", float(self.timeout_s))
+        check_choice("transport", self.transport, TRANSPORTS)
+        sampling_to_proto(self.sampling)
+        on_error_to_proto(self.on_error)
+        self._set("pipeline", pipeline_or_default(self.pipeline))
+        rank, world_size = resolve_rank(self.rank, self.world_size)
+        self._set("rank", rank)
+        self._set("world_size", world_size)
+        for name in ("shuffle", "drop_last", "zero_copy"):
+            self._set(name, bool(getattr(self, name)))
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+    def to_request(
+        self, *, version: str | None = None, snapshot: str | None = None
+    ) -> loader_pb2.OpenSessionRequest:
+        """The OpenSession request, on ``version`` and ``snapshot`` when given (a reopen),
+        else the options' own."""
+        assert self.pipeline is not None and self.rank is not None  # set in __post_init__
+        return loader_pb2.OpenSessionRequest(
+            dataset=self.dataset,
+            version=version or self.version or "",
+            split=self.split,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            sampling=sampling_to_proto(self.sampling),
+            pipeline=self.pipeline._to_proto(),
+            prefetch=self.prefetch,
+            snapshot=snapshot or self.snapshot or "",
+            on_error=on_error_to_proto(self.on_error),
+            max_error_fraction=self.max_error_fraction,
+        )

@@ -1,0 +1,233 @@
+"""The ``shm`` transport: batches in the server's shared-memory ring, news on the doorbell.
+
+The server writes each batch into a slot of a shared-memory segment (laid out as
+``batchd._ring`` says) and tells the client, on the session's doorbell socket
+(``_doorbell.py``), where its fields are and under which lease; the client maps the segment
+once per session, reads the slot in place, and gives the slot back by acking the lease.
+The segment starts with a token the server also sends in ``RingLayout.token``: a client that
+reads the same bytes there has the server's segment (same host, same ``/dev/shm``), not a
+same-named file of another machine or container.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from batchd._doorbell import ACCEPTED, BATCH, CANCEL, END, START, ClientDoorbell, parse
+from batchd._proto.batchd.v1 import loader_pb2
+from batchd._ring import slot_offset
+from batchd._status import disagreement, error_named
+from batchd._stream import ReceivedBatch, field_views
+from batchd.errors import NotFound, Unavailable
+
+__all__ = ["SHM_DIR", "ShmRing", "ShmStream", "ShmUnusable"]
+
+SHM_DIR: Final = Path("/dev/shm")
+
+
+class ShmUnusable(Exception):
+    """The server's segment cannot be used from here; the message says why."""
+
+
+class ShmRing:
+    """The server's ring segment of one session, mapped into this process.
+
+    Raises:
+        ShmUnusable: (from :meth:`open`) it cannot be opened, or it is not the server's.
+    """
+
+    def __init__(self, layout: loader_pb2.RingLayout, mapping: mmap.mmap, writable: bool) -> None:
+        self.layout = layout
+        self.writable = writable
+        """Mapped read-write (needed to register it with CUDA)."""
+        self._mmap: mmap.mmap | None = mapping
+        self.bytes: npt.NDArray[np.uint8] = np.frombuffer(mapping, dtype=np.uint8)
+        """The whole segment; its ``.ctypes.data`` is the mapping's address."""
+        self.doorbell: ClientDoorbell | None = None
+        """The session's doorbell connection, once :func:`select_transport` made it."""
+
+    @classmethod
+    def open(cls, layout: loader_pb2.RingLayout, shm_dir: Path = SHM_DIR) -> ShmRing:
+        """Map the segment ``layout`` names and check its token."""
+        name = layout.shm_name
+        if not name or "/" in name or name in (".", ".."):
+            raise ShmUnusable(f"the server named no usable segment ({name!r})")
+        if not layout.token:
+            raise ShmUnusable("the server sent no token to check the segment against")
+        path = shm_dir / name
+        writable = True
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except PermissionError:
+            # A segment shared through a group may be readable only; fine for CPU delivery.
+            writable = False
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise ShmUnusable(f"cannot open {path}: {e.strerror}") from e
+        except OSError as e:
+            raise ShmUnusable(f"cannot open {path}: {e.strerror}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size < layout.segment_bytes or layout.segment_bytes < len(layout.token):
+                raise ShmUnusable(
+                    f"{path} is {size} bytes, the server's segment is {layout.segment_bytes}: "
+                    "a different file of the same name"
+                )
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            mapping = mmap.mmap(fd, layout.segment_bytes, access=access)
+        except OSError as e:
+            raise ShmUnusable(f"cannot map {path}: {e.strerror}") from e
+        finally:
+            os.close(fd)
+        if mapping[: len(layout.token)] != layout.token:
+            mapping.close()
+            raise ShmUnusable(
+                f"{path} does not start with the server's token: this client does not see the "
+                "server's /dev/shm (another host or container)"
+            )
+        return cls(layout, mapping, writable)
+
+    def batch(self, msg: loader_pb2.StreamBatchesResponse) -> ReceivedBatch:
+        """The batch ``msg`` describes, as views of its slot."""
+        layout = self.layout
+        if not 0 <= msg.slot < layout.slots or self._mmap is None:
+            raise disagreement(
+                f"batch {msg.batch_index} arrived in slot {msg.slot}, but the ring has "
+                f"{layout.slots} slots"
+            )
+        # A slot-sized array of its own: every field view points at it, so it dies exactly
+        # when the last view (or tensor) of the batch does (the lend path watches that).
+        slot = np.frombuffer(
+            self._mmap,
+            dtype=np.uint8,
+            count=layout.slot_bytes,
+            offset=slot_offset(msg.slot, layout.slot_bytes, layout.header_bytes),
+        )
+        arrays, offsets, extent = field_views(slot, layout.slot_bytes, msg)
+        return ReceivedBatch(
+            index=msg.batch_index,
+            slot=msg.slot,
+            rows=msg.rows,
+            arrays=arrays,
+            failed_sample_ids=tuple(msg.failed_sample_ids),
+            extent_bytes=extent,
+            offsets=offsets,
+            inline=False,
+            memory=slot,
+            lease=msg.lease,
+        )
+
+    def close(self) -> None:
+        """Unmap, or leave the unmapping to the last zero-copy view still alive. Idempotent."""
+        if self.doorbell is not None:
+            self.doorbell.close()
+        if self._mmap is None:
+            return
+        mapping, self._mmap = self._mmap, None
+        self.bytes = np.empty(0, dtype=np.uint8)
+        # A zero-copy batch the user still holds points into the mapping (close() raises
+        # BufferError then); unmapping now would make touching it a segfault. The views
+        # keep the mmap object alive, and it unmaps itself when the last one goes.
+        with contextlib.suppress(BufferError):
+            mapping.close()
+
+
+class ShmStream:
+    """One shm stream, run on the session's doorbell: start, batches, acks, end.
+
+    The constructor waits for the server to accept the start, so a session the server
+    forgot raises NotFound here, before any batch is awaited.
+
+    Args:
+        start: The stream's StreamStart (``seq`` and ``held_leases`` set).
+        ring: The session's mapped ring, with its doorbell.
+
+    Raises:
+        BatchdError: the server refused the stream (NotFound when the session is gone).
+    """
+
+    def __init__(self, start: loader_pb2.StreamStart, *, ring: ShmRing) -> None:
+        assert ring.doorbell is not None, "select_transport connects the doorbell"
+        self._ring = ring
+        self._bell = ring.doorbell
+        self._seq = start.seq
+        self._ended = False
+        self._bell.send(START, start)
+        try:
+            kind, _ = self._next_frame()
+        except Unavailable as e:
+            # The server hangs up a session's doorbell when it closes the session (its lease
+            # expired while the loop was busy elsewhere, say): the session is gone.
+            raise NotFound(
+                f"session {start.session_id} is gone (its doorbell is closed: {e})"
+            ) from e
+        if kind != ACCEPTED:
+            raise disagreement(f"the server answered a StreamStart with a frame of kind {kind!r}")
+
+    def _next_frame(self) -> tuple[int, Any]:
+        """The next frame of this stream (others' are skipped); an error end raises."""
+        while True:
+            kind, payload = self._bell.read()
+            if kind in (ACCEPTED, BATCH):
+                msg: Any = parse(loader_pb2.StreamBatchesResponse, payload)
+            elif kind == END:
+                msg = parse(loader_pb2.DoorbellEnd, payload)
+            else:
+                raise disagreement(f"the doorbell sent a frame of kind {kind!r}")
+            if msg.seq != self._seq:
+                continue  # a frame of an earlier stream, still on its way when it ended
+            if kind == END:
+                self._ended = True
+                if msg.error_class:
+                    raise error_named(msg.error_class, msg.message)
+            return kind, msg
+
+    def ack(self, keys: Sequence[int], wait_s: float) -> None:
+        """Give the slots of these leases back (each is a credit for one more batch)."""
+        self._bell.ack(list(keys), wait_s)
+
+    def receive(self) -> ReceivedBatch | None:
+        """The next batch of this stream; None when the server ended it.
+
+        Raises:
+            BatchdError: the stream failed (the server's error), the doorbell closed
+                (Unavailable), or the server broke the wire format (DataLoss).
+        """
+        if self._ended:
+            return None
+        kind, msg = self._next_frame()
+        if kind == BATCH:
+            return self._ring.batch(msg)
+        if kind == END:
+            return None
+        raise disagreement("the server accepted an shm stream twice")
+
+    def finish(self) -> None:
+        """Wait for the server's end of the stream after the epoch's last batch.
+
+        Raises:
+            DataLoss: the server sent more batches than the epoch has.
+            BatchdError: the stream ended with an error.
+        """
+        while not self._ended:
+            kind, msg = self._next_frame()
+            if kind == BATCH:
+                raise disagreement(
+                    f"the server sent batch {msg.batch_index} after the epoch's last batch",
+                    on="the epoch's plan",
+                )
+
+    def cancel(self) -> None:
+        """Abandon the stream (the consumer stopped early). Idempotent."""
+        if not self._ended:
+            self._ended = True
+            self._bell.send(CANCEL, loader_pb2.DoorbellCancel(seq=self._seq))

@@ -1,0 +1,128 @@
+"""What one pass over an epoch looks like to the Loader, whatever carries the bytes.
+
+Two transports implement :class:`BatchStream`: :class:`batchd._shm.ShmStream` (batches in the
+server's shared-memory ring, news of them on the session's doorbell socket) and
+:class:`batchd._inline.InlineStream` (batch bytes inside one gRPC ``StreamBatches`` call).
+``batchd._transport.select_transport`` picks one per session; the Loader is written
+against the protocol only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from batchd._proto.batchd.v1 import loader_pb2
+from batchd._status import disagreement
+
+__all__ = ["BatchStream", "ReceivedBatch", "field_views"]
+
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    """One batch as it arrived: every field a NumPy view of where its bytes are."""
+
+    index: int
+    slot: int
+    """The ring slot holding it (shm), -1 inline."""
+    rows: int
+    arrays: dict[str, npt.NDArray[Any]]
+    """Field name → ``[rows, ...]`` view into ``memory``."""
+    failed_sample_ids: tuple[int, ...]
+    extent_bytes: int
+    """Bytes from the start of ``memory`` to the end of the last field."""
+    offsets: dict[str, int]
+    """Field name → byte offset from the start of ``memory``."""
+    inline: bool
+    """True when ``memory`` is a buffer of this batch alone (inline transport), False when
+    it is a slot of the server's ring that must be given back."""
+    memory: npt.NDArray[np.uint8]
+    """The slot (shm) or inline buffer every field is a view of: it lives as long as any
+    of them (NumPy points a view of a view at the first array)."""
+    lease: int = 0
+    """The slot's lease (shm), acked to give the slot back; 0 inline."""
+
+    @property
+    def ack_key(self) -> int:
+        """What acknowledges this batch: its index (inline) or its lease (shm)."""
+        return self.index if self.inline else self.lease
+
+
+class BatchStream(Protocol):
+    """One stream: the batches of one epoch from a start batch, in order, with acks back.
+
+    The Loader drives a stream from one thread: :meth:`receive` until the epoch's last
+    batch, acks as batches are done with, then :meth:`finish` (the epoch ended normally)
+    or :meth:`cancel` (the loop stopped early, or failed). Acks are flow-control credits:
+    the server keeps at most the session's slots' worth of batches ahead of them.
+    """
+
+    def receive(self) -> ReceivedBatch | None:
+        """The next batch, blocking until it is complete; None when the server ended the
+        stream.
+
+        Raises:
+            BatchdError: the stream failed (the server's error, mapped to its class), the
+                connection was lost (Unavailable), or the server broke the protocol
+                (DataLoss).
+        """
+        ...
+
+    def ack(self, keys: Sequence[int], wait_s: float) -> None:
+        """Give back the batches of these ``ReceivedBatch.ack_key``s (each is a credit for
+        one more), reporting ``wait_s`` seconds the loop waited for data since the last
+        report. Never raises for a server that is gone: the next receive says so."""
+        ...
+
+    def finish(self) -> None:
+        """After the epoch's last batch: wait for the server's end of the stream.
+
+        Raises:
+            DataLoss: the server sent more batches than the epoch has.
+            BatchdError: the stream ended with an error.
+        """
+        ...
+
+    def cancel(self) -> None:
+        """Abandon the stream (the consumer stopped early). Idempotent; never raises."""
+        ...
+
+
+_DTYPES: dict[str, np.dtype[Any]] = {}
+
+
+def field_views(
+    buffer: npt.NDArray[np.uint8], limit: int, msg: loader_pb2.StreamBatchesResponse
+) -> tuple[dict[str, npt.NDArray[Any]], dict[str, int], int]:
+    """Every field ``msg`` describes as a view of ``buffer[:limit]``, checked to fit.
+
+    Returns:
+        Field name → view, field name → offset, and the end of the last field.
+
+    Raises:
+        DataLoss: a field does not fit the buffer or its shape.
+    """
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    offsets: dict[str, int] = {}
+    extent = 0
+    for view in msg.fields:
+        dtype = _DTYPES.get(view.dtype)
+        if dtype is None:
+            dtype = _DTYPES.setdefault(view.dtype, np.dtype(view.dtype))
+        shape = tuple(view.shape)
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        end = view.offset + view.nbytes
+        if view.offset < 0 or end > limit or view.nbytes != expected or dtype.byteorder == ">":
+            raise disagreement(
+                f"batch {msg.batch_index}: the server described field {view.name!r} as "
+                f"{view.dtype}{list(shape)} at bytes {view.offset}..{end} of a {limit}-byte "
+                "buffer, which does not fit"
+            )
+        arrays[view.name] = buffer[view.offset : end].view(dtype).reshape(shape)
+        offsets[view.name] = view.offset
+        extent = max(extent, end)
+    return arrays, offsets, extent

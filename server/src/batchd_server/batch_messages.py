@@ -1,0 +1,81 @@
+"""The messages that carry a ready batch to its client: a notice (shm) or its bytes (inline).
+
+Both the doorbell (shm streams) and the StreamBatches RPC (inline streams) send batches, so
+the messages are built here, in a module that imports neither of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Final
+
+from batchd._proto.batchd.v1 import loader_pb2 as pb
+from batchd._ring import pack
+from batchd_server import metrics
+from batchd_server.sessions import ReadyBatch, Session
+
+__all__ = ["INLINE_CHUNK_BYTES", "inline_messages", "shm_notice"]
+
+INLINE_CHUNK_BYTES: Final = 4 << 20
+"""Inline batches travel in messages of at most this many bytes of data."""
+
+
+def shm_notice(ready: ReadyBatch, seq: int) -> pb.StreamBatchesResponse:
+    """The doorbell notice of an shm batch of the stream ``seq`` (counted as served)."""
+    views, total = _views(ready, inline=False)
+    metrics.BYTES_SERVED.labels(transport="shm").inc(total)
+    return pb.StreamBatchesResponse(
+        batch_index=ready.batch_index,
+        slot=ready.slot,
+        rows=ready.rows,
+        fields=views,
+        failed_sample_ids=ready.failed_sample_ids,
+        lease=ready.lease,
+        seq=seq,
+    )
+
+
+def _views(ready: ReadyBatch, *, inline: bool) -> tuple[list[pb.FieldView], int]:
+    """The batch's field views and its size inline: inline fields are packed as
+    ``batchd._ring.pack`` places them, so the client can view them without realigning."""
+    packed, total = pack(f.nbytes for f in ready.fields)
+    views = [
+        pb.FieldView(
+            name=f.name,
+            dtype=f.dtype,
+            shape=f.shape,
+            offset=inline_offset if inline else f.offset,
+            nbytes=f.nbytes,
+        )
+        for f, inline_offset in zip(ready.fields, packed, strict=True)
+    ]
+    return views, total
+
+
+def inline_messages(session: Session, ready: ReadyBatch) -> Iterator[pb.StreamBatchesResponse]:
+    """The messages of an inline batch: its fields packed, in chunks of INLINE_CHUNK_BYTES."""
+    views, total = _views(ready, inline=True)
+    payload = bytearray(total)
+    memory = session.slot_memory(ready.slot)
+    for f, view in zip(ready.fields, views, strict=True):
+        payload[view.offset : view.offset + f.nbytes] = memory[f.offset : f.offset + f.nbytes]
+    del memory
+    metrics.BYTES_SERVED.labels(transport="inline").inc(total)
+    for start in range(0, max(total, 1), INLINE_CHUNK_BYTES):
+        chunk = bytes(payload[start : start + INLINE_CHUNK_BYTES])
+        more = start + INLINE_CHUNK_BYTES < total
+        if start == 0:
+            yield pb.StreamBatchesResponse(
+                batch_index=ready.batch_index,
+                slot=-1,
+                rows=ready.rows,
+                fields=views,
+                failed_sample_ids=ready.failed_sample_ids,
+                data=chunk,
+                more=more,
+                inline_bytes=total,
+            )
+        else:
+            yield pb.StreamBatchesResponse(
+                batch_index=ready.batch_index, slot=-1, data=chunk, more=more
+            )

@@ -1,0 +1,27 @@
+"""Sessions: what a client opened, the ring of slots it reads, and the streams it runs.
+
+``options.py`` validates a request and lays out its ring; ``slots.py`` holds the slot
+states (NOTE [ Slot lifecycle ]); ``session.py`` runs one session's streams; ``manager.py``
+opens, finds, closes and expires sessions. Domain code: nothing here imports grpc.
+"""
+
+from __future__ import annotations
+
+from batchd_server.sessions.manager import SessionManager
+from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
+from batchd_server.sessions.session import Bell, FieldView, ReadyBatch, Session, Stream
+from batchd_server.sessions.slots import SlotBook, SlotState
+
+__all__ = [
+    "Bell",
+    "FieldView",
+    "ReadyBatch",
+    "Session",
+    "SessionManager",
+    "SessionOptions",
+    "SlotBook",
+    "SlotState",
+    "Stream",
+    "ring_slots",
+    "slot_layout",
+]

@@ -1,0 +1,195 @@
+"""Opening, finding, closing and expiring sessions; the rings they own."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import wait as wait_futures
+from typing import Final
+
+from batchd._ring import slot_offset
+from batchd_server import metrics
+from batchd_server.catalog_cache import CatalogCache
+from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from batchd_server.limits import MAX_SLOT_BYTES
+from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
+from batchd_server.sessions.session import Session
+from batchd_server.shm.segments import ShmRegistry, format_bytes
+from batchd_server.workers.pool import WorkerPool
+
+__all__ = ["SessionManager"]
+
+logger = logging.getLogger(__name__)
+
+_CLOSE_WAIT_S: Final = 60.0
+"""How long closing a session waits for workers still writing into its ring."""
+
+
+class SessionManager:
+    """Opens, finds, closes and expires sessions; owns their rings through ``registry``."""
+
+    def __init__(
+        self,
+        *,
+        catalog: CatalogCache,
+        pool: WorkerPool,
+        registry: ShmRegistry,
+        lease_timeout_s: float,
+        max_sessions: int,
+        record_errors: Callable[[list[tuple[int, str, str]]], object],
+        doorbell: str = "",
+    ) -> None:
+        self._catalog = catalog
+        self._pool = pool
+        self._registry = registry
+        self.lease_timeout_s = lease_timeout_s
+        self._max_sessions = max_sessions
+        self._record_errors = record_errors
+        self._sessions: dict[str, Session] = {}
+        self.doorbell = doorbell
+        """The doorbell socket's name in the shm directory (``RingLayout.doorbell``)."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="batchd-lease", daemon=True)
+        self._reaper.start()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, options: SessionOptions) -> Session:
+        """Open a session.
+
+        Raises:
+            InvalidArgument, NotFound, FailedPrecondition, SnapshotMismatch,
+            ResourceExhausted: as the message says.
+        """
+        with self._lock:
+            if len(self._sessions) >= self._max_sessions:
+                raise ResourceExhausted(
+                    f"the server has {len(self._sessions)} open sessions, its limit "
+                    "(BATCHD_MAX_SESSIONS); close loaders you no longer use"
+                )
+        pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
+        layout, slot_bytes = slot_layout(pipeline.fields(), options.sampler.batch_size)
+        if slot_bytes > MAX_SLOT_BYTES:
+            raise InvalidArgument(
+                f"one batch would take {format_bytes(slot_bytes)}, more than the "
+                f"{format_bytes(MAX_SLOT_BYTES)} a slot may hold; lower batch_size"
+            )
+        entry = self._catalog.acquire(
+            options.dataset, options.version, options.split, options.snapshot
+        )
+        try:
+            root = entry.arrays.dataset.root
+            if not os.path.isdir(root):
+                raise FailedPrecondition(
+                    f"dataset {options.dataset!r} has root {root!r}, which is not a directory "
+                    "on the server; mount the data there or re-ingest with the right --root"
+                )
+            slots = ring_slots(options.prefetch, slot_bytes)
+            ring_bytes = slot_offset(slots, slot_bytes)
+            purpose = (
+                f"{slots} slots of {format_bytes(slot_bytes)} for batch_size="
+                f"{options.sampler.batch_size} of {options.dataset!r}"
+            )
+            ring = self._catalog.create_segment("ring", ring_bytes, purpose=purpose)
+        except BaseException:
+            self._catalog.release(entry)
+            raise
+        token = secrets.token_bytes(16)
+        ring.buf[: len(token)] = token
+        session_id = secrets.token_hex(16)
+        try:
+            session = Session(
+                session_id=session_id,
+                options=options,
+                catalog=entry,
+                ring=ring,
+                layout=layout,
+                slot_bytes=slot_bytes,
+                token=token,
+                pool=self._pool,
+                record_errors=self._record_errors,
+            )
+            if session.num_batches == 0:
+                raise FailedPrecondition(
+                    f"drop_last=True leaves no batch: {session.num_rows} samples over "
+                    f"{options.sampler.world_size} rank(s) do not fill one batch of "
+                    f"{options.sampler.batch_size}; lower batch_size or set drop_last=False"
+                )
+        except BaseException:
+            self._registry.release(ring)
+            self._catalog.release(entry)
+            raise
+        with self._lock:
+            self._sessions[session_id] = session
+            metrics.SESSIONS.set(len(self._sessions))
+        logger.info(
+            "session %s opened: %s/%s split %s, %d batches of %d on rank %d/%d, ring %s",
+            session_id,
+            options.dataset,
+            entry.arrays.dataset.version,
+            options.split,
+            session.num_batches,
+            options.sampler.batch_size,
+            options.sampler.rank,
+            options.sampler.world_size,
+            format_bytes(ring.nbytes),
+        )
+        return session
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(
+                f"no open session {session_id!r}: it was closed, or expired after "
+                f"{self.lease_timeout_s:g} s without a stream, or the server restarted; "
+                "open a new one"
+            )
+        return session
+
+    def close(self, session_id: str, *, reason: str = "closed by the client") -> bool:
+        """Close a session and free its ring; False when there was no such session."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            metrics.SESSIONS.set(len(self._sessions))
+        if session is None:
+            return False
+        busy = session.close()
+        if busy:
+            wait_futures(busy, timeout=_CLOSE_WAIT_S)
+        self._pool.forget_session(session_id)
+        self._registry.release(session.ring)
+        self._catalog.release(session.catalog)
+        logger.info("session %s %s; its ring is freed", session_id, reason)
+        return True
+
+    def _reap(self) -> None:
+        interval = min(1.0, self.lease_timeout_s / 4)
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            with self._lock:
+                expired = [
+                    s.id
+                    for s in self._sessions.values()
+                    if not s.streaming and now - s.last_used > self.lease_timeout_s
+                ]
+            for session_id in expired:
+                self.close(
+                    session_id,
+                    reason=f"expired after {self.lease_timeout_s:g} s without a stream",
+                )
+
+    def close_all(self) -> None:
+        self._stop.set()
+        with self._lock:
+            ids = list(self._sessions)
+        for session_id in ids:
+            self.close(session_id, reason="closed at server shutdown")
+        self._reaper.join(5.0)

@@ -1,0 +1,457 @@
+"""A session: one client's view of one split, its ring of slots, and the epochs it streams.
+
+How slots move between states is NOTE [ Slot lifecycle ] in ``slots.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import numpy as np
+
+from batchd._ring import HEADER_BYTES, slot_offset
+from batchd_server import metrics
+from batchd_server.catalog_cache import CatalogEntry
+from batchd_server.errors import DataLoss, InvalidArgument, NotFound
+from batchd_server.sampling import EpochPlan, plan_epoch
+from batchd_server.sessions.options import SessionOptions
+from batchd_server.sessions.slots import SlotBook, SlotState
+from batchd_server.shm.segments import Segment
+from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField
+
+__all__ = ["Bell", "FieldView", "ReadyBatch", "Session", "Stream", "SubmitsTasks"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S: Final = 0.25
+"""How often a waiting stream re-checks that its client is still there."""
+_MAX_PLANS: Final = 2
+
+
+class Bell(Protocol):
+    """A client's doorbell connection, as a session sees it (``batchd_server.doorbell``)."""
+
+    def close(self) -> None:
+        """Hang up: the client's next read fails, and the connection's streams end."""
+        ...
+
+
+class SubmitsTasks(Protocol):
+    """The worker pool, as a session sees it (``batchd_server.workers.pool.WorkerPool``)."""
+
+    def submit(self, task: BatchTask) -> Future[BatchResult]:
+        """Queue ``task``; its future is done when a worker wrote the batch (or failed)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FieldView:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReadyBatch:
+    """Batch ``batch_index`` is in ``slot``, ready to go out; ``fields`` are at offsets from
+    the slot's start."""
+
+    batch_index: int
+    slot: int
+    rows: int
+    fields: list[FieldView]
+    failed_sample_ids: list[int]
+    lease: int = 0
+    """shm streams: what the client acks to give the slot back (NOTE [ Slot lifecycle ])."""
+
+
+@dataclass(eq=False)
+class Stream:
+    """One StreamBatches call: an epoch from ``start`` to the session's last batch."""
+
+    epoch: int
+    start: int
+    plan: EpochPlan
+    next_submit: int
+    """The next batch to hand to a worker once a slot is free."""
+    leased: bool = False
+    """An shm stream: its slots go out under session leases, not per batch index."""
+    working: dict[int, tuple[int, Future[BatchResult]]] = field(default_factory=dict)
+    """Batch index -> (WORKING slot, its task), until the batch goes out."""
+    delivered: dict[int, int] = field(default_factory=dict)
+    """Inline streams: batch index -> DELIVERED slot, until acked."""
+    closed: bool = False
+
+
+class Session:
+    """An open session. Thread-safe; see NOTE [ Slot lifecycle ]."""
+
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        options: SessionOptions,
+        catalog: CatalogEntry,
+        ring: Segment,
+        layout: tuple[SlotField, ...],
+        slot_bytes: int,
+        token: bytes,
+        pool: SubmitsTasks,
+        record_errors: Callable[[list[tuple[int, str, str]]], object],
+    ) -> None:
+        self.id = session_id
+        self.options = options
+        self.catalog = catalog
+        self.ring = ring
+        self.layout = layout
+        self.slot_bytes = slot_bytes
+        self.token = token
+        self._pool = pool
+        self._record_errors = record_errors
+        arrays = catalog.arrays
+        self.num_rows = len(arrays)
+        """Rows of the split in the catalog snapshot (before padding or dropping)."""
+        sampler = options.sampler
+        probe = plan_epoch(self.num_rows, sampler, 0, **self._sampling_columns())
+        self.num_batches = probe.num_batches
+        self.num_samples = len(probe.positions)
+        self._plans: dict[int, EpochPlan] = {0: probe}
+        self.spec = SessionSpec(
+            session_id=session_id,
+            root=arrays.dataset.root,
+            pipeline_kind=options.pipeline_kind,
+            pipeline_options=options.pipeline_options,
+            catalog_segment=catalog.segment.name,
+            ring_segment=ring.name,
+            header_bytes=HEADER_BYTES,
+            slot_bytes=slot_bytes,
+            fields=layout,
+            batch_size=sampler.batch_size,
+            seed=sampler.seed,
+            on_error=options.on_error,
+            shm_dir=str(ring.path.parent),
+        )
+        self._cond = threading.Condition()
+        self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
+        """Slots in the ring (``ring_slots`` decided how many when it was reserved)."""
+        self._book = SlotBook(self.slots)
+        self._leases: dict[int, int] = {}
+        """Lease -> LEASED slot of every shm batch sent and not yet given back."""
+        self._finishing: set[int] = set()
+        """WORKING slots of ended streams, FREE once their workers are done."""
+        self._lease_ids = itertools.count(1)
+        self.bell: Bell | None = None
+        """The client's doorbell connection, once it said hello (shm sessions)."""
+        self._stream: Stream | None = None
+        self._errors_by_epoch: dict[int, int] = {}
+        self.closed = False
+        self.last_used = time.monotonic()
+
+    def _sampling_columns(self) -> dict[str, Any]:
+        mode = self.options.sampler.mode
+        arrays = self.catalog.arrays
+        return {
+            "weights": arrays.weights if mode == "weighted" else None,
+            "labels": arrays.labels if mode == "class_balanced" else None,
+            "lengths": arrays.lengths if mode == "bucketed" else None,
+        }
+
+    def plan(self, epoch: int) -> EpochPlan:
+        with self._cond:
+            plan = self._plans.get(epoch)
+        if plan is None:
+            plan = plan_epoch(
+                self.num_rows, self.options.sampler, epoch, **self._sampling_columns()
+            )
+            with self._cond:
+                while len(self._plans) >= _MAX_PLANS:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[epoch] = plan
+        return plan
+
+    @property
+    def streaming(self) -> bool:
+        return self._stream is not None
+
+    def slot_memory(self, slot: int) -> memoryview:
+        start = slot_offset(slot, self.slot_bytes)
+        return memoryview(self.ring.buf)[start : start + self.slot_bytes]
+
+    def slot_states(self) -> list[SlotState]:
+        """Every slot's state, in slot order."""
+        with self._cond:
+            return [self._book.state(s) for s in range(self.slots)]
+
+    def check_slots(self) -> None:
+        """Assert that every slot is in exactly one state, and is where that state says:
+        FREE on the free list, WORKING with a task of the stream (or finishing), DELIVERED
+        awaiting an inline ack, LEASED under one lease. Tests call this after each step."""
+        with self._cond:
+            self._book.check()
+            stream = self._stream
+            places: list[tuple[int, SlotState]] = [
+                *((s, SlotState.WORKING) for s in self._finishing),
+                *((s, SlotState.LEASED) for s in self._leases.values()),
+            ]
+            if stream is not None:
+                places += [(s, SlotState.WORKING) for s, _ in stream.working.values()]
+                places += [(s, SlotState.DELIVERED) for s in stream.delivered.values()]
+            places += [
+                (s, SlotState.FREE)
+                for s in range(self.slots)
+                if self._book.state(s) is SlotState.FREE
+            ]
+            seen = Counter(s for s, _ in places)
+            twice = sorted(s for s, n in seen.items() if n > 1)
+            assert not twice, f"slots {twice} are in more than one place"
+            lost = sorted(set(range(self.slots)) - set(seen))
+            assert not lost, f"slots {lost} are in no state's place"
+            for slot, state in places:
+                assert self._book.state(slot) is state, (
+                    f"slot {slot} is kept as {state.name} but booked {self._book.state(slot).name}"
+                )
+
+    # -- streams --------------------------------------------------------------------------
+
+    def attach_bell(self, bell: Bell) -> None:
+        """``bell`` is now the client's doorbell; a previous connection is closed."""
+        with self._cond:
+            if self.closed:
+                raise NotFound(f"session {self.id} is closed; open a new one")
+            previous, self.bell = self.bell, bell
+        if previous is not None:
+            previous.close()
+
+    def detach_bell(self, bell: Bell) -> None:
+        with self._cond:
+            if self.bell is bell:
+                self.bell = None
+            self._cond.notify_all()
+
+    def start_stream(
+        self, epoch: int, start_batch: int, *, held_leases: Collection[int] | None = None
+    ) -> Stream:
+        """Start streaming ``epoch`` at ``start_batch``, ending any previous stream.
+
+        Args:
+            held_leases: For an shm stream, the leases the client still holds; every other
+                delivered slot becomes free. None for an inline stream.
+        """
+        if epoch < 0:
+            raise InvalidArgument(f"epoch={epoch} must be >= 0")
+        if not 0 <= start_batch <= self.num_batches:
+            raise InvalidArgument(
+                f"start_batch={start_batch} must be between 0 and num_batches={self.num_batches}"
+            )
+        with self._cond:
+            if self.closed:
+                raise NotFound(f"session {self.id} is closed; open a new one")
+            previous = self._stream
+        if previous is not None:
+            # A session has one reader: its client. A new stream means that client gave up
+            # on the old one (a break out of the loop, a retry after a network blip) and the
+            # old call may not have ended on our side yet; it ends now.
+            logger.debug(
+                "session %s: a new stream replaces the one of epoch %d", self.id, previous.epoch
+            )
+            self.end_stream(previous)
+        plan = self.plan(epoch)
+        with self._cond:
+            if held_leases is not None:
+                still_held = set(held_leases)
+                for lease in [x for x in self._leases if x not in still_held]:
+                    self._book.free(self._leases.pop(lease), SlotState.LEASED)
+            stream = Stream(epoch, start_batch, plan, start_batch, leased=held_leases is not None)
+            self._stream = stream
+            self.last_used = time.monotonic()
+        metrics.STREAMS.inc()
+        return stream
+
+    def ack(self, stream: Stream, batch_indices: list[int]) -> None:
+        """Inline: the client received these batches of ``stream``."""
+        with self._cond:
+            for k in batch_indices:
+                slot = stream.delivered.pop(k, None)
+                if slot is None:
+                    continue  # a duplicate ack, or one for a stream that ended: harmless
+                self._book.free(slot, SlotState.DELIVERED)
+            # The freed slot goes to a worker now, not when the stream next looks: it may be
+            # waiting for a batch that takes a while, and an idle worker is lost throughput.
+            self._fill(stream)
+            self._cond.notify_all()
+
+    def release(self, leases: list[int]) -> None:
+        """shm: the client is done with the slots of these leases (from any stream)."""
+        with self._cond:
+            for lease in leases:
+                slot = self._leases.pop(lease, None)
+                if slot is not None:  # else late or repeated: harmless
+                    self._book.free(slot, SlotState.LEASED)
+            if self._stream is not None:
+                self._fill(self._stream)
+            self._cond.notify_all()
+
+    def end_stream(self, stream: Stream) -> None:
+        """Finish ``stream`` (idempotent); its slots come back as NOTE [ Slot lifecycle ] says."""
+        with self._cond:
+            if stream.closed:
+                return
+            stream.closed = True
+            for slot in stream.delivered.values():
+                self._book.free(slot, SlotState.DELIVERED)
+            stream.delivered.clear()
+            working = list(stream.working.values())
+            stream.working.clear()
+            for slot, future in working:
+                if future.cancel():
+                    self._book.free(slot, SlotState.WORKING)
+                else:
+                    self._finishing.add(slot)
+                    future.add_done_callback(functools.partial(self._slot_done, slot))
+            if self._stream is stream:
+                self._stream = None
+            self.last_used = time.monotonic()
+            self._cond.notify_all()
+        metrics.STREAMS.dec()
+
+    def _slot_done(self, slot: int, _future: Future[BatchResult]) -> None:
+        with self._cond:
+            self._finishing.discard(slot)
+            self._book.free(slot, SlotState.WORKING)
+            self._cond.notify_all()
+
+    def batches(self, stream: Stream, client_active: Callable[[], bool]) -> Iterator[ReadyBatch]:
+        """The stream's batches in order; returns early when the client or the session goes.
+
+        Raises:
+            DataLoss: a sample failed under on_error="raise", the epoch's errors passed
+                max_error_fraction, or a batch kept killing workers.
+        """
+        for k in range(stream.start, self.num_batches):
+            with self._cond:
+                while True:
+                    if stream.closed or self.closed or not client_active():
+                        return
+                    self._fill(stream)
+                    if k in stream.working:
+                        break
+                    self._cond.wait(_POLL_S)
+                slot, future = stream.working[k]
+            result = self._result(stream, future, client_active)
+            if result is None:
+                return
+            with self._cond:
+                if stream.closed:
+                    return
+                del stream.working[k]
+                self._book.sent(slot, leased=stream.leased)
+                lease = 0
+                if stream.leased:
+                    lease = next(self._lease_ids)
+                    self._leases[lease] = slot
+                else:
+                    stream.delivered[k] = slot
+            yield self._ready(stream, result, lease)
+
+    def _fill(self, stream: Stream) -> None:
+        """Hand the stream's next batches to the workers while slots are free (under the lock)."""
+        while not stream.closed and stream.next_submit < self.num_batches and self._book.has_free():
+            k, slot = stream.next_submit, self._book.take()
+            task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
+            stream.working[k] = (slot, self._pool.submit(task))
+            stream.next_submit += 1
+
+    def _result(
+        self, stream: Stream, future: Future[BatchResult], client_active: Callable[[], bool]
+    ) -> BatchResult | None:
+        while True:
+            try:
+                return future.result(timeout=_POLL_S)
+            except FutureTimeout:
+                if stream.closed or self.closed or not client_active():
+                    return None
+            except CancelledError:  # the stream ended meanwhile and cancelled the task
+                return None
+
+    def _ready(self, stream: Stream, result: BatchResult, lease: int) -> ReadyBatch:
+        failures = result.failures
+        if failures:
+            self._account_errors(stream.epoch, result)
+        views = []
+        for f in self.layout:
+            shape = result.shapes[f.name]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
+            views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
+        metrics.BATCHES.inc()
+        metrics.SAMPLES.inc(result.rows)
+        return ReadyBatch(
+            result.batch_index,
+            result.slot,
+            result.rows,
+            views,
+            [x.sample_id for x in failures],
+            lease,
+        )
+
+    def _account_errors(self, epoch: int, result: BatchResult) -> None:
+        for failure in result.failures:
+            metrics.SAMPLE_ERRORS.labels(kind=failure.kind).inc()
+            logger.warning(
+                "session %s: sample %d (%s) failed: %s: %s%s",
+                self.id,
+                failure.sample_id,
+                failure.path,
+                failure.kind,
+                failure.message,
+                "" if failure.replaced_by is None else f"; replaced by {failure.replaced_by}",
+            )
+        try:
+            self._record_errors([(x.sample_id, x.kind, x.message) for x in result.failures])
+        except Exception:  # the catalog being down must not stop training
+            logger.exception("could not record sample errors in the catalog")
+        first = result.failures[0]
+        if result.fatal:
+            raise DataLoss(
+                f"sample {first.sample_id} ({first.path}) failed: {first.kind}: "
+                f"{first.message} (on_error='raise'; use 'skip' or 'replace' to go on past "
+                "bad samples)"
+            )
+        with self._cond:
+            count = self._errors_by_epoch.get(epoch, 0) + len(result.failures)
+            self._errors_by_epoch[epoch] = count
+        limit = self.options.max_error_fraction * self.num_samples
+        if count > limit:
+            raise DataLoss(
+                f"{count} samples of epoch {epoch} failed, more than max_error_fraction="
+                f"{self.options.max_error_fraction:g} of its {self.num_samples}; latest: "
+                f"sample {first.sample_id} ({first.path}): {first.kind}: {first.message}. "
+                "Fix or un-verify the bad samples (the catalog's sample_errors table lists "
+                "them), or raise max_error_fraction"
+            )
+
+    # -- closing --------------------------------------------------------------------------
+
+    def close(self) -> list[Future[BatchResult]]:
+        """Mark closed and end any stream; returns the tasks still writing into the ring."""
+        with self._cond:
+            self.closed = True
+            stream = self._stream
+            busy = [f for _, f in stream.working.values()] if stream is not None else []
+            bell, self.bell = self.bell, None
+        if bell is not None:
+            bell.close()
+        if stream is not None:
+            self.end_stream(stream)
+        return [f for f in busy if not f.done()]
