@@ -7,11 +7,11 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from types import TracebackType
 from typing import Any
 
 import grpc
 
+from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._status import error_from_rpc
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -101,7 +101,7 @@ def resolve_target(target: str | None, environ: Mapping[str, str] | None = None)
     return resolved.strip()
 
 
-class Catalog:
+class Catalog(Closeable):
     """A read-only view of a batchd server's catalog.
 
     Args:
@@ -154,17 +154,6 @@ class Catalog:
         """Close the connection; further calls raise FailedPrecondition. Idempotent."""
         self._closed = True
         self._finalizer()
-
-    def __enter__(self) -> Catalog:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

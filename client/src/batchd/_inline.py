@@ -18,7 +18,7 @@ import numpy as np
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._status import disagreement, error_from_rpc
-from batchd._stream import ReceivedBatch, field_views
+from batchd._stream import ReceivedBatch
 
 __all__ = ["InlineAssembler", "InlineStream"]
 
@@ -57,18 +57,7 @@ class InlineAssembler:
                 f"batch {head.batch_index}: inline chunks carry {self._filled} of the announced "
                 f"{len(self._buffer)} bytes"
             )
-        arrays, offsets, extent = field_views(self._buffer, len(self._buffer), head)
-        return ReceivedBatch(
-            index=head.batch_index,
-            slot=-1,
-            rows=head.rows,
-            arrays=arrays,
-            failed_sample_ids=tuple(head.failed_sample_ids),
-            extent_bytes=extent,
-            offsets=offsets,
-            inline=True,
-            memory=self._buffer,
-        )
+        return ReceivedBatch.viewing(self._buffer, head, inline=True)
 
 
 def _requests(

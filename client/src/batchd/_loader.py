@@ -13,13 +13,13 @@ import logging
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from types import TracebackType
 from typing import Any, Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
 from batchd._connection import Connection, SessionHandle
 from batchd._device import Batch, resolve_device
 from batchd._inline import InlineStream
+from batchd._lifetime import Closeable
 from batchd._options import MAX_BATCH_SIZE, LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._shm import ShmStream
@@ -38,7 +38,7 @@ _SUPERSEDED: Final = (
 )
 
 
-class Loader:
+class Loader(Closeable):
     """Batches of one split of a dataset, decoded by a batchd server.
 
     Args:
@@ -410,17 +410,6 @@ class Loader:
         self._closed = True
         self._iteration = None
         self._finalizer()
-
-    def __enter__(self) -> Loader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __getstate__(self) -> Any:
         raise InvalidArgument(

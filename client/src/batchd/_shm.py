@@ -25,7 +25,7 @@ from batchd._doorbell import ACCEPTED, BATCH, CANCEL, END, START, ClientDoorbell
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._ring import slot_offset
 from batchd._status import disagreement, error_named
-from batchd._stream import ReceivedBatch, field_views
+from batchd._stream import ReceivedBatch
 from batchd.errors import NotFound, Unavailable
 
 __all__ = ["SHM_DIR", "ShmRing", "ShmStream", "ShmUnusable"]
@@ -112,19 +112,7 @@ class ShmRing:
             count=layout.slot_bytes,
             offset=slot_offset(msg.slot, layout.slot_bytes, layout.header_bytes),
         )
-        arrays, offsets, extent = field_views(slot, layout.slot_bytes, msg)
-        return ReceivedBatch(
-            index=msg.batch_index,
-            slot=msg.slot,
-            rows=msg.rows,
-            arrays=arrays,
-            failed_sample_ids=tuple(msg.failed_sample_ids),
-            extent_bytes=extent,
-            offsets=offsets,
-            inline=False,
-            memory=slot,
-            lease=msg.lease,
-        )
+        return ReceivedBatch.viewing(slot, msg, inline=False)
 
     def close(self) -> None:
         """Unmap, or leave the unmapping to the last zero-copy view still alive. Idempotent."""

@@ -46,6 +46,30 @@ class ReceivedBatch:
     lease: int = 0
     """The slot's lease (shm), acked to give the slot back; 0 inline."""
 
+    @classmethod
+    def viewing(
+        cls, memory: npt.NDArray[np.uint8], msg: loader_pb2.StreamBatchesResponse, *, inline: bool
+    ) -> ReceivedBatch:
+        """The batch ``msg`` describes, its fields viewed in ``memory`` (a slot or an inline
+        buffer).
+
+        Raises:
+            DataLoss: a field does not fit ``memory``.
+        """
+        arrays, offsets, extent = field_views(memory, len(memory), msg)
+        return cls(
+            index=msg.batch_index,
+            slot=-1 if inline else msg.slot,
+            rows=msg.rows,
+            arrays=arrays,
+            failed_sample_ids=tuple(msg.failed_sample_ids),
+            extent_bytes=extent,
+            offsets=offsets,
+            inline=inline,
+            memory=memory,
+            lease=0 if inline else msg.lease,
+        )
+
     @property
     def ack_key(self) -> int:
         """What acknowledges this batch: its index (inline) or its lease (shm)."""

@@ -5,28 +5,7 @@ Domain code imports errors from here; ``api/status.py`` maps them to gRPC codes.
 
 from __future__ import annotations
 
-from batchd.errors import (
-    AlreadyExists,
-    BatchdError,
-    DataError,
-    DataLoss,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    SnapshotMismatch,
-    Unavailable,
-)
+from batchd import errors as _errors
+from batchd.errors import *  # noqa: F403 (the same classes, by design)
 
-__all__ = [
-    "AlreadyExists",
-    "BatchdError",
-    "DataError",
-    "DataLoss",
-    "FailedPrecondition",
-    "InvalidArgument",
-    "NotFound",
-    "ResourceExhausted",
-    "SnapshotMismatch",
-    "Unavailable",
-]
+__all__ = list(_errors.__all__)

@@ -16,11 +16,11 @@ import stat
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import grpc
 
+from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd_server import metrics
 from batchd_server.api.servicer import LoaderServicer
@@ -101,7 +101,7 @@ class ListenAddress:
         return cls(grpc_address=listen, host=host, port=int(port_text))
 
 
-class RunningServer:
+class RunningServer(Closeable):
     """A started gRPC server and what it owns; stop it with :meth:`stop` or ``with``."""
 
     def __init__(
@@ -159,15 +159,8 @@ class RunningServer:
         """Block until the server stops; False if ``timeout_s`` passed first."""
         return bool(self._server.wait_for_termination(timeout_s))
 
-    def __enter__(self) -> RunningServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
+        """:meth:`stop` with the default grace (what ``with`` calls on exit)."""
         self.stop()
 
     def __repr__(self) -> str:

@@ -27,12 +27,12 @@ import os
 import stat
 import weakref
 from collections import OrderedDict
-from types import TracebackType
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+from batchd._lifetime import Closeable
 from batchd_server.errors import FailedPrecondition
 from batchd_server.pipelines.base import BadSample
 
@@ -53,7 +53,7 @@ def _close_all(fds: dict[str, tuple[int, int]]) -> None:
     fds.clear()
 
 
-class SampleFiles:
+class SampleFiles(Closeable):
     """Confined, buffer-reusing reads of sample files under one dataset root.
 
     Not thread-safe: a worker process holds one per session. Descriptors of shard files
@@ -166,17 +166,6 @@ class SampleFiles:
         self._finalizer()
         self._maps.clear()
         self._buffer = bytearray(0)
-
-    def __enter__(self) -> SampleFiles:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _view(self, count: int) -> memoryview:
         if count > MAX_CACHED_BUFFER_BYTES:

@@ -47,12 +47,12 @@ import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from batchd._lifetime import Closeable
 from batchd_server.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -156,23 +156,12 @@ class Segment(_Mapping):
         self.kind = kind
 
 
-class Attachment(_Mapping):
+class Attachment(_Mapping, Closeable):
     """A mapping of a segment that another process created (see ``attach``)."""
 
     def close(self) -> None:
         """Unmap; idempotent. Safe while views exist (NOTE [ Closing mappings with live views ])."""
         self._unmap()
-
-    def __enter__(self) -> Attachment:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def attach(name: str, *, writable: bool, shm_dir: Path = SHM_DIR) -> Attachment:
@@ -219,7 +208,7 @@ def attach(name: str, *, writable: bool, shm_dir: Path = SHM_DIR) -> Attachment:
         os.close(fd)  # the mapping does not need it
 
 
-class ShmRegistry:
+class ShmRegistry(Closeable):
     """The segments one server instance owns: created, budgeted, released and swept here.
 
     Only this class creates or unlinks segments. It is thread-safe. Creating one takes the
@@ -447,17 +436,6 @@ class ShmRegistry:
     def _require_open(self) -> None:
         if self._closed:
             raise FailedPrecondition(f"shm registry {self.instance} is closed")
-
-    def __enter__(self) -> ShmRegistry:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (
