@@ -237,6 +237,7 @@ class Session:
             seed=sampler.seed,
             on_error=options.on_error,
             shm_dir=str(ring.path.parent),
+            dataset=options.dataset,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
@@ -251,6 +252,8 @@ class Session:
         self._errors_by_epoch: dict[int, int] = {}
         self.closed = False
         self.last_used = time.monotonic()
+        self.opened_at = self.last_used
+        self._delivered_any = False
 
     def _sampling_columns(self) -> dict[str, Any]:
         mode = self.options.sampler.mode
@@ -445,8 +448,9 @@ class Session:
             shape = result.shapes[f.name]
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
             views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
-        metrics.BATCHES.inc()
-        metrics.SAMPLES.inc(result.rows)
+        first, self._delivered_any = not self._delivered_any, True
+        since_open_s = time.monotonic() - self.opened_at if first else None
+        metrics.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
         return Delivered(
             result.batch_index,
             result.slot,
@@ -458,7 +462,7 @@ class Session:
 
     def _account_errors(self, epoch: int, result: BatchResult) -> None:
         for failure in result.failures:
-            metrics.SAMPLE_ERRORS.labels(kind=failure.kind).inc()
+            metrics.SAMPLE_ERRORS.labels(dataset=self.options.dataset, kind=failure.kind).inc()
             logger.warning(
                 "session %s: sample %d (%s) failed: %s: %s%s",
                 self.id,
@@ -663,10 +667,21 @@ class SessionManager:
                     reason=f"expired after {self.lease_timeout_s:g} s without a stream",
                 )
 
-    def close_all(self) -> None:
+    def close_all(self, timeout_s: float = _CLOSE_WAIT_S) -> None:
+        """Close every session (server shutdown): all their streams end at once, then the
+        workers still writing into any ring get ``timeout_s`` seconds in all, together."""
         self._stop.set()
         with self._lock:
-            ids = list(self._sessions)
-        for session_id in ids:
-            self.close(session_id, reason="closed at server shutdown")
-        self._reaper.join(5.0)
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+            metrics.SESSIONS.set(0)
+        busy = [future for session in sessions for future in session.close()]
+        if busy:
+            wait_futures(busy, timeout=timeout_s)
+        for session in sessions:
+            self._pool.forget_session(session.id)
+            self._registry.release(session.ring)
+            self._catalog.release(session.catalog)
+        if sessions:
+            logger.info("closed %d session(s) at server shutdown", len(sessions))
+        self._reaper.join(min(5.0, timeout_s))
