@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 from google.protobuf.message import Message
@@ -260,6 +261,7 @@ class DoorbellServer:
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 5.0  # one wait for all: never one after another
         self._acceptor.join(5.0)
         for thread in threads:
-            thread.join(5.0)
+            thread.join(max(0.0, deadline - time.monotonic()))

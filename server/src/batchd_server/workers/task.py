@@ -10,6 +10,7 @@ field of every sample straight into the session's ring (see NOTE [ Slot lifecycl
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "SessionContext",
     "SessionSpec",
     "SlotField",
+    "StageTimes",
     "run_batch",
 ]
 
@@ -67,6 +69,8 @@ class SessionSpec:
     seed: int
     on_error: str
     shm_dir: str = "/dev/shm"
+    dataset: str = ""
+    """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,22 @@ class SampleFailure:
 
 
 @dataclass(frozen=True)
+class StageTimes:
+    """Where a worker's time on one batch went, in seconds; the server's stall metrics."""
+
+    started_at: float = 0.0
+    """``time.monotonic()`` when the worker began the task. Linux's monotonic clock is one
+    for the whole machine, so the server subtracts its own submit time to get the queue wait."""
+    read_s: float = 0.0
+    """Reading sample bytes: files, byte ranges, mapping shards."""
+    decode_s: float = 0.0
+    """Decoding and transforming samples, each written into its place in the slot (for raw
+    fixed-size records: the one vectorised gather)."""
+    collate_s: float = 0.0
+    """Batch-wide work after the samples: padding to the longest, the pipeline's finish."""
+
+
+@dataclass(frozen=True)
 class BatchResult:
     batch_index: int
     slot: int
@@ -98,6 +118,7 @@ class BatchResult:
     failures: list[SampleFailure] = field(default_factory=list)
     fatal: bool = False
     """on_error="raise" and a sample failed: the batch must not be served."""
+    times: StageTimes = field(default_factory=StageTimes)
 
 
 class SessionContext:
@@ -121,6 +142,9 @@ class SessionContext:
         self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
         self.files = SampleFiles(spec.root)
         self._record_bytes: int | None = getattr(self.pipeline, "record_bytes", None)
+        self._read_s = 0.0
+        self._decode_s = 0.0
+        """Time spent in the current task's reads and decodes (see ``StageTimes``)."""
 
     def slot_block(self, slot: int) -> Block:
         """Every field of ``slot`` as a ``(batch_size, *shape)`` array over the ring."""
@@ -148,6 +172,8 @@ class SessionContext:
     # -- filling a slot -----------------------------------------------------------------
 
     def run(self, task: BatchTask) -> BatchResult:
+        started_at = time.monotonic()
+        self._read_s = self._decode_s = 0.0
         positions = np.frombuffer(task.positions, np.int64)
         block = self.slot_block(task.slot)
         rows = self._gather_records(positions, block)
@@ -155,12 +181,19 @@ class SessionContext:
         fatal = False
         if rows is None:
             rows, failures, fatal = self._decode_each(task, positions, block)
+        finish_start = time.perf_counter()
         pipeline_block = {k: v for k, v in block.items() if k not in ("sample_id", "label")}
         shapes = self.pipeline.finish(pipeline_block, rows)
         shapes["sample_id"] = (rows,)
         shapes["label"] = (rows,)
         del block, pipeline_block  # no view of the ring may outlive the task
-        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal)
+        times = StageTimes(
+            started_at=started_at,
+            read_s=self._read_s,
+            decode_s=self._decode_s,
+            collate_s=time.perf_counter() - finish_start,
+        )
+        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
 
     def _gather_records(self, positions: npt.NDArray[np.int64], block: Block) -> int | None:
         """Raw fixed-size records all in one file: one vectorised gather, no per-sample
@@ -180,16 +213,23 @@ class SessionContext:
         names = self.path_bytes[starts[:, None] + np.arange(width)]
         if (names != names[0]).any():
             return None
+        read_start = time.perf_counter()
         try:
             data = self.files.map_whole(self.path(int(positions[0])))
         except BadSample:
             return None
+        finally:
+            self._read_s += time.perf_counter() - read_start
         if int(offsets.max()) + record_bytes > len(data):
             return None
         rows = len(positions)
+        # The gather copies (and pages in) the records: the read and the collation at once,
+        # one vectorised step; it counts as decoding, as it is where a sample's bytes land.
+        gather_start = time.perf_counter()
         self.pipeline.gather_into(data, offsets, block["array"][:rows])  # type: ignore[attr-defined]
         block["sample_id"][:rows] = self.ids[positions]
         block["label"][:rows] = self.labels[positions]
+        self._decode_s += time.perf_counter() - gather_start
         return rows
 
     def _decode_one(self, position: int, epoch: int, row: Block) -> None:
@@ -202,12 +242,20 @@ class SessionContext:
             seed=self.spec.seed,
             epoch=epoch,
         )
-        data = self.files.read(
-            info.path, int(self.byte_offsets[position]), int(self.byte_lengths[position])
-        )
-        self.pipeline.decode_into(data, info, row)
-        row["sample_id"][...] = sample_id
-        row["label"][...] = info.label
+        read_start = time.perf_counter()
+        try:
+            data = self.files.read(
+                info.path, int(self.byte_offsets[position]), int(self.byte_lengths[position])
+            )
+        finally:
+            decode_start = time.perf_counter()
+            self._read_s += decode_start - read_start
+        try:
+            self.pipeline.decode_into(data, info, row)
+            row["sample_id"][...] = sample_id
+            row["label"][...] = info.label
+        finally:
+            self._decode_s += time.perf_counter() - decode_start
 
     def _decode_each(
         self, task: BatchTask, positions: npt.NDArray[np.int64], block: Block
