@@ -24,6 +24,7 @@ from batchd_server import metrics
 from batchd_server.api import RunningServer
 from batchd_server.catalog.schema import sample_errors
 
+from pipeline_reference import reference_centre
 from serving import (
     RECORD_FLOATS,
     image_dataset,
@@ -32,7 +33,6 @@ from serving import (
     serve,
     token_dataset,
 )
-from test_pipelines import reference_centre
 
 N_RECORDS = 203  # prime: no world size or batch size divides it
 
