@@ -19,10 +19,11 @@ from sqlalchemy.engine import Engine
 import batchd
 from batchd_server.api import RunningServer
 
+import serving
 from serving import RECORD_FLOATS, batchd_segments, record_dataset, serve
 from shmns import run_with_small_shm, unavailable_reason
 
-TESTS = Path(__file__).parent
+TESTS = Path(serving.__file__).parent  # the helpers' directory, for a child's sys.path
 
 
 def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
