@@ -21,14 +21,12 @@ from batchd.errors import (
     SnapshotMismatch,
 )
 
+from resume import assert_resume_yields_the_rest, sample_ids
+
 
 def _loader(address: str, **options: Any) -> batchd.Loader:
     defaults: dict[str, Any] = {"dataset": "synthetic", "batch_size": 3, "device": "cpu"}
     return batchd.Loader(address, **{**defaults, **options})
-
-
-def _ids(batches: Any) -> list[list[int]]:
-    return [batch["sample_id"].tolist() for batch in batches]
 
 
 @pytest.mark.parametrize("transport", ["auto", "inline"])
@@ -42,7 +40,7 @@ def test_an_epoch_yields_every_batch_with_exactly_its_fields(double: Any, transp
         assert sorted(server.acks) == [0, 1, 2, 3]
         assert [sorted(b) for b in batches] == [["array", "label", "sample_id"]] * 4
         assert all(isinstance(t, torch.Tensor) for b in batches for t in b.values())
-        assert _ids(batches) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+        assert sample_ids(batches) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
         for b in batches:
             assert torch.equal(b["label"], b["sample_id"] % 3)
             assert b["array"].tolist() == [[i, -i] for i in b["sample_id"].tolist()]
@@ -56,27 +54,31 @@ def test_without_set_epoch_each_new_iteration_serves_the_next_epoch(double: Any)
     """A finished iteration moves to the next epoch; set_epoch goes back to a given one."""
     server, address = double
     with _loader(address) as loader:
-        first, second = _ids(loader), _ids(loader)
+        first, second = sample_ids(loader), sample_ids(loader)
         assert [s.epoch for s in server.starts] == [0, 1] and first != second
         loader.set_epoch(0)
-        assert _ids(loader) == first and loader.epoch == 1
+        assert sample_ids(loader) == first and loader.epoch == 1
 
 
-def test_resuming_from_state_dict_yields_exactly_the_rest_of_the_run(double: Any) -> None:
-    """state_dict after k batches; a fresh Loader with it yields the uninterrupted rest."""
+@pytest.mark.parametrize("stop_after", [0, 2, 4, 6])  # 4 batches an epoch
+def test_resuming_from_state_dict_yields_exactly_the_rest_of_the_run(
+    double: Any, stop_after: int
+) -> None:
+    """state_dict after k batches; a fresh Loader with it yields the uninterrupted rest, its
+    first stream starting at the saved epoch and batch."""
     server, address = double
-    with _loader(address, seed=7) as loader:
-        uninterrupted = _ids(loader) + _ids(loader)
-    with _loader(address, seed=7) as loader:
-        for k, _ in enumerate(loader):
-            if k == 1:
-                break
-        state = loader.state_dict()
-    assert (state["epoch"], state["next_batch"], state["snapshot"]) == (0, 2, "snap-1")
-    with _loader(address, seed=7) as resumed:
-        resumed.load_state_dict(state)
-        assert _ids(resumed) + _ids(resumed) == uninterrupted[2:]
-    assert server.starts[-2].start_batch == 2
+    state = assert_resume_yields_the_rest(
+        lambda: _loader(address, seed=7), epochs=2, stop_after=stop_after
+    )
+    assert (state["epoch"], state["next_batch"], state["snapshot"]) == (
+        *divmod(stop_after, 4),
+        "snap-1",
+    )
+    first_resumed = server.starts[state["epoch"] - 2]  # the resumed run's streams come last
+    assert (first_resumed.epoch, first_resumed.start_batch) == (
+        state["epoch"],
+        state["next_batch"],
+    )
 
 
 def test_breaking_out_cancels_the_stream_and_iterating_again_continues(double: Any) -> None:
@@ -88,7 +90,7 @@ def test_breaking_out_cancels_the_stream_and_iterating_again_continues(double: A
             break
         assert server.stream_ends.get(timeout=30) == "early"
         assert seen == [0, 1, 2]
-        assert _ids(loader) == [[3, 4, 5], [6, 7, 8], [9]]
+        assert sample_ids(loader) == [[3, 4, 5], [6, 7, 8], [9]]
 
 
 def test_a_new_iterator_supersedes_the_old_one(double: Any) -> None:
@@ -139,7 +141,7 @@ def test_load_state_dict_reopens_the_session_on_the_saved_snapshot(double: Any) 
         assert server.closed == [first]
         with pytest.raises(SnapshotMismatch, match="gone"):
             loader.load_state_dict({**loader.state_dict(), "snapshot": "gone"})
-        assert loader.snapshot == "snap-0" and len(_ids(loader)) == 3
+        assert loader.snapshot == "snap-0" and len(sample_ids(loader)) == 3
 
 
 def test_server_errors_arrive_as_batchd_errors(double: Any) -> None:
@@ -151,7 +153,7 @@ def test_server_errors_arrive_as_batchd_errors(double: Any) -> None:
         _loader("unix:///nonexistent-batchd-dir/grpc.sock")
     server.fail_at_batch = 2
     with _loader(address) as loader, pytest.raises(DataLoss, match="batch 2"):
-        _ids(loader)
+        sample_ids(loader)
     assert loader.batches_served == 2
 
 
@@ -182,7 +184,7 @@ def test_iterable_dataset_serves_the_loader_through_a_dataloader(double: Any) ->
         dataset = batchd.IterableDataset(loader)
         assert len(dataset) == 4
         loaded = torch.utils.data.DataLoader(dataset, batch_size=None)
-        assert _ids(loaded) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+        assert sample_ids(loaded) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
         with pytest.raises(InvalidArgument, match="num_workers=0"):
             pickle.dumps(dataset)
     # A process that forks after using gRPC may find its later calls hanging (gRPC skips its
