@@ -54,13 +54,17 @@ def assert_resume_yields_the_rest(
     with make_loader() as loader:
         head: list[list[int]] = []
         while len(head) < stop_after:
-            epoch = iter(loader)
+            served_before = len(head)
+            epoch = iter(loader)  # kept open: the state is saved mid-iteration
             for batch in epoch:
                 head.append(batch["sample_id"].tolist())
                 if len(head) == stop_after:
                     break
+            assert len(head) > served_before, "an iteration of the interrupted run was empty"
         state = copy.deepcopy(loader.state_dict())
-    assert head == reference[:stop_after], "the interrupted run differs before it stopped"
+    assert head == reference[:stop_after], (
+        f"the interrupted run's first {stop_after} batches differ from the reference's"
+    )
 
     with make_loader() as resumed:
         resumed.load_state_dict(state)
