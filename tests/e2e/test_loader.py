@@ -179,17 +179,48 @@ def test_default_batches_lend_their_slot_until_the_loop_drops_them(
         assert delivery.copies == 3  # one batch held at a time: lent, never copied
 
 
-def test_the_loops_wait_for_data_reaches_the_servers_metric(server: RunningServer) -> None:
-    """The loop's wait rides on the doorbell's acks into batchd_client_wait_seconds_total."""
+@pytest.mark.parametrize(
+    ("transport", "zero_copy"), [("shm", False), ("shm", True), ("inline", False)]
+)
+def test_every_batchs_wait_and_step_reach_the_servers_histograms(
+    server: RunningServer, transport: str, zero_copy: bool
+) -> None:
+    """One epoch: the server's wait and step histograms get one observation per batch, their
+    sums are the loop's own totals, and loader.stats() agrees with what it handed out."""
 
-    def reported() -> float:
-        return metrics.REGISTRY.get_sample_value("batchd_client_wait_seconds_total") or 0.0
+    def observed(name: str, suffix: str) -> float:
+        value = metrics.REGISTRY.get_sample_value(f"{name}_{suffix}", {"dataset": "records"})
+        return value or 0.0
 
-    before = reported()
-    with records_loader(server, prefetch=2, batch_size=4) as loader:
-        assert len(sample_ids(loader)) == len(loader) and loader.wait_s > 0
-        _until(lambda: reported() > before, "a wait report")
-        assert reported() - before <= loader.wait_s + 1e-9
+    names = ("batchd_client_wait_seconds", "batchd_client_step_seconds")
+    before = {(n, x): observed(n, x) for n in names for x in ("count", "sum")}
+    with records_loader(
+        server, prefetch=2, batch_size=4, transport=transport, zero_copy=zero_copy
+    ) as loader:
+        seen = 0
+        for batch in loader:
+            seen += len(batch["sample_id"])
+            time.sleep(0.002)  # a training step to measure, not synchronisation
+        n, num_samples = len(loader), loader.num_samples
+
+        def arrived() -> bool:
+            return all(observed(name, "count") - before[name, "count"] >= n for name in names)
+
+        _until(arrived, f"{n} batches' timings")
+        stats = loader.stats()
+    for name in names:
+        assert observed(name, "count") - before[name, "count"] == n
+    assert stats.batches == n and stats.samples == seen == num_samples
+    # float32 on the wire: the sums agree to well under a millisecond per batch.
+    waited = observed(names[0], "sum") - before[names[0], "sum"]
+    stepped = observed(names[1], "sum") - before[names[1], "sum"]
+    assert waited == pytest.approx(stats.wait_s, abs=1e-4 * n)
+    assert stepped == pytest.approx(stats.step_s, abs=1e-4 * n)
+    assert stats.step_s >= 0.002 * (n - 1)
+    assert stats.stall_ratio is not None and 0.0 <= stats.stall_ratio <= 1.0
+    assert stats.time_to_first_batch_s is not None and stats.time_to_first_batch_s > 0
+    assert stats.wait_p50_s is not None and stats.wait_p50_s <= stats.wait_p99_s  # type: ignore[operator]
+    assert loader.wait_s == stats.wait_s and loader.batches_served == n  # not closed by close()
 
 
 def test_zero_copy_batches_are_acked_when_the_next_one_is_asked_for(

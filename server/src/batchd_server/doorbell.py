@@ -223,8 +223,12 @@ class DoorbellServer:
                 if kind == RELEASE:
                     ack = parse(pb.Ack, payload)
                     session.release(list(ack.leases))
-                    if ack.wait_s > 0:
-                        metrics.CLIENT_WAIT_SECONDS.inc(ack.wait_s)
+                    metrics.record_client_timings(
+                        session.options.dataset,
+                        ack.batch_wait_s,
+                        ack.batch_step_s,
+                        now=time.monotonic(),
+                    )
                 elif kind == START:
                     bell.start(parse(pb.StreamStart, payload))
                 elif kind == CANCEL:

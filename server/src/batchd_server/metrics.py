@@ -14,19 +14,21 @@ time in reading, decoding and collating (which of them is slow). The workers mea
 themselves and send them back with each result (``workers.task.StageTimes``).
 
 NOTE [ Client wait histogram ]
-``batchd_client_wait_seconds`` is today a counter of the training loops' summed wait, fed
-from the clients' acks. It becomes a histogram with one observation per batch, beside
-``batchd_client_step_seconds`` and ``batchd_data_stall_ratio``, once clients report each
-batch's wait and step (issue 11, point 5): :func:`record_client_batch` is what that report
-calls. One name cannot be both a counter and a histogram, so the histogram is registered
-when the counter goes.
+Whether the GPU starves is known only in the trainer: each client measures, per batch, how
+long ``next()`` blocked (wait) and how long the loop worked before asking for it (step), and
+sends those pairs with its acks (``Ack.batch_wait_s`` / ``batch_step_s``). Each pair is one
+observation of ``batchd_client_wait_seconds`` and ``batchd_client_step_seconds`` and feeds
+``batchd_data_stall_ratio`` (wait / (wait + step) over the last minute), per dataset.
+Values are clamped (:func:`clamp_client_seconds`): a client cannot poison the aggregates.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -47,6 +49,7 @@ __all__ = [
     "DATA_STALL_RATIO",
     "FIRST_BATCH_SECONDS",
     "MAX_CLIENT_SECONDS",
+    "MAX_TIMINGS_PER_ACK",
     "QUEUE_WAIT_SECONDS",
     "READY",
     "REGISTRY",
@@ -67,6 +70,7 @@ __all__ = [
     "clamp_client_seconds",
     "observe_worker_result",
     "record_client_batch",
+    "record_client_timings",
     "record_delivery",
     "serve",
 ]
@@ -166,9 +170,11 @@ FIRST_BATCH_SECONDS = Histogram(
     buckets=_SLOW_BUCKETS,
     registry=REGISTRY,
 )
-CLIENT_WAIT_SECONDS = Counter(
+CLIENT_WAIT_SECONDS = Histogram(
     "batchd_client_wait_seconds",
-    "Time training loops spent waiting for batches, as clients report it.",
+    "Time a training loop's next() blocked for a batch, per batch, as clients report it.",
+    ["dataset"],
+    buckets=_CLIENT_BUCKETS,
     registry=REGISTRY,
 )
 CLIENT_STEP_SECONDS = Histogram(
@@ -269,6 +275,7 @@ _stall_lock = threading.Lock()
 def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: float) -> None:
     """One batch as a client reported it (see NOTE [ Client wait histogram ])."""
     wait_s, step_s = clamp_client_seconds(wait_s), clamp_client_seconds(step_s)
+    CLIENT_WAIT_SECONDS.labels(dataset=dataset).observe(wait_s)
     CLIENT_STEP_SECONDS.labels(dataset=dataset).observe(step_s)
     with _stall_lock:
         window = _stall_windows.setdefault(dataset, StallWindow())
@@ -276,6 +283,19 @@ def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: floa
     ratio = window.ratio(now)
     if ratio is not None:
         DATA_STALL_RATIO.labels(dataset=dataset).set(ratio)
+
+
+MAX_TIMINGS_PER_ACK: Final = 4096
+"""Batch timings one ack may carry; more is a broken client, and the rest are ignored."""
+
+
+def record_client_timings(
+    dataset: str, waits: Sequence[float], steps: Sequence[float], *, now: float
+) -> None:
+    """The per-batch timings of one ack (pairs up to the shorter list, at most
+    MAX_TIMINGS_PER_ACK)."""
+    for wait_s, step_s in itertools.islice(zip(waits, steps, strict=False), MAX_TIMINGS_PER_ACK):
+        record_client_batch(dataset, wait_s, step_s, now=now)
 
 
 @dataclass
