@@ -30,6 +30,7 @@ import numpy.typing as npt
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
 from batchd_server.pipelines.ranges import take_ranges
+from batchd_server.pipelines.types import Bytes, Offsets
 
 __all__ = ["MAX_DIMS", "ArrayPipeline", "little_endian"]
 
@@ -165,13 +166,7 @@ class ArrayPipeline(Pipeline):
         # One pass converts byte order and memory order together.
         np.copyto(row["array"], stored)
 
-    def decode_batch(
-        self,
-        data: npt.NDArray[np.uint8],
-        starts: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-        block: Block,
-    ) -> bool:
+    def decode_batch(self, data: Bytes, starts: Offsets, lengths: Offsets, block: Block) -> bool:
         n, size = len(starts), self._sample_bytes
         out = block["array"][:n]
         if n == 0:

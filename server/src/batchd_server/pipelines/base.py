@@ -25,7 +25,9 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BadSample", "FieldSpec", "Pipeline", "SampleInfo", "sample_rng"]
+from batchd_server.pipelines.types import Bytes, Offsets
+
+__all__ = ["BadSample", "Block", "FieldSpec", "Pipeline", "SampleInfo", "sample_rng"]
 
 Block = dict[str, npt.NDArray[Any]]
 """Field name → array. For a batch: ``(batch_size, *shape)``; for one row: ``shape``."""
@@ -113,13 +115,7 @@ class Pipeline(ABC):
             BadSample: The bytes are not a valid sample for this pipeline.
         """
 
-    def decode_batch(
-        self,
-        data: npt.NDArray[np.uint8],
-        starts: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-        block: Block,
-    ) -> bool:
+    def decode_batch(self, data: Bytes, starts: Offsets, lengths: Offsets, block: Block) -> bool:
         """Decode samples ``0..n-1`` into rows ``0..n-1`` of ``block`` at once, if possible.
 
         Sample ``i``'s bytes are ``data[starts[i]:starts[i] + lengths[i]]`` (all inside

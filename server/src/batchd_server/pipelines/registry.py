@@ -20,14 +20,12 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Final
 
-import numpy as np
-import numpy.typing as npt
-
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
 from batchd_server.pipelines.image import ImagePipeline
 from batchd_server.pipelines.tokens import TokensPipeline
+from batchd_server.pipelines.types import Bytes, Offsets
 
 __all__ = ["BUILTIN", "CUSTOM", "ENTRY_POINT_GROUP", "build_pipeline", "registered_decoders"]
 
@@ -173,13 +171,7 @@ class _Guarded(Pipeline):
                 f"{sample.path}: custom decoder {self.name!r} raised {type(e).__name__}: {e}",
             ) from e
 
-    def decode_batch(
-        self,
-        data: npt.NDArray[np.uint8],
-        starts: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-        block: Block,
-    ) -> bool:
+    def decode_batch(self, data: Bytes, starts: Offsets, lengths: Offsets, block: Block) -> bool:
         try:
             return bool(self.inner.decode_batch(data, starts, lengths, block))
         except Exception:  # the sample-by-sample decode that follows reports what is wrong

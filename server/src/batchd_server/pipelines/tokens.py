@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Any, Final
 
 import numpy as np
-import numpy.typing as npt
 
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
 from batchd_server.pipelines.ranges import take_ranges
+from batchd_server.pipelines.types import Bytes, Offsets
 
 __all__ = ["DTYPES", "MAX_LEN", "TokensPipeline"]
 
@@ -82,13 +82,7 @@ class TokensPipeline(Pipeline):
         row["input_ids"][:n] = np.frombuffer(data, self.dtype, count=n)
         row["length"][...] = n
 
-    def decode_batch(
-        self,
-        data: npt.NDArray[np.uint8],
-        starts: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-        block: Block,
-    ) -> bool:
+    def decode_batch(self, data: Bytes, starts: Offsets, lengths: Offsets, block: Block) -> bool:
         # Every row takes the batch's longest count of tokens in one gather: the tokens past
         # a row's own length are whatever follows it in ``data``, and finish() overwrites them
         # with padding, as it does after decode_into. Rows too close to the end of ``data``
