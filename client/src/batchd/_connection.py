@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import grpc
 
+from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._device import Delivery, make_delivery
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._shm import ShmRing
@@ -94,9 +95,10 @@ class SessionHandle:
 class Connection:
     """A Loader's channel to ``target``, its session and its live stream."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, security: ChannelSecurity | None = None) -> None:
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.security = security or ChannelSecurity()
+        self.channel = open_channel(target, self.security, _CHANNEL_OPTIONS)
         self.stub = loader_pb2_grpc.LoaderStub(self.channel)
         self.session: SessionHandle | None = None
         self.stream: BatchStream | None = None
@@ -123,9 +125,8 @@ class Connection:
         try:
             reply = self.stub.OpenSession(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
-            raise error_from_rpc(
-                e, target=self.target, method="OpenSession", timeout_s=timeout_s
-            ) from e
+            error = error_from_rpc(e, target=self.target, method="OpenSession", timeout_s=timeout_s)
+            raise explain_unreachable(error, self.target, self.security) from e
         ring = None
         try:
             chosen, ring, reason = select_transport(transport, reply)

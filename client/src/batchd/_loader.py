@@ -10,12 +10,14 @@ starts, and a fresh Loader given that state yields exactly the rest of the run.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
+from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle
 from batchd._device import Batch, resolve_device
 from batchd._inline import InlineStream
@@ -85,13 +87,19 @@ class Loader(Closeable):
             rescheduled), how long to keep reconnecting, in seconds; the epoch then goes on
             at its next batch on the same catalog snapshot, every sample exactly once and in
             the same order. 0 turns reconnecting off.
+        auth_token: The server's bearer token; default ``$BATCHD_AUTH_TOKEN``.
+        tls_ca: PEM file of the CA that signed the server's TLS certificate (TCP targets);
+            default ``$BATCHD_TLS_CA``; None and unset: plaintext. For mutual TLS, the
+            client's certificate and key come from ``$BATCHD_TLS_CLIENT_CERT`` and
+            ``$BATCHD_TLS_CLIENT_KEY``.
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
         NotFound: no such dataset, version or split.
         ResourceExhausted: the server's ``/dev/shm`` or shm budget cannot hold the session.
         Unavailable: the server cannot be reached (while iterating: not within
-            ``reconnect_timeout_s``).
+            ``reconnect_timeout_s``), or speaks TLS and ``tls_ca`` is not set.
+        Unauthenticated: the server wants a token and ``auth_token`` is missing or wrong.
 
     Iterating yields one ``dict`` per batch, ``field name → tensor`` (NumPy arrays when torch
     is not installed): every field of the pipeline plus ``sample_id`` and ``label`` (int64),
@@ -131,6 +139,8 @@ class Loader(Closeable):
         max_error_fraction: float = 0.01,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
+        auth_token: str | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self._options = LoaderOptions(
             dataset=dataset,
@@ -154,7 +164,7 @@ class Loader(Closeable):
             reconnect_timeout_s=reconnect_timeout_s,
         )
         self._device = resolve_device(device)
-        self._conn = Connection(resolve_target(target))
+        self._conn = Connection(resolve_target(target), ChannelSecurity.resolve(auth_token, tls_ca))
         self._finalizer = weakref.finalize(self, self._conn.close)
         self._closed = False
         self._iteration: object | None = None

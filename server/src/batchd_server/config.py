@@ -15,6 +15,7 @@ __all__ = [
     "available_cpus",
     "batchd_home",
     "default_database_url",
+    "parse_bool",
     "parse_bytes",
 ]
 
@@ -79,6 +80,20 @@ def parse_bytes(text: str) -> int:
     return int(float(match[1]) * _UNITS[unit])
 
 
+def parse_bool(text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case).
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not a boolean; write 1 or 0")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Everything the server needs to know, validated on construction."""
@@ -99,6 +114,16 @@ class ServerConfig:
     """Open sessions at most; more is RESOURCE_EXHAUSTED."""
     shm_dir: Path = Path("/dev/shm")
     """Where shared-memory segments live (Linux's shm_open directory)."""
+    tls_cert: Path | None = None
+    """PEM certificate chain the TCP listener presents (TLS); needs ``tls_key``."""
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``."""
+    tls_client_ca: Path | None = None
+    """PEM CA bundle: clients must present a certificate it signed (mutual TLS)."""
+    auth_token_file: Path | None = None
+    """File holding the bearer token every call must carry (health and reflection exempt)."""
+    insecure: bool = False
+    """Allow a non-loopback TCP listener with neither TLS nor a token."""
 
     def __post_init__(self) -> None:
         scheme = self.database_url.split(":", 1)[0]
@@ -126,6 +151,16 @@ class ServerConfig:
             )
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions={self.max_sessions} must be >= 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                "TLS needs both a certificate and its key: set --tls-cert and --tls-key "
+                "(BATCHD_TLS_CERT, BATCHD_TLS_KEY) together"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(
+                "--tls-client-ca (BATCHD_TLS_CLIENT_CA) asks for mutual TLS, which needs the "
+                "server's own --tls-cert and --tls-key"
+            )
 
     @classmethod
     def from_env(
@@ -135,7 +170,8 @@ class ServerConfig:
 
         ``BATCHD_DATABASE_URL``, ``BATCHD_LISTEN``, ``BATCHD_WORKERS``, ``BATCHD_SHM_BUDGET``
         (bytes, ``512MiB``, ``2GiB``), ``BATCHD_LEASE_TIMEOUT_S``, ``BATCHD_METRICS_PORT``,
-        ``BATCHD_MAX_SESSIONS``, ``BATCHD_SHM_DIR``.
+        ``BATCHD_MAX_SESSIONS``, ``BATCHD_SHM_DIR``, ``BATCHD_TLS_CERT``, ``BATCHD_TLS_KEY``,
+        ``BATCHD_TLS_CLIENT_CA``, ``BATCHD_AUTH_TOKEN_FILE``, ``BATCHD_INSECURE`` (1 or 0).
 
         Raises:
             ValueError: a variable does not parse; the message names it.
@@ -152,6 +188,11 @@ class ServerConfig:
             "metrics_port": ("BATCHD_METRICS_PORT", int),
             "max_sessions": ("BATCHD_MAX_SESSIONS", int),
             "shm_dir": ("BATCHD_SHM_DIR", Path),
+            "tls_cert": ("BATCHD_TLS_CERT", Path),
+            "tls_key": ("BATCHD_TLS_KEY", Path),
+            "tls_client_ca": ("BATCHD_TLS_CLIENT_CA", Path),
+            "auth_token_file": ("BATCHD_AUTH_TOKEN_FILE", Path),
+            "insecure": ("BATCHD_INSECURE", parse_bool),
         }
         for name, (var, parse) in parsers.items():
             text = env.get(var)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import secrets
 import socket
 import stat
@@ -23,6 +24,13 @@ import grpc
 from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd_server import metrics
+from batchd_server.api.security import (
+    TokenInterceptor,
+    check_exposure,
+    read_token,
+    restrict_unix_socket,
+    server_credentials,
+)
 from batchd_server.api.servicer import LoaderServicer
 from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.sample_errors import record_sample_errors
@@ -239,6 +247,25 @@ def _tcp_bind_problem(host: str, port: int) -> str:
     return "gRPC could not bind it (set GRPC_VERBOSITY=debug to see why)"
 
 
+def _add_port(
+    server: grpc.Server, where: ListenAddress, credentials: grpc.ServerCredentials | None
+) -> int:
+    """Bind ``where``; a unix socket is created mode 0600 (the umask closes the moment
+    between bind and chmod, and the chmod holds whatever the umask was)."""
+    if where.unix_path is None:
+        if credentials is not None:
+            return server.add_secure_port(where.grpc_address, credentials)
+        return server.add_insecure_port(where.grpc_address)
+    previous = os.umask(0o177)
+    try:
+        bound = server.add_insecure_port(where.grpc_address)
+    finally:
+        os.umask(previous)
+    if bound:
+        restrict_unix_socket(where.unix_path)
+    return bound
+
+
 @dataclass
 class _Parts:
     """What a server owns besides gRPC, in the order it is built (and reversed to close)."""
@@ -321,6 +348,16 @@ def build_server(
     where = ListenAddress.parse(listen)
     if where.unix_path is not None:
         _check_unix_path(listen, where.unix_path)
+    token = None if config.auth_token_file is None else read_token(config.auth_token_file)
+    credentials = server_credentials(config)
+    if where.unix_path is not None:
+        if credentials is not None:
+            logger.warning("TLS is for TCP; the unix socket %s relies on its mode", listen)
+            credentials = None
+    else:
+        assert where.host is not None
+        tls = credentials is not None
+        check_exposure(where.host, tls=tls, token=token is not None, insecure=config.insecure)
 
     engine = make_engine(config.database_url)
     try:
@@ -333,12 +370,13 @@ def build_server(
         executor,
         options=[("grpc.so_reuseport", 0), *_KEEPALIVE_OPTIONS],
         maximum_concurrent_rpcs=None,
+        interceptors=[] if token is None else [TokenInterceptor(token)],
     )
     servicer = LoaderServicer(engine, parts.sessions)
     loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
     try:
         try:
-            bound = server.add_insecure_port(where.grpc_address)
+            bound = _add_port(server, where, credentials)
         except RuntimeError:
             bound = 0  # grpcio raises now; it used to return 0 (grpc/grpc#16920)
         if bound == 0:
