@@ -32,8 +32,8 @@ from batchd_server.api.security import (
     server_credentials,
 )
 from batchd_server.api.servicer import LoaderServicer
-from batchd_server.catalog.db import make_engine
-from batchd_server.catalog.sample_errors import record_sample_errors
+from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine
+from batchd_server.catalog.sample_errors import SampleErrorWriter
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig
 from batchd_server.doorbell import DoorbellServer
@@ -275,12 +275,14 @@ class _Parts:
     catalog: CatalogCache
     sessions: SessionManager
     doorbell: DoorbellServer
+    sample_errors: SampleErrorWriter
 
     def close(self) -> None:
         try:
             self.doorbell.close()
             self.sessions.close_all()
             self.catalog.close()
+            self.sample_errors.close()
         finally:
             try:
                 self.pool.stop()
@@ -300,6 +302,7 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
     metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
     metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
     catalog = CatalogCache(engine, registry)
+    sample_errors = SampleErrorWriter(engine)
     bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
     sessions = SessionManager(
         catalog=catalog,
@@ -307,7 +310,7 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
         registry=registry,
         lease_timeout_s=config.lease_timeout_s,
         max_sessions=config.max_sessions,
-        record_errors=lambda rows: record_sample_errors(engine, rows),
+        record_errors=sample_errors.submit,
         doorbell=bell_path.name,
     )
     try:
@@ -315,10 +318,11 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
     except BaseException:
         sessions.close_all()
         catalog.close()
+        sample_errors.close()
         pool.stop()
         registry.close()
         raise
-    return _Parts(registry, pool, catalog, sessions, doorbell)
+    return _Parts(registry, pool, catalog, sessions, doorbell, sample_errors)
 
 
 def build_server(
@@ -359,7 +363,7 @@ def build_server(
         tls = credentials is not None
         check_exposure(where.host, tls=tls, token=token is not None, insecure=config.insecure)
 
-    engine = make_engine(config.database_url)
+    engine = make_engine(config.database_url, statement_timeout_s=SERVING_STATEMENT_TIMEOUT_S)
     try:
         parts = _start_parts(config, engine)
     except BaseException:
