@@ -237,6 +237,16 @@ def _security_args(p: argparse.ArgumentParser) -> None:
         help="every call must carry the bearer token in FILE ($BATCHD_AUTH_TOKEN_FILE)",
     )
     p.add_argument(
+        "--data-root",
+        dest="data_roots",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="serve only datasets whose root lies under DIR (repeatable; $BATCHD_DATA_ROOTS, "
+        "':'-separated); default: any root the catalog names",
+    )
+    p.add_argument(
         "--insecure",
         action="store_true",
         default=None,
@@ -388,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name: getattr(args, name, None)
                 for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "insecure")
             },
+            data_roots=tuple(args.data_roots) if getattr(args, "data_roots", None) else None,
             metrics_port=getattr(args, "metrics_port", None),
         )
     except ValueError as e:  # e.g. an unsupported URL scheme

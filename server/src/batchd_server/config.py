@@ -94,6 +94,10 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean; write 1 or 0")
 
 
+def _parse_paths(text: str) -> tuple[Path, ...]:
+    return tuple(Path(p) for p in text.split(os.pathsep) if p)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Everything the server needs to know, validated on construction."""
@@ -124,6 +128,9 @@ class ServerConfig:
     """File holding the bearer token every call must carry (health and reflection exempt)."""
     insecure: bool = False
     """Allow a non-loopback TCP listener with neither TLS nor a token."""
+    data_roots: tuple[Path, ...] = ()
+    """Directories dataset roots must lie in; a catalog row pointing elsewhere is refused.
+    Empty: any root (the catalog is trusted)."""
 
     def __post_init__(self) -> None:
         scheme = self.database_url.split(":", 1)[0]
@@ -156,6 +163,11 @@ class ServerConfig:
                 "TLS needs both a certificate and its key: set --tls-cert and --tls-key "
                 "(BATCHD_TLS_CERT, BATCHD_TLS_KEY) together"
             )
+        for root in self.data_roots:
+            if not root.is_absolute():
+                raise ValueError(
+                    f"--data-root {str(root)!r} must be an absolute path (BATCHD_DATA_ROOTS)"
+                )
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError(
                 "--tls-client-ca (BATCHD_TLS_CLIENT_CA) asks for mutual TLS, which needs the "
@@ -171,7 +183,8 @@ class ServerConfig:
         ``BATCHD_DATABASE_URL``, ``BATCHD_LISTEN``, ``BATCHD_WORKERS``, ``BATCHD_SHM_BUDGET``
         (bytes, ``512MiB``, ``2GiB``), ``BATCHD_LEASE_TIMEOUT_S``, ``BATCHD_METRICS_PORT``,
         ``BATCHD_MAX_SESSIONS``, ``BATCHD_SHM_DIR``, ``BATCHD_TLS_CERT``, ``BATCHD_TLS_KEY``,
-        ``BATCHD_TLS_CLIENT_CA``, ``BATCHD_AUTH_TOKEN_FILE``, ``BATCHD_INSECURE`` (1 or 0).
+        ``BATCHD_TLS_CLIENT_CA``, ``BATCHD_AUTH_TOKEN_FILE``, ``BATCHD_INSECURE`` (1 or 0),
+        ``BATCHD_DATA_ROOTS`` (directories separated by ``:``).
 
         Raises:
             ValueError: a variable does not parse; the message names it.
@@ -193,6 +206,7 @@ class ServerConfig:
             "tls_client_ca": ("BATCHD_TLS_CLIENT_CA", Path),
             "auth_token_file": ("BATCHD_AUTH_TOKEN_FILE", Path),
             "insecure": ("BATCHD_INSECURE", parse_bool),
+            "data_roots": ("BATCHD_DATA_ROOTS", _parse_paths),
         }
         for name, (var, parse) in parsers.items():
             text = env.get(var)

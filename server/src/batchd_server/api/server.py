@@ -38,7 +38,7 @@ from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig
 from batchd_server.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
-from batchd_server.limits import MAX_UNIX_PATH_BYTES
+from batchd_server.limits import MAX_REQUEST_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.sessions import SessionManager
 from batchd_server.shm.segments import PREFIX, ShmRegistry
 from batchd_server.workers.pool import WorkerPool
@@ -61,7 +61,8 @@ _KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
+    # Clients only send small requests; a huge one is refused before it is buffered.
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
 ]
 
 _LISTEN_HINT = "use unix:///path/to/grpc.sock or host:port (port 0 picks a free one)"
@@ -312,6 +313,7 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
         max_sessions=config.max_sessions,
         record_errors=sample_errors.submit,
         doorbell=bell_path.name,
+        data_roots=config.data_roots,
     )
     try:
         doorbell = DoorbellServer(bell_path, sessions)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -392,7 +393,7 @@ class Session:
         views = []
         for f in self.layout:
             shape = result.shapes[f.name]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
+            nbytes = math.prod(shape) * np.dtype(f.dtype).itemsize
             views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
         metrics.BATCHES.inc()
         metrics.SAMPLES.inc(result.rows)
