@@ -111,30 +111,45 @@ class ThrowawayPostgres:
         if init.returncode != 0:
             shutil.rmtree(workdir, ignore_errors=True)
             raise PostgresUnavailable(f"initdb failed:\n{init.stdout}\n{init.stderr}")
-        opts = (
-            f"-c listen_addresses='' -c unix_socket_directories='{server.sockdir}' "
-            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
-            "-c max_connections=200 -c shared_buffers=128MB"
-        )
-        started = server._run(
-            "pg_ctl",
-            "-D",
-            str(server.datadir),
-            "-o",
-            opts,
-            "-w",
-            "-t",
-            "60",
-            "-l",
-            str(server.workdir / "postgres.log"),
-            "start",
-        )
+        started = server._pg_ctl_start()
         if started.returncode != 0:
             log = server.workdir / "postgres.log"
             text = log.read_text() if log.exists() else ""
             server.stop()
             raise PostgresUnavailable(f"pg_ctl start failed:\n{started.stderr}\n{text}")
         return server
+
+    def _pg_ctl_start(self) -> subprocess.CompletedProcess[str]:
+        opts = (
+            f"-c listen_addresses='' -c unix_socket_directories='{self.sockdir}' "
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
+            "-c max_connections=200 -c shared_buffers=128MB"
+        )
+        return self._run(
+            "pg_ctl",
+            "-D",
+            str(self.datadir),
+            "-o",
+            opts,
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(self.workdir / "postgres.log"),
+            "start",
+        )
+
+    def pause(self) -> None:
+        """Stop the server (its clients are disconnected), keeping its data for :meth:`resume`."""
+        done = self._run("pg_ctl", "-D", str(self.datadir), "-m", "fast", "-w", "stop")
+        if done.returncode != 0:
+            raise PostgresUnavailable(f"pg_ctl stop failed:\n{done.stderr}")
+
+    def resume(self) -> None:
+        """Start the server again after :meth:`pause`."""
+        done = self._pg_ctl_start()
+        if done.returncode != 0:
+            raise PostgresUnavailable(f"pg_ctl start failed:\n{done.stderr}")
 
     def stop(self) -> None:
         try:

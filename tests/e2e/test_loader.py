@@ -255,16 +255,23 @@ def test_the_doorbell_answers_only_the_sessions_own_client(server: RunningServer
         assert len(sample_ids(loader)) == len(loader)  # the real client is unaffected
 
 
-def test_a_closed_session_ends_a_waiting_loop_with_unavailable(server: RunningServer) -> None:
-    """The server closing the session hangs up its doorbell: the loop fails, never hangs."""
-    with records_loader(server, prefetch=1, batch_size=1) as loader:  # more batches than slots
+def test_a_session_the_server_closes_mid_epoch_is_reopened_and_the_epoch_goes_on(
+    server: RunningServer,
+) -> None:
+    """The server closing the session hangs up its doorbell: the loop never hangs; the
+    Loader reopens the session and the epoch serves each sample once, in order."""
+    with records_loader(server, batch_size=1, shuffle=False) as fresh:
+        want = [i for batch in sample_ids(fresh) for i in batch]
+    with records_loader(server, prefetch=1, batch_size=1, shuffle=False) as loader:  # > slots
         session = loader._conn.session
         assert session is not None
         it = iter(loader)
-        next(it)
+        got = next(it)["sample_id"].tolist()
         server.sessions.close(session.reply.session_id, reason="closed by the test")
-        with pytest.raises(errors.BatchdError, match="server"):
-            list(it)
+        got += [i for batch in it for i in batch["sample_id"].tolist()]
+        assert loader._conn.session is not None
+        assert loader._conn.session.reply.session_id != session.reply.session_id
+    assert got == want
 
 
 def test_inline_transport_serves_what_shm_serves(server: RunningServer) -> None:

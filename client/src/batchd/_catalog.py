@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._status import error_from_rpc
@@ -108,21 +109,33 @@ class Catalog(Closeable):
         target: The server's gRPC address, ``unix:///path/to.sock`` or ``host:port``; default
             ``$BATCHD_TARGET``.
         timeout_s: Deadline of each call, in seconds.
+        auth_token: The server's bearer token; default ``$BATCHD_AUTH_TOKEN``.
+        tls_ca: PEM file of the CA that signed the server's TLS certificate (TCP targets);
+            default ``$BATCHD_TLS_CA``; None and unset: plaintext.
 
     Raises:
-        InvalidArgument: no target, or ``timeout_s`` is not positive.
+        InvalidArgument: no target, ``timeout_s`` is not positive, or a TLS file cannot be
+            read.
 
     Every method raises the ``batchd.errors`` exception the server meant (``NotFound`` for an
     unknown dataset, ``Unavailable`` when the server cannot be reached, ...), never a
     ``grpc.RpcError``. Use it as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        auth_token: str | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+    ) -> None:
         if not timeout_s > 0:
             raise InvalidArgument(f"timeout_s={timeout_s} must be > 0 seconds")
         self._target = resolve_target(target)
         self._timeout_s = float(timeout_s)
-        self._channel = grpc.insecure_channel(self._target)
+        self._security = ChannelSecurity.resolve(auth_token, tls_ca)
+        self._channel = open_channel(self._target, self._security)
         self._stub = loader_pb2_grpc.LoaderStub(self._channel)
         self._closed = False
         self._finalizer = weakref.finalize(self, self._channel.close)
@@ -165,6 +178,5 @@ class Catalog(Closeable):
         try:
             return getattr(self._stub, method)(request, timeout=self._timeout_s)
         except grpc.RpcError as e:
-            raise error_from_rpc(
-                e, target=self._target, method=method, timeout_s=self._timeout_s
-            ) from e
+            error = error_from_rpc(e, target=self._target, method=method, timeout_s=self._timeout_s)
+            raise explain_unreachable(error, self._target, self._security) from e

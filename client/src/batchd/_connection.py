@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import grpc
 
+from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._device import Delivery, make_delivery
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._shm import ShmRing
@@ -36,6 +37,10 @@ _CHANNEL_OPTIONS: Final = [
     # often (grpc.http2.min_ping_interval_without_data_ms).
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 20_000),
+    # After the server went away, redial at least every 2 s (gRPC's default backoff grows
+    # to 2 minutes), so a Loader reconnecting to a restarted server finds it promptly.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 
@@ -59,8 +64,12 @@ class SessionHandle:
     def num_batches(self) -> int:
         return int(self.reply.num_batches)
 
-    def close(self, stub: loader_pb2_grpc.LoaderStub, target: str) -> None:
-        """Free the client side, then tell the server. Never raises for a gone server."""
+    def close(self, stub: loader_pb2_grpc.LoaderStub, target: str, *, quiet: bool = False) -> None:
+        """Free the client side, then tell the server. Never raises for a gone server.
+
+        ``quiet``: the server is known to be gone or restarted (a reconnect); a failed
+        CloseSession is logged at debug level only.
+        """
         try:
             self.delivery.close()
         finally:
@@ -73,7 +82,8 @@ class SessionHandle:
             error = error_from_rpc(
                 e, target=target, method="CloseSession", timeout_s=_CLOSE_TIMEOUT_S
             )
-            logger.warning(
+            logger.log(
+                logging.DEBUG if quiet else logging.WARNING,
                 "batchd: closing session %s failed (%s); the server reclaims it after its "
                 "lease timeout (%.0f s)",
                 self.reply.session_id,
@@ -85,9 +95,10 @@ class SessionHandle:
 class Connection:
     """A Loader's channel to ``target``, its session and its live stream."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, security: ChannelSecurity | None = None) -> None:
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.security = security or ChannelSecurity()
+        self.channel = open_channel(target, self.security, _CHANNEL_OPTIONS)
         self.stub = loader_pb2_grpc.LoaderStub(self.channel)
         self.session: SessionHandle | None = None
         self.stream: BatchStream | None = None
@@ -99,20 +110,23 @@ class Connection:
         transport: str,
         timeout_s: float,
         delivery_options: dict[str, Any],
+        wait_for_ready: bool = False,
     ) -> SessionHandle:
         """Open a session and set up its transport and delivery (not yet this connection's
         :attr:`session`: the caller decides when it replaces the current one).
+
+        ``wait_for_ready``: wait (up to ``timeout_s``) for the server to be reachable instead
+        of failing at once while it is down (a reconnect).
 
         Raises:
             BatchdError: the server refused (mapped from its status), or the transport or
                 the delivery path cannot be set up (the session is closed again then).
         """
         try:
-            reply = self.stub.OpenSession(request, timeout=timeout_s)
+            reply = self.stub.OpenSession(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
-            raise error_from_rpc(
-                e, target=self.target, method="OpenSession", timeout_s=timeout_s
-            ) from e
+            error = error_from_rpc(e, target=self.target, method="OpenSession", timeout_s=timeout_s)
+            raise explain_unreachable(error, self.target, self.security) from e
         ring = None
         try:
             chosen, ring, reason = select_transport(transport, reply)

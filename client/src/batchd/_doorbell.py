@@ -88,15 +88,16 @@ def encode_frame(kind: int, payload: bytes = b"") -> bytes:
 class FrameReader:
     """Frames from a stream socket; several per ``recv`` when the peer is ahead."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._sock = sock
         self._buffer = bytearray()
+        self._max_frame_bytes = max_frame_bytes
 
     def read(self) -> tuple[int, bytes] | None:
         """The next frame's kind and payload, blocking; None once the peer closed.
 
         Raises:
-            DataLoss: the peer sent a frame longer than MAX_FRAME_BYTES, or closed the
+            DataLoss: the peer sent a frame longer than the reader's limit, or closed the
                 connection in the middle of one.
             OSError: the socket failed.
         """
@@ -104,10 +105,11 @@ class FrameReader:
         while True:
             if len(buffer) >= _HEADER.size:
                 length, kind = _HEADER.unpack_from(buffer)
-                if length > MAX_FRAME_BYTES:
+                if length > self._max_frame_bytes:
                     raise DataLoss(
                         f"a doorbell frame of {length} bytes is announced, more than "
-                        f"{MAX_FRAME_BYTES}; the peer does not speak batchd's doorbell protocol"
+                        f"{self._max_frame_bytes}; the peer does not speak batchd's doorbell "
+                        "protocol"
                     )
                 end = _HEADER.size + length
                 if len(buffer) >= end:

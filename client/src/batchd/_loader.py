@@ -10,21 +10,26 @@ starts, and a fresh Loader given that state yields exactly the rest of the run.
 from __future__ import annotations
 
 import logging
+import os
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
+from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle
 from batchd._device import Batch, resolve_device
 from batchd._inline import InlineStream
 from batchd._lifetime import Closeable
 from batchd._options import MAX_BATCH_SIZE, LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S, retry_until
 from batchd._shm import ShmStream
 from batchd._specs import PipelineSpec, check_int
 from batchd._state import STATE_FORMAT, check_state
 from batchd._stats import LoaderStats, LoopClock
+from batchd._status import disagreement
 from batchd._stream import BatchStream, ReceivedBatch
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
@@ -79,12 +84,23 @@ class Loader(Closeable):
         max_error_fraction: The session fails once more than this fraction of an epoch's
             samples went bad, ``0 < f <= 1`` (for zero tolerance use ``on_error="raise"``).
         timeout_s: Deadline of OpenSession and other unary calls, in seconds.
+        reconnect_timeout_s: When the server goes away mid-epoch (killed, restarted,
+            rescheduled), how long to keep reconnecting, in seconds; the epoch then goes on
+            at its next batch on the same catalog snapshot, every sample exactly once and in
+            the same order. 0 turns reconnecting off.
+        auth_token: The server's bearer token; default ``$BATCHD_AUTH_TOKEN``.
+        tls_ca: PEM file of the CA that signed the server's TLS certificate (TCP targets);
+            default ``$BATCHD_TLS_CA``; None and unset: plaintext. For mutual TLS, the
+            client's certificate and key come from ``$BATCHD_TLS_CLIENT_CERT`` and
+            ``$BATCHD_TLS_CLIENT_KEY``.
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
         NotFound: no such dataset, version or split.
         ResourceExhausted: the server's ``/dev/shm`` or shm budget cannot hold the session.
-        Unavailable: the server cannot be reached.
+        Unavailable: the server cannot be reached (while iterating: not within
+            ``reconnect_timeout_s``), or speaks TLS and ``tls_ca`` is not set.
+        Unauthenticated: the server wants a token and ``auth_token`` is missing or wrong.
 
     Iterating yields one ``dict`` per batch, ``field name → tensor`` (NumPy arrays when torch
     is not installed): every field of the pipeline plus ``sample_id`` and ``label`` (int64),
@@ -123,6 +139,9 @@ class Loader(Closeable):
         zero_copy: bool = False,
         max_error_fraction: float = 0.01,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
+        auth_token: str | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self._options = LoaderOptions(
             dataset=dataset,
@@ -143,12 +162,15 @@ class Loader(Closeable):
             zero_copy=zero_copy,
             max_error_fraction=max_error_fraction,
             timeout_s=timeout_s,
+            reconnect_timeout_s=reconnect_timeout_s,
         )
         self._device = resolve_device(device)
-        self._conn = Connection(resolve_target(target))
+        self._conn = Connection(resolve_target(target), ChannelSecurity.resolve(auth_token, tls_ca))
         self._finalizer = weakref.finalize(self, self._conn.close)
         self._closed = False
         self._iteration: object | None = None
+        self._lost: SessionHandle | None = None
+        """The session the server lost, while reconnecting has not replaced it."""
         self._epoch = 0
         self._next_batch = 0
         self._clock = LoopClock()
@@ -164,13 +186,19 @@ class Loader(Closeable):
     # -- session ---------------------------------------------------------------------------
 
     def _open_session(
-        self, version: str | None = None, snapshot: str | None = None
+        self,
+        version: str | None = None,
+        snapshot: str | None = None,
+        *,
+        wait_for_ready: bool = False,
+        timeout_s: float | None = None,
     ) -> SessionHandle:
         options = self._options
         return self._conn.open_session(
             options.to_request(version=version, snapshot=snapshot),
             transport=options.transport,
-            timeout_s=options.timeout_s,
+            timeout_s=options.timeout_s if timeout_s is None else timeout_s,
+            wait_for_ready=wait_for_ready,
             delivery_options={
                 "device": self._device,
                 "zero_copy": options.zero_copy,
@@ -179,10 +207,18 @@ class Loader(Closeable):
         )
 
     def _session(self) -> SessionHandle:
-        if self._closed or self._conn.session is None:
+        if self._closed:
             raise FailedPrecondition(
                 f"this Loader for dataset {self._options.dataset!r} is closed; create a new one"
             )
+        if self._conn.session is None:
+            # A reconnect gave up (Unavailable was raised); try once more now.
+            assert self._lost is not None, "a Loader that is not closed has a session"
+            reply = self._lost.reply
+            session = self._open_session(reply.version, reply.snapshot)
+            self._conn.replace_session(session)
+            self._lost = None
+            return session
         return self._conn.session
 
     def _abandon(self) -> None:
@@ -237,57 +273,124 @@ class Loader(Closeable):
         clock.iteration_started()
         try:
             stream, batch = self._open_stream(session, epoch, start)
-        except NotFound:
+        except (NotFound, Unavailable) as e:
             # The server forgot the session: it sat idle past the lease (a long evaluation
             # between epochs) or the server restarted. Sampling is a pure function of the
             # options and the snapshot, so a new session on the same snapshot serves exactly
             # the batches the old one would have.
-            logger.info("batchd: session %s is gone; reopening it", session.reply.session_id)
-            self._conn.session = None
-            session.close(self._conn.stub, self._conn.target)
-            session = self._open_session(session.reply.version, session.reply.snapshot)
-            self._conn.replace_session(session)
-            stream, batch = self._open_stream(session, epoch, start)
-        delivery = session.delivery
+            logger.info("batchd: session %s is gone (%s); reopening", session.reply.session_id, e)
+            stream, batch = self._resume(epoch, start, e, time.monotonic())
+        lost_at: float | None = None
+        """When the server went away, until a batch arrives again."""
         finished = False
         try:
-            for index in range(start, num_batches):
-                if index > start:
-                    clock.asked()
-                    # The held batches' acks go out before blocking: they are the credits
-                    # the server may need to produce the batch awaited.
-                    out_of_credits = delivery.held_count() >= session.prefetch
-                    stream.ack(delivery.advance(wait=out_of_credits), clock.take_pending())
-                    batch = stream.receive()
-                if batch is None or batch.index != index:
-                    got = "the end of the stream" if batch is None else f"batch {batch.index}"
-                    raise Unavailable(
-                        f"the server at {self._conn.target!r} sent {got} where batch {index} of "
-                        f"{num_batches} (epoch {epoch}) was due; it may have restarted. Create "
-                        "a new Loader and load_state_dict(old.state_dict()) to resume"
+            index = start
+            while index < num_batches:
+                session = self._session()
+                delivery = session.delivery
+                try:
+                    if batch is None:
+                        # The held batches' acks go out before blocking: they are the
+                        # credits the server may need to produce the batch awaited.
+                        out_of_credits = delivery.held_count() >= session.prefetch
+                        stream.ack(delivery.advance(wait=out_of_credits), clock.take_pending())
+                        batch = stream.receive()
+                        if batch is None:
+                            raise Unavailable(
+                                f"the server at {self._conn.target!r} ended the stream where "
+                                f"batch {index} of {num_batches} (epoch {epoch}) was due"
+                            )
+                except (NotFound, Unavailable) as e:
+                    # The server went away mid-epoch (killed, restarted, shutting down):
+                    # reopen at the first batch the loop has not seen.
+                    if lost_at is None:
+                        lost_at = time.monotonic()
+                    stream, batch = self._resume(epoch, index, e, lost_at)
+                    continue
+                if batch.index != index:
+                    raise disagreement(
+                        f"the server at {self._conn.target!r} sent batch {batch.index} where "
+                        f"batch {index} of {num_batches} (epoch {epoch}) was due",
+                        on="the epoch's plan",
                     )
                 out, acks = delivery.deliver(batch)
-                self._next_batch = index + 1
-                self.last_failed_sample_ids = batch.failed_sample_ids
                 clock.handed(batch.rows)
+                failed, batch, lost_at = batch.failed_sample_ids, None, None
                 stream.ack(acks, clock.take_pending())
+                self._next_batch = index + 1
+                self.last_failed_sample_ids = failed
+                index += 1
                 yield out
                 if self._iteration is not token:
                     raise FailedPrecondition(_SUPERSEDED)
-            stream.ack(delivery.drain(), ())
-            stream.finish(clock.take_pending())
+                clock.asked()
+            delivery = self._session().delivery
+            try:
+                stream.ack(delivery.drain(), ())
+                stream.finish(clock.take_pending())
+            except Unavailable as e:
+                # Every batch of the epoch arrived; only the goodbye was lost.
+                logger.info("batchd: the server went away after the epoch's last batch: %s", e)
             finished = True
             self._epoch, self._next_batch = epoch + 1, 0
         finally:
             if self._conn.stream is stream:
                 self._conn.stream = None
                 if not finished:
-                    delivery.drain()
+                    if self._conn.session is not None:
+                        self._conn.session.delivery.drain()
                     stream.cancel()
             elif not finished:
                 stream.cancel()
             if self._iteration is token:
                 self._iteration = None
+
+    def _resume(
+        self, epoch: int, index: int, cause: BaseException, lost_at: float
+    ) -> tuple[BatchStream, ReceivedBatch | None]:
+        """After the server went away (at ``lost_at``, monotonic): a new session on the same
+        snapshot and a stream from batch ``index``, retried with backoff until
+        ``reconnect_timeout_s`` after ``lost_at``.
+
+        Raises:
+            Unavailable: the server did not come back in time (names the target).
+            NotFound, SnapshotMismatch, ...: the server came back and refused the session.
+        """
+        old = self._session()
+        self._conn.abandon_stream()
+        self._conn.session, self._lost = None, old
+        old.close(self._conn.stub, self._conn.target, quiet=True)
+        version, snapshot = old.reply.version, old.reply.snapshot
+        options = self._options
+
+        def attempt(left_s: float) -> tuple[BatchStream, ReceivedBatch | None]:
+            session = self._open_session(
+                version,
+                snapshot,
+                wait_for_ready=left_s > 0,
+                timeout_s=min(left_s, options.timeout_s) if left_s > 0 else None,
+            )
+            if session.num_batches != old.num_batches:
+                session.close(self._conn.stub, self._conn.target)
+                raise FailedPrecondition(
+                    f"the restarted server at {self._conn.target!r} plans "
+                    f"{session.num_batches} batches per epoch on snapshot {snapshot}, this "
+                    f"Loader had {old.num_batches}; create a new Loader"
+                )
+            self._conn.replace_session(session)
+            self._lost = None
+            try:
+                return self._open_stream(session, epoch, index)
+            except NotFound as e:  # gone again already: another restart
+                raise Unavailable(str(e)) from e
+
+        return retry_until(
+            attempt,
+            target=self._conn.target,
+            timeout_s=options.reconnect_timeout_s,
+            lost_at=lost_at,
+            cause=cause,
+        )
 
     def _open_stream(
         self, session: SessionHandle, epoch: int, start_batch: int

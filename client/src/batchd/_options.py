@@ -7,6 +7,7 @@ from typing import Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._specs import (
     TRANSPORTS,
     PipelineSpec,
@@ -55,6 +56,7 @@ class LoaderOptions:
     zero_copy: bool = False
     max_error_fraction: float = 0.01
     timeout_s: float = DEFAULT_TIMEOUT_S
+    reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name, text in (("dataset", self.dataset), ("split", self.split)):
@@ -74,6 +76,12 @@ class LoaderOptions:
         if not self.timeout_s > 0:
             raise InvalidArgument(f"timeout_s={self.timeout_s} must be > 0 seconds")
         self._set("timeout_s", float(self.timeout_s))
+        if not 0 <= self.reconnect_timeout_s <= 86400:
+            raise InvalidArgument(
+                f"reconnect_timeout_s={self.reconnect_timeout_s} must be between 0 (never "
+                "reconnect) and 86400 seconds"
+            )
+        self._set("reconnect_timeout_s", float(self.reconnect_timeout_s))
         check_choice("transport", self.transport, TRANSPORTS)
         sampling_to_proto(self.sampling)
         on_error_to_proto(self.on_error)

@@ -40,6 +40,7 @@ ERROR_CLASS_BY_CODE: Mapping[grpc.StatusCode, type[BatchdError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.DATA_LOSS: errors.DataLoss,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
 }
 _CODE_BY_ERROR_CLASS = {cls: code for code, cls in ERROR_CLASS_BY_CODE.items()}
 
@@ -97,6 +98,13 @@ def error_from_rpc(
         return errors.Unavailable(
             f"{method} on {target!r} got no answer within {timeout_s:g} s; the server may be "
             "overloaded or its catalog slow. Pass a larger timeout_s to retry with more time"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return errors.Unauthenticated(
+            f"the batchd server at {target!r} refused {method}: {details}"
+            if "auth_token" in details
+            else f"the batchd server at {target!r} refused {method} ({details}); pass its "
+            "token as auth_token= or set BATCHD_AUTH_TOKEN"
         )
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return BatchdError(

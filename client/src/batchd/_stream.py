@@ -9,6 +9,7 @@ against the protocol only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -141,7 +142,7 @@ def field_views(
         if dtype is None:
             dtype = _DTYPES.setdefault(view.dtype, np.dtype(view.dtype))
         shape = tuple(view.shape)
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize  # a hostile shape cannot overflow it
         end = view.offset + view.nbytes
         if view.offset < 0 or end > limit or view.nbytes != expected or dtype.byteorder == ">":
             raise disagreement(

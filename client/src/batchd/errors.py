@@ -17,6 +17,7 @@ __all__ = [
     "NotFound",
     "ResourceExhausted",
     "SnapshotMismatch",
+    "Unauthenticated",
     "Unavailable",
 ]
 
@@ -60,3 +61,8 @@ class ResourceExhausted(BatchdError):
 
 class Unavailable(BatchdError):
     """The server or the catalog cannot be reached right now; retrying may help."""
+
+
+class Unauthenticated(BatchdError):
+    """The server wants an auth token and the call carried none, or a wrong one; pass the
+    server's token as ``auth_token=`` or ``$BATCHD_AUTH_TOKEN``."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from batchd_server import metrics
+from batchd_server.catalog.queries import DatasetRef
 from batchd_server.catalog.reader import Snapshot, SplitArrays, current_snapshot, load_split
 from batchd_server.errors import ResourceExhausted
 from batchd_server.shm.arrays import pack_arrays
@@ -32,6 +33,7 @@ __all__ = ["CatalogCache", "CatalogEntry"]
 logger = logging.getLogger(__name__)
 
 _MAX_IDLE = 4
+_LOAD_POLL_S = 1.0
 
 
 @dataclass(eq=False)
@@ -50,8 +52,10 @@ class CatalogCache:
         self._registry = registry
         self._entries: OrderedDict[tuple[int, str, str], CatalogEntry] = OrderedDict()
         self._lock = threading.Lock()
-        # One load at a time: eight ranks opening together must not read the split 8 times.
-        self._load_lock = threading.Lock()
+        # One load per split and snapshot at a time (eight ranks opening together read the
+        # split once); loads of different splits, and every other open, go on meanwhile: no
+        # lock is held across database I/O.
+        self._loading: dict[tuple[int, str, str], threading.Event] = {}
 
     def acquire(
         self, dataset: str, version: str | None, split: str, snapshot: str | None
@@ -62,47 +66,68 @@ class CatalogCache:
             NotFound, SnapshotMismatch, InvalidArgument, ResourceExhausted, Unavailable.
         """
         pinned = None if snapshot is None else Snapshot.parse(snapshot)
-        with self._load_lock:
-            ref, now = current_snapshot(self._engine, dataset, split, version=version)
-            wanted = pinned or now
-            key = (ref.id, split, wanted.token())
+        ref, now = current_snapshot(self._engine, dataset, split, version=version)
+        wanted = pinned or now
+        key = (ref.id, split, wanted.token())
+        while True:
             with self._lock:
                 entry = self._entries.get(key)
                 if entry is not None:
                     entry.refs += 1
                     self._entries.move_to_end(key)
                     return entry
-            started = time.monotonic()
-            arrays = load_split(self._engine, dataset, split, version=ref.version, snapshot=wanted)
-            metrics.CATALOG_LOAD_SECONDS.labels(dataset=ref.name).observe(
-                time.monotonic() - started
-            )
-            columns: dict[str, npt.NDArray[Any]] = {
-                "ids": arrays.ids,
-                "labels": arrays.labels,
-                "lengths": arrays.lengths,
-                "weights": arrays.weights,
-                "byte_offsets": arrays.byte_offsets,
-                "byte_lengths": arrays.byte_lengths,
-                "path_bytes": arrays.path_bytes,
-                "path_offsets": arrays.path_offsets,
-            }
-            purpose = f"the catalog rows of {dataset!r} split {split!r} ({len(arrays)} samples)"
-            segment = self._with_room(lambda: pack_arrays(self._registry, columns, purpose=purpose))
-            entry = CatalogEntry(key, arrays, segment, refs=1)
+                loading = self._loading.get(key)
+                if loading is None:
+                    loading = self._loading[key] = threading.Event()
+                    break
+            # Another open loads this split: wait for it, then take its entry (or, if it
+            # failed, try ourselves). Its statement timeout bounds the wait.
+            while not loading.wait(_LOAD_POLL_S):
+                pass
+        try:
+            entry = self._load(key, ref, dataset, split, wanted)
             with self._lock:
                 self._entries[key] = entry
-            logger.info(
-                "loaded %s/%s split %s: %d samples at snapshot %s in %.2f s",
-                ref.name,
-                ref.version,
-                split,
-                len(arrays),
-                wanted.token(),
-                time.monotonic() - started,
-            )
-            self._trim()
-            return entry
+        finally:
+            with self._lock:
+                del self._loading[key]
+            loading.set()
+        self._trim()
+        return entry
+
+    def _load(
+        self,
+        key: tuple[int, str, str],
+        ref: DatasetRef,
+        dataset: str,
+        split: str,
+        wanted: Snapshot,
+    ) -> CatalogEntry:
+        started = time.monotonic()
+        arrays = load_split(self._engine, dataset, split, version=ref.version, snapshot=wanted)
+        metrics.CATALOG_LOAD_SECONDS.labels(dataset=ref.name).observe(time.monotonic() - started)
+        columns: dict[str, npt.NDArray[Any]] = {
+            "ids": arrays.ids,
+            "labels": arrays.labels,
+            "lengths": arrays.lengths,
+            "weights": arrays.weights,
+            "byte_offsets": arrays.byte_offsets,
+            "byte_lengths": arrays.byte_lengths,
+            "path_bytes": arrays.path_bytes,
+            "path_offsets": arrays.path_offsets,
+        }
+        purpose = f"the catalog rows of {dataset!r} split {split!r} ({len(arrays)} samples)"
+        segment = self._with_room(lambda: pack_arrays(self._registry, columns, purpose=purpose))
+        logger.info(
+            "loaded %s/%s split %s: %d samples at snapshot %s in %.2f s",
+            ref.name,
+            ref.version,
+            split,
+            len(arrays),
+            wanted.token(),
+            time.monotonic() - started,
+        )
+        return CatalogEntry(key, arrays, segment, refs=1)
 
     def release(self, entry: CatalogEntry) -> None:
         with self._lock:

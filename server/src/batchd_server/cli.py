@@ -263,6 +263,49 @@ def _dataset_args(p: argparse.ArgumentParser, *, dataset_default: str | None = N
     )
 
 
+def _security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="serve TCP with TLS: this certificate chain (with --tls-key; $BATCHD_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key", type=Path, default=None, metavar="PEM", help="its key ($BATCHD_TLS_KEY)"
+    )
+    p.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="mutual TLS: require client certificates signed by this CA ($BATCHD_TLS_CLIENT_CA)",
+    )
+    p.add_argument(
+        "--auth-token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="every call must carry the bearer token in FILE ($BATCHD_AUTH_TOKEN_FILE)",
+    )
+    p.add_argument(
+        "--data-root",
+        dest="data_roots",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="serve only datasets whose root lies under DIR (repeatable; $BATCHD_DATA_ROOTS, "
+        "':'-separated); default: any root the catalog names",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback TCP listener with neither TLS nor a token ($BATCHD_INSECURE=1)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Global options work before or after the subcommand; SUPPRESS keeps a subcommand's
     # unset copy from overwriting a value given before it.
@@ -358,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, end streams, stop workers and remove segments within this long "
         "(default 20, below Kubernetes' 30)",
     )
+    _security_args(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
@@ -479,6 +523,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "log_format",
                 )
             },
+            **{
+                name: getattr(args, name, None)
+                for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "insecure")
+            },
+            data_roots=tuple(args.data_roots) if getattr(args, "data_roots", None) else None,
         )
     except ValueError as e:  # e.g. an unsupported URL scheme
         return _error(str(e))

@@ -18,6 +18,7 @@ __all__ = [
     "available_cpus",
     "batchd_home",
     "default_database_url",
+    "parse_bool",
     "parse_bytes",
     "split_host_port",
 ]
@@ -104,6 +105,24 @@ def split_host_port(text: str, what: str = "address") -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def parse_bool(text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case).
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not a boolean; write 1 or 0")
+
+
+def _parse_paths(text: str) -> tuple[Path, ...]:
+    return tuple(Path(p) for p in text.split(os.pathsep) if p)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Everything the server needs to know, validated on construction."""
@@ -137,6 +156,19 @@ class ServerConfig:
     """A catalog probe that has not answered after this long makes the server NOT_SERVING."""
     log_format: str = "text"
     """``text`` (one human line per record) or ``json`` (one object per line)."""
+    tls_cert: Path | None = None
+    """PEM certificate chain the TCP listener presents (TLS); needs ``tls_key``."""
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``."""
+    tls_client_ca: Path | None = None
+    """PEM CA bundle: clients must present a certificate it signed (mutual TLS)."""
+    auth_token_file: Path | None = None
+    """File holding the bearer token every call must carry (health and reflection exempt)."""
+    insecure: bool = False
+    """Allow a non-loopback TCP listener with neither TLS nor a token."""
+    data_roots: tuple[Path, ...] = ()
+    """Directories dataset roots must lie in; a catalog row pointing elsewhere is refused.
+    Empty: any root (the catalog is trusted)."""
 
     def __post_init__(self) -> None:
         scheme = self.database_url.split(":", 1)[0]
@@ -182,6 +214,21 @@ class ServerConfig:
                 f"log_format={self.log_format!r} must be one of {', '.join(LOG_FORMATS)} "
                 "(--log-format, BATCHD_LOG_FORMAT)"
             )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                "TLS needs both a certificate and its key: set --tls-cert and --tls-key "
+                "(BATCHD_TLS_CERT, BATCHD_TLS_KEY) together"
+            )
+        for root in self.data_roots:
+            if not root.is_absolute():
+                raise ValueError(
+                    f"--data-root {str(root)!r} must be an absolute path (BATCHD_DATA_ROOTS)"
+                )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(
+                "--tls-client-ca (BATCHD_TLS_CLIENT_CA) asks for mutual TLS, which needs the "
+                "server's own --tls-cert and --tls-key"
+            )
 
     def metrics_address(self) -> tuple[str, int] | None:
         """Where to serve ``/metrics``: ``metrics_listen``, else ``metrics_port`` on the host
@@ -204,7 +251,9 @@ class ServerConfig:
         (bytes, ``512MiB``, ``2GiB``), ``BATCHD_LEASE_TIMEOUT_S``, ``BATCHD_METRICS_PORT``,
         ``BATCHD_MAX_SESSIONS``, ``BATCHD_SHM_DIR``, ``BATCHD_METRICS_LISTEN``,
         ``BATCHD_MIN_FREE_SHM`` (bytes), ``BATCHD_GRACE_S``, ``BATCHD_HEALTH_INTERVAL_S``,
-        ``BATCHD_CATALOG_TIMEOUT_S``, ``BATCHD_LOG_FORMAT``.
+        ``BATCHD_CATALOG_TIMEOUT_S``, ``BATCHD_LOG_FORMAT``, ``BATCHD_TLS_CERT``,
+        ``BATCHD_TLS_KEY``, ``BATCHD_TLS_CLIENT_CA``, ``BATCHD_AUTH_TOKEN_FILE``,
+        ``BATCHD_INSECURE`` (1 or 0), ``BATCHD_DATA_ROOTS`` (directories separated by ``:``).
 
         Raises:
             ValueError: a variable does not parse; the message names it.
@@ -227,6 +276,12 @@ class ServerConfig:
             "health_interval_s": ("BATCHD_HEALTH_INTERVAL_S", float),
             "catalog_timeout_s": ("BATCHD_CATALOG_TIMEOUT_S", float),
             "log_format": ("BATCHD_LOG_FORMAT", str),
+            "tls_cert": ("BATCHD_TLS_CERT", Path),
+            "tls_key": ("BATCHD_TLS_KEY", Path),
+            "tls_client_ca": ("BATCHD_TLS_CLIENT_CA", Path),
+            "auth_token_file": ("BATCHD_AUTH_TOKEN_FILE", Path),
+            "insecure": ("BATCHD_INSECURE", parse_bool),
+            "data_roots": ("BATCHD_DATA_ROOTS", _parse_paths),
         }
         for name, (var, parse) in parsers.items():
             text = env.get(var)

@@ -44,7 +44,7 @@ from batchd.errors import BatchdError
 from batchd_server import metrics
 from batchd_server.batch_messages import shm_notice
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound
-from batchd_server.limits import MAX_UNIX_PATH_BYTES
+from batchd_server.limits import MAX_CLIENT_FRAME_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.sessions import Session, SessionManager, Stream
 
 __all__ = ["DoorbellServer", "ServerBell"]
@@ -194,7 +194,7 @@ class DoorbellServer:
         bell: ServerBell | None = None
         session = None
         try:
-            reader = FrameReader(conn)
+            reader = FrameReader(conn, max_frame_bytes=MAX_CLIENT_FRAME_BYTES)
             conn.settimeout(HELLO_TIMEOUT_S)
             frame = reader.read()
             if frame is None or frame[0] != HELLO:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import secrets
 import socket
 import stat
@@ -27,15 +28,22 @@ from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd_server import metrics
 from batchd_server.api.health import LOADER_SERVICE, HealthService
+from batchd_server.api.security import (
+    TokenInterceptor,
+    check_exposure,
+    read_token,
+    restrict_unix_socket,
+    server_credentials,
+)
 from batchd_server.api.servicer import LoaderServicer
-from batchd_server.catalog.db import make_engine, ping
-from batchd_server.catalog.sample_errors import record_sample_errors
+from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, ping
+from batchd_server.catalog.sample_errors import SampleErrorWriter
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig
 from batchd_server.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.health import HealthMonitor
-from batchd_server.limits import MAX_UNIX_PATH_BYTES
+from batchd_server.limits import MAX_REQUEST_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.sessions import SessionManager
 from batchd_server.shm.segments import PREFIX, ShmRegistry
 from batchd_server.workers.pool import WorkerPool
@@ -58,7 +66,8 @@ _KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
+    # Clients only send small requests; a huge one is refused before it is buffered.
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
 ]
 
 _LISTEN_HINT = "use unix:///path/to/grpc.sock or host:port (port 0 picks a free one)"
@@ -276,6 +285,25 @@ def _tcp_bind_problem(host: str, port: int) -> str:
     return "gRPC could not bind it (set GRPC_VERBOSITY=debug to see why)"
 
 
+def _add_port(
+    server: grpc.Server, where: ListenAddress, credentials: grpc.ServerCredentials | None
+) -> int:
+    """Bind ``where``; a unix socket is created mode 0600 (the umask closes the moment
+    between bind and chmod, and the chmod holds whatever the umask was)."""
+    if where.unix_path is None:
+        if credentials is not None:
+            return server.add_secure_port(where.grpc_address, credentials)
+        return server.add_insecure_port(where.grpc_address)
+    previous = os.umask(0o177)
+    try:
+        bound = server.add_insecure_port(where.grpc_address)
+    finally:
+        os.umask(previous)
+    if bound:
+        restrict_unix_socket(where.unix_path)
+    return bound
+
+
 @dataclass
 class _Parts:
     """What a server owns besides gRPC, in the order it is built (and reversed to close)."""
@@ -286,6 +314,7 @@ class _Parts:
     sessions: SessionManager
     doorbell: DoorbellServer
     monitor: HealthMonitor
+    sample_errors: SampleErrorWriter
     metrics_endpoint: metrics.MetricsEndpoint | None = None
 
     def end_sessions(self, timeout_s: float) -> None:
@@ -306,6 +335,7 @@ class _Parts:
                 self.metrics_endpoint.close()
             self.end_sessions(left())
             self.catalog.close()
+            self.sample_errors.close()
         finally:
             try:
                 self.pool.stop(timeout_s=left())
@@ -333,6 +363,7 @@ def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) ->
     metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
     metrics.SHM_BUDGET_BYTES.set_function(registry.effective_budget_bytes)
     catalog = CatalogCache(engine, registry)
+    sample_errors = SampleErrorWriter(engine)
     bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
     sessions = SessionManager(
         catalog=catalog,
@@ -340,8 +371,9 @@ def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) ->
         registry=registry,
         lease_timeout_s=config.lease_timeout_s,
         max_sessions=config.max_sessions,
-        record_errors=lambda rows: record_sample_errors(engine, rows),
+        record_errors=sample_errors.submit,
         doorbell=bell_path.name,
+        data_roots=config.data_roots,
     )
     monitor = HealthMonitor(
         space=registry.space,
@@ -360,10 +392,11 @@ def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) ->
     except BaseException:
         sessions.close_all()
         catalog.close()
+        sample_errors.close()
         pool.stop()
         registry.close()
         raise
-    parts = _Parts(registry, pool, catalog, sessions, doorbell, monitor)
+    parts = _Parts(registry, pool, catalog, sessions, doorbell, monitor, sample_errors)
     try:
         address = config.metrics_address()
         if address is not None:
@@ -408,8 +441,18 @@ def build_server(
     where = ListenAddress.parse(listen)
     if where.unix_path is not None:
         _check_unix_path(listen, where.unix_path)
+    token = None if config.auth_token_file is None else read_token(config.auth_token_file)
+    credentials = server_credentials(config)
+    if where.unix_path is not None:
+        if credentials is not None:
+            logger.warning("TLS is for TCP; the unix socket %s relies on its mode", listen)
+            credentials = None
+    else:
+        assert where.host is not None
+        tls = credentials is not None
+        check_exposure(where.host, tls=tls, token=token is not None, insecure=config.insecure)
 
-    engine = make_engine(config.database_url)
+    engine = make_engine(config.database_url, statement_timeout_s=SERVING_STATEMENT_TIMEOUT_S)
     health = HealthService()
     try:
         parts = _start_parts(config, engine, health)
@@ -421,6 +464,7 @@ def build_server(
         executor,
         options=[("grpc.so_reuseport", 0), *_KEEPALIVE_OPTIONS],
         maximum_concurrent_rpcs=None,
+        interceptors=[] if token is None else [TokenInterceptor(token)],
     )
     servicer = LoaderServicer(engine, parts.sessions, draining=lambda: parts.monitor.draining)
     loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
@@ -429,7 +473,7 @@ def build_server(
     reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
     try:
         try:
-            bound = server.add_insecure_port(where.grpc_address)
+            bound = _add_port(server, where, credentials)
         except RuntimeError:
             bound = 0  # grpcio raises now; it used to return 0 (grpc/grpc#16920)
         if bound == 0:

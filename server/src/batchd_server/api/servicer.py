@@ -13,6 +13,7 @@ from batchd_server.api.status import map_errors
 from batchd_server.catalog import queries
 from batchd_server.catalog.queries import DatasetSummary
 from batchd_server.errors import InvalidArgument, Unavailable
+from batchd_server.limits import check_name
 from batchd_server.sessions import SessionManager
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
@@ -69,6 +70,8 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
     ) -> loader_pb2.DescribeDatasetResponse:
         if not request.name:
             raise InvalidArgument("DescribeDataset needs a dataset name; got an empty one")
+        check_name("dataset", request.name)
+        check_name("version", request.version, required=False)
         summary = queries.describe_dataset(self._engine, request.name, request.version or None)
         return loader_pb2.DescribeDatasetResponse(dataset=_dataset_message(summary))
 

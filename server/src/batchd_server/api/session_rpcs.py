@@ -16,6 +16,7 @@ from batchd._specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
 from batchd_server import metrics
 from batchd_server.batch_messages import inline_messages
 from batchd_server.errors import FailedPrecondition, InvalidArgument
+from batchd_server.limits import check_name
 from batchd_server.sampling import SamplerOptions
 from batchd_server.sessions import Session, SessionManager, SessionOptions, Stream
 
@@ -98,6 +99,9 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         mode=_SAMPLING[request.sampling],
     )
     kind, options = _pipeline(request.pipeline)
+    check_name("dataset", request.dataset)
+    check_name("version", request.version, required=False)
+    check_name("split", request.split, required=False)
     return SessionOptions(
         dataset=request.dataset,
         version=request.version or None,

@@ -18,6 +18,7 @@ one sample at a time, which is also how each bad sample is found and reported.
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -44,7 +45,7 @@ class FieldSpec:
 
     def sample_bytes(self) -> int:
         """Bytes one sample takes at most."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: cannot overflow
 
 
 def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import wait as wait_futures
+from pathlib import Path
 from typing import Final
 
 from batchd._ring import slot_offset
@@ -43,6 +44,7 @@ class SessionManager:
         max_sessions: int,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         doorbell: str = "",
+        data_roots: tuple[Path, ...] = (),
     ) -> None:
         self._catalog = catalog
         self._pool = pool
@@ -51,8 +53,11 @@ class SessionManager:
         self._max_sessions = max_sessions
         self._record_errors = record_errors
         self._sessions: dict[str, Session] = {}
+        self._opening = 0
+        """Opens past the max-sessions check and not yet in ``_sessions``."""
         self.doorbell = doorbell
         """The doorbell socket's name in the shm directory (``RingLayout.doorbell``)."""
+        self._data_roots = tuple(r.resolve() for r in data_roots)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="batchd-lease", daemon=True)
@@ -68,12 +73,23 @@ class SessionManager:
             InvalidArgument, NotFound, FailedPrecondition, SnapshotMismatch,
             ResourceExhausted: as the message says.
         """
+        # The check and the reservation are one step, so that opens racing each other cannot
+        # pass the limit together.
         with self._lock:
-            if len(self._sessions) >= self._max_sessions:
+            if len(self._sessions) + self._opening >= self._max_sessions:
                 raise ResourceExhausted(
-                    f"the server has {len(self._sessions)} open sessions, its limit "
-                    "(BATCHD_MAX_SESSIONS); close loaders you no longer use"
+                    f"the server has {len(self._sessions)} open sessions and "
+                    f"{self._opening} opening, its limit (BATCHD_MAX_SESSIONS); close loaders "
+                    "you no longer use"
                 )
+            self._opening += 1
+        try:
+            return self._open(options)
+        finally:
+            with self._lock:
+                self._opening -= 1
+
+    def _open(self, options: SessionOptions) -> Session:
         pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
         layout, slot_bytes = slot_layout(pipeline.fields(), options.sampler.batch_size)
         if slot_bytes > MAX_SLOT_BYTES:
@@ -86,6 +102,7 @@ class SessionManager:
         )
         try:
             root = entry.arrays.dataset.root
+            self._check_data_root(options.dataset, root)
             if not os.path.isdir(root):
                 raise FailedPrecondition(
                     f"dataset {options.dataset!r} has root {root!r}, which is not a directory "
@@ -142,6 +159,19 @@ class SessionManager:
             format_bytes(ring.nbytes),
         )
         return session
+
+    def _check_data_root(self, dataset: str, root: str) -> None:
+        """Refuse a dataset whose root (symlinks followed) is outside every ``--data-root``."""
+        if not self._data_roots:
+            return
+        resolved = Path(root).resolve()
+        if not any(resolved.is_relative_to(allowed) for allowed in self._data_roots):
+            allowed = ", ".join(str(r) for r in self._data_roots)
+            raise FailedPrecondition(
+                f"dataset {dataset!r} has root {root!r}, outside the server's data roots "
+                f"({allowed}); move the data under one of them and re-ingest, or add its "
+                "directory with --data-root (BATCHD_DATA_ROOTS)"
+            )
 
     def get(self, session_id: str) -> Session:
         with self._lock:

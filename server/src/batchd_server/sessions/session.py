@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -395,7 +396,7 @@ class Session:
         views = []
         for f in self.layout:
             shape = result.shapes[f.name]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
+            nbytes = math.prod(shape) * np.dtype(f.dtype).itemsize
             views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
         first, self._delivered_any = not self._delivered_any, True
         since_open_s = time.monotonic() - self.opened_at if first else None

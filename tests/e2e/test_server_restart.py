@@ -1,0 +1,151 @@
+"""A server killed mid-epoch and restarted is invisible to the training loop: the Loader
+reconnects, reopens its session on the same snapshot at the next undelivered batch, and
+the epoch yields every sample once, in the uninterrupted order. Real server processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import Engine
+
+import batchd
+from batchd import errors
+
+from serving import RECORD_FLOATS, batchd_segments, record_dataset
+
+SERVE = [sys.executable, "-m", "batchd_server.cli", "serve"]
+
+
+def start_server(url: str, sock: Path, log: Path) -> subprocess.Popen[bytes]:
+    """``batchd-server serve`` on ``sock``, logging to ``log`` (a file: a pipe nobody reads
+    would fill and stall the server)."""
+    env = {**os.environ, "BATCHD_DATABASE_URL": url, "BATCHD_WORKERS": "1"}
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [*SERVE, "--listen", f"unix://{sock}"], env=env, stdout=out, stderr=out
+        )
+
+
+def wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 120) -> str:
+    """The server's shm instance id, once its log says it is ready."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if "ready: serving on" in text:
+            return text.split("segments batchd-", 1)[1].split("-*", 1)[0]
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited {proc.returncode} before it was ready:\n{text}")
+        time.sleep(0.05)
+    pytest.fail(f"the server was not ready within {timeout_s:g} s:\n{log.read_text()}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+def _loader(sock: Path, transport: str, **kwargs: object) -> batchd.Loader:
+    return batchd.Loader(
+        f"unix://{sock}",
+        dataset="records",
+        batch_size=10,
+        seed=3,
+        prefetch=4,
+        transport=transport,
+        device="cpu",
+        pipeline=batchd.Array((RECORD_FLOATS,), "float32", raw=True),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_server_killed_mid_epoch_and_restarted_is_invisible_to_the_loop(
+    engine: Engine, tmp_path: Path, transport: str
+) -> None:
+    """kill -9 the server after 6 batches and start a new one on the same socket (its old
+    socket file and segments still there): no exception reaches the loop, and the epoch's
+    sample ids are an uninterrupted run's, in order."""
+    record_dataset(engine, tmp_path / "r", n=300)
+    url = engine.url.render_as_string(hide_password=False)
+    sock = tmp_path / "grpc.sock"
+    first = start_server(url, sock, tmp_path / "first.log")
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        first_instance = wait_ready(first, tmp_path / "first.log")
+        with _loader(sock, transport) as reference:
+            want = [b["sample_id"].tolist() for b in reference]
+        assert len(want) == 30
+        got = []
+        with _loader(sock, transport, reconnect_timeout_s=60) as loader:
+            assert loader.transport == transport
+            snapshot = loader.snapshot
+            for i, batch in enumerate(loader):
+                got.append(batch["sample_id"].tolist())
+                if i == 5:
+                    first.kill()
+                    first.wait(30)
+                    assert sock.exists(), "a killed server leaves its socket file"
+                    left = batchd_segments(first_instance)
+                    assert any("-ring-" in n for n in left)
+                    second = start_server(url, sock, tmp_path / "second.log")
+            assert second is not None
+            assert loader.snapshot == snapshot
+            assert loader.transport == transport
+        assert got == want
+        second_instance = wait_ready(second, tmp_path / "second.log")
+        assert batchd_segments(first_instance) == [], "the new server sweeps the old segments"
+    finally:
+        first.kill()
+        first.wait(30)
+        if second is not None:
+            stop(second)
+    assert second.returncode == 0, (tmp_path / "second.log").read_text()
+    assert batchd_segments(second_instance) == []
+
+
+def test_a_server_that_stays_away_ends_the_loop_with_unavailable_naming_it(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """With no server back within reconnect_timeout_s, the loop gets Unavailable naming the
+    target and the timeout."""
+    record_dataset(engine, tmp_path / "r", n=100)
+    url = engine.url.render_as_string(hide_password=False)
+    sock = tmp_path / "grpc.sock"
+    server = start_server(url, sock, tmp_path / "server.log")
+    try:
+        instance = wait_ready(server, tmp_path / "server.log")
+        loader = _loader(sock, "inline", reconnect_timeout_s=2)
+        it = iter(loader)
+        next(it)
+        server.kill()
+        server.wait(30)
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable) as caught:
+            for _ in it:
+                pass
+        waited = time.monotonic() - started
+        loader.close()
+    finally:
+        server.kill()
+        server.wait(30)
+    message = str(caught.value)
+    assert f"unix://{sock}" in message and "reconnect_timeout_s=2" in message
+    assert waited < 30
+    # The killed server's segments stay until the next server sweeps them; sweep them here.
+    restarted = start_server(url, sock, tmp_path / "sweeper.log")
+    try:
+        wait_ready(restarted, tmp_path / "sweeper.log")
+        assert batchd_segments(instance) == []
+    finally:
+        stop(restarted)
