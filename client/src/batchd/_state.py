@@ -11,19 +11,28 @@ from batchd.errors import InvalidArgument
 __all__ = ["STATE_FORMAT", "check_state"]
 
 STATE_FORMAT: Final = 1
-# What must match for a saved state to mean the same sequence of batches.
+# What must match for a saved state to mean the same sequence of batches. Not the rank: the
+# cursor (epoch, next_batch) is the same on every rank of a job, and frameworks save rank 0's
+# state and load it on every rank.
 _COMPATIBLE_KEYS: Final = (
     "dataset",
     "split",
     "batch_size",
-    "rank",
     "world_size",
     "seed",
     "shuffle",
     "drop_last",
     "sampling",
 )
-_STATE_KEYS: Final = (*_COMPATIBLE_KEYS, "format", "version", "epoch", "next_batch", "snapshot")
+_STATE_KEYS: Final = (
+    *_COMPATIBLE_KEYS,
+    "format",
+    "version",
+    "rank",
+    "epoch",
+    "next_batch",
+    "snapshot",
+)
 
 
 def check_state(
