@@ -18,14 +18,16 @@ from typing import Any, Final
 from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
 from batchd._connection import Connection, SessionHandle
 from batchd._device import Batch, resolve_device
+from batchd._epoch import rest_of_epoch
 from batchd._inline import InlineStream
 from batchd._lifetime import Closeable
 from batchd._options import MAX_BATCH_SIZE, LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._shm import ShmStream
 from batchd._specs import PipelineSpec, check_int
-from batchd._state import STATE_FORMAT, check_state
+from batchd._state import STATE_FORMAT, Cursor, SavedPosition, check_state
 from batchd._stream import BatchStream, ReceivedBatch
+from batchd._version import __version__
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 __all__ = ["MAX_BATCH_SIZE", "STATE_FORMAT", "Loader"]
@@ -151,6 +153,10 @@ class Loader(Closeable):
         self._iteration: object | None = None
         self._epoch = 0
         self._next_batch = 0
+        # After an elastic resume, the epoch's plan is the rest of the epoch after this many
+        # entries of its global order, built for this world size (see batchd._state).
+        self._epoch_start = 0
+        self._order_world_size = 0
         self._unreported_wait_s = 0.0
         self.wait_s = 0.0
         """Seconds the training loop spent blocked waiting for the next batch, in total."""
@@ -199,12 +205,32 @@ class Loader(Closeable):
         """Batches per epoch on this rank (the same on every rank)."""
         return self._session().num_batches
 
-    def _position(self) -> tuple[int, int]:
-        """The (epoch, batch) the next iteration starts at."""
-        n = len(self)
-        if n > 0 and self._next_batch >= n:
-            return self._epoch + 1, 0
-        return self._epoch, self._next_batch
+    def _epoch_batches(self) -> int:
+        """Batches of the current epoch's plan on this rank: ``len(self)``, or fewer for the
+        rest of an epoch after an elastic resume."""
+        session = self._session()
+        if self._epoch_start == 0:
+            return session.num_batches
+        options = self._options
+        assert options.world_size is not None  # set in LoaderOptions
+        return rest_of_epoch(
+            int(session.reply.num_rows),
+            self._epoch_start,
+            batch_size=options.batch_size,
+            world_size=options.world_size,
+            drop_last=options.drop_last,
+        )[1]
+
+    def _position(self) -> Cursor:
+        """Where the next iteration starts."""
+        n = self._epoch_batches()
+        if self._next_batch >= n and (n > 0 or self._epoch_start > 0):
+            return Cursor(self._epoch + 1)
+        return Cursor(self._epoch, self._next_batch, self._epoch_start, self._order_world_size)
+
+    def _move_to(self, cursor: Cursor) -> None:
+        self._epoch, self._next_batch = cursor.epoch, cursor.next_batch
+        self._epoch_start, self._order_world_size = cursor.start, cursor.order_world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Serve ``epoch``'s order from the next iteration on.
@@ -214,11 +240,12 @@ class Loader(Closeable):
         starts at its first batch and abandons a live iteration.
         """
         epoch = check_int("epoch", epoch, 0, (1 << 63) - 1)
-        if epoch == self._epoch and 0 < self._next_batch < len(self):
+        started = self._next_batch > 0 or self._epoch_start > 0
+        if epoch == self._epoch and started and self._next_batch < self._epoch_batches():
             return
         if self._iteration is not None:
             self._abandon()
-        self._epoch, self._next_batch = epoch, 0
+        self._move_to(Cursor(epoch))
 
     def __iter__(self) -> Iterator[Batch]:
         self._session()
@@ -231,14 +258,15 @@ class Loader(Closeable):
         if self._iteration is not token:
             raise FailedPrecondition(_SUPERSEDED)
         session = self._session()
-        epoch, start = self._position()
-        self._epoch, self._next_batch = epoch, start
-        num_batches = session.num_batches
+        cursor = self._position()
+        self._move_to(cursor)
+        epoch, start = cursor.epoch, cursor.next_batch
+        num_batches = self._epoch_batches()
         if start >= num_batches:  # an epoch without batches (drop_last, tiny split)
-            self._epoch, self._next_batch = epoch + 1, 0
+            self._move_to(Cursor(epoch + 1))
             return
         try:
-            stream, batch = self._open_stream(session, epoch, start)
+            stream, batch = self._open_stream(session, cursor)
         except NotFound:
             # The server forgot the session: it sat idle past the lease (a long evaluation
             # between epochs) or the server restarted. Sampling is a pure function of the
@@ -249,7 +277,7 @@ class Loader(Closeable):
             session.close(self._conn.stub, self._conn.target)
             session = self._open_session(session.reply.version, session.reply.snapshot)
             self._conn.replace_session(session)
-            stream, batch = self._open_stream(session, epoch, start)
+            stream, batch = self._open_stream(session, cursor)
         delivery = session.delivery
         finished = False
         try:
@@ -278,7 +306,7 @@ class Loader(Closeable):
             stream.ack(delivery.drain(), self._take_unreported_wait())
             stream.finish()
             finished = True
-            self._epoch, self._next_batch = epoch + 1, 0
+            self._move_to(Cursor(epoch + 1))
         finally:
             if self._conn.stream is stream:
                 self._conn.stream = None
@@ -291,9 +319,9 @@ class Loader(Closeable):
                 self._iteration = None
 
     def _open_stream(
-        self, session: SessionHandle, epoch: int, start_batch: int
+        self, session: SessionHandle, cursor: Cursor
     ) -> tuple[BatchStream, ReceivedBatch | None]:
-        """Start the epoch's stream at ``start_batch`` and take its first batch.
+        """Start the epoch's stream at ``cursor`` and take its first batch.
 
         A stream this Loader cancelled moments ago may not have ended on the server yet; the
         server ends it when this one starts (one stream per session).
@@ -301,8 +329,10 @@ class Loader(Closeable):
         session.streams_started += 1
         start = loader_pb2.StreamStart(
             session_id=session.reply.session_id,
-            epoch=epoch,
-            start_batch=start_batch,
+            epoch=cursor.epoch,
+            start_batch=cursor.next_batch,
+            start_sample=cursor.start,
+            order_world_size=cursor.order_world_size,
             transport=session.transport,
         )
         stream: BatchStream
@@ -346,14 +376,19 @@ class Loader(Closeable):
     def state_dict(self) -> dict[str, Any]:
         """Where the next iteration starts, and what must match to resume there.
 
-        ``next_batch`` counts the batches of ``epoch`` already handed out. Plain values only
-        (JSON- and ``torch.save``-friendly).
+        ``consumed`` counts the entries of ``epoch``'s global order that all ranks served
+        together (the same on every rank, so any rank's state resumes every rank, at this or
+        another world size); ``next_batch`` is this rank's batches of the epoch, for
+        reading. Plain values only (JSON- and ``torch.save``-friendly).
         """
         session = self._session()
-        epoch, next_batch = self._position()
+        cursor = self._position()
         options = self._options
+        assert options.world_size is not None  # set in LoaderOptions
+        global_batch = options.batch_size * options.world_size
         return {
             "format": STATE_FORMAT,
+            "batchd_version": __version__,
             "dataset": options.dataset,
             "version": session.reply.version or options.version or "",
             "split": session.reply.split or options.split,
@@ -364,41 +399,78 @@ class Loader(Closeable):
             "shuffle": options.shuffle,
             "drop_last": options.drop_last,
             "sampling": options.sampling,
-            "epoch": epoch,
-            "next_batch": next_batch,
+            "epoch": cursor.epoch,
+            "consumed": cursor.start + cursor.next_batch * global_batch,
+            "order_world_size": cursor.order_world_size or options.world_size,
+            "next_batch": cursor.next_batch,
             "num_batches": session.num_batches,
+            "rows": int(session.reply.num_rows),
             "snapshot": session.reply.snapshot,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next iteration start exactly where ``state`` (from :meth:`state_dict`) was.
 
-        The session is reopened on the state's snapshot (and version) when they differ from
-        this Loader's, so the rows are the ones the saved run served.
+        The state may come from any rank, and from a job with another world size (an
+        elastic resume): the rest of the saved epoch is then dealt to this job's ranks, each
+        sample once (``len()`` is still a whole epoch's batches; the resumed epoch has
+        fewer). The session is reopened on the state's snapshot (and version) when they
+        differ from this Loader's, so the rows are the ones the saved run served.
 
         Raises:
-            InvalidArgument: ``state`` is not such a dict, or was saved by a Loader with
-                different options (the message names the key).
+            InvalidArgument: ``state`` is not such a dict, of a format this batchd cannot
+                read, or was saved by a Loader with different options (the message names the
+                key).
             SnapshotMismatch: the catalog no longer has the snapshot's rows.
         """
         session = self._session()
         mine = self.state_dict()
-        epoch, next_batch = check_state(state, mine, pinned_version=self._options.version)
+        saved = check_state(state, mine, pinned_version=self._options.version)
         self._abandon()
         candidate = session
         if state["snapshot"] != mine["snapshot"] or state["version"] != mine["version"]:
             candidate = self._open_session(state["version"] or None, state["snapshot"] or None)
-        num_batches = candidate.num_batches
-        saved = state.get("num_batches", num_batches)
-        if saved != num_batches or next_batch > num_batches:
+        try:
+            cursor = self._cursor_for(saved, candidate)
+        except BaseException:
             if candidate is not session:
                 candidate.close(self._conn.stub, self._conn.target)
-            raise InvalidArgument(
-                f"state num_batches={saved!r}, next_batch={next_batch} do not fit this "
-                f"session's {num_batches} batches per epoch; the state is from another plan"
-            )
+            raise
         self._conn.replace_session(candidate)
-        self._epoch, self._next_batch = epoch, next_batch
+        self._move_to(cursor)
+
+    def _cursor_for(self, saved: SavedPosition, session: SessionHandle) -> Cursor:
+        """The cursor that continues ``saved`` on ``session``."""
+        options = self._options
+        assert options.world_size is not None  # set in LoaderOptions
+        rows, num_batches = int(session.reply.num_rows), session.num_batches
+        global_batch = options.batch_size * options.world_size
+        if (saved.rows is not None and rows and saved.rows != rows) or (
+            saved.num_batches is not None
+            and saved.world_size == options.world_size
+            and saved.num_batches != num_batches
+        ):
+            raise InvalidArgument(
+                f"the state's split had rows={saved.rows}, num_batches={saved.num_batches}; "
+                f"this session has {rows} rows, {num_batches} batches per epoch: the state is "
+                "from another plan"
+            )
+        if saved.order_world_size == options.world_size and saved.consumed % global_batch == 0:
+            next_batch = saved.consumed // global_batch
+            if next_batch > num_batches:
+                raise InvalidArgument(
+                    f"state consumed={saved.consumed} is past this session's epoch of "
+                    f"{num_batches} batches of {global_batch}; the state is from another plan"
+                )
+            return Cursor(saved.epoch, next_batch)
+        if not rows:
+            raise FailedPrecondition(
+                f"the server at {self._conn.target!r} cannot resume a state saved at "
+                f"world_size={saved.world_size} on world_size={options.world_size} (it does "
+                "not report the split's rows); upgrade batchd-server, or resume with "
+                f"world_size={saved.world_size}"
+            )
+        return Cursor(saved.epoch, 0, saved.consumed, saved.order_world_size)
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -427,7 +499,7 @@ class Loader(Closeable):
     @property
     def epoch(self) -> int:
         """The epoch the next iteration serves."""
-        return self._position()[0]
+        return self._position().epoch
 
     @property
     def snapshot(self) -> str:
