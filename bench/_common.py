@@ -47,6 +47,7 @@ __all__ = [
     "pids_cpu_s",
     "ratio",
     "results_table",
+    "rss_bytes",
     "self_cpu_s",
     "shm_entries",
     "spread",
@@ -113,6 +114,14 @@ def pids_cpu_s(pids: Iterable[int]) -> float:
     return total_ticks / _CLOCK_TICKS_PER_S
 
 
+def rss_bytes() -> int:
+    """Resident memory of this process now (VmRSS), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def shm_entries() -> list[str]:
     """The ``batchd`` entries in /dev/shm."""
     return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("batchd"))
@@ -129,6 +138,8 @@ class Run:
     """The training-loop process's CPU (getrusage, all its threads)."""
     loader_cpu_s: float | None
     """DataLoader workers, or the batchd server and its workers; None when there are none."""
+    rss_bytes: int = 0
+    """Resident memory of the training process at the end of the run."""
 
     @property
     def samples_per_s(self) -> float:
@@ -231,7 +242,7 @@ class Contender:
         timed = count - warmup_batches
         if batches is not None and timed != batches:
             raise RuntimeError(f"{self.label}: the epoch had {timed} batches, not {batches}")
-        return Run(rows, timed, wall_s, cpu_s, lcpu_s)
+        return Run(rows, timed, wall_s, cpu_s, lcpu_s, rss_bytes())
 
     def median(self, metric: str) -> float:
         """The median over the timed runs of a :class:`Run` attribute."""

@@ -9,7 +9,7 @@ Every ``.proto`` under ``proto/`` is compiled with the protoc that ships in grpc
 output says ``from batchd.v1 import loader_pb2``, which would resolve against the top-level
 ``batchd`` package; those imports, and the module name protoc gives the message classes, are
 rewritten to ``batchd._proto.batchd.v1``. The output depends only on the ``.proto`` files and
-the grpcio-tools version, so ``tests/test_proto_stubs.py`` can regenerate and compare.
+the grpcio-tools version, so ``tests/repo/test_proto_stubs.py`` can regenerate and compare.
 """
 
 from __future__ import annotations

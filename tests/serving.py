@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy.engine import Engine
 
+import batchd
 from batchd_server.api import RunningServer, build_server
 from batchd_server.catalog.ingest import ingest_imagefolder, ingest_manifest
 from batchd_server.config import ServerConfig
@@ -143,6 +144,14 @@ def record_dataset(
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ingest_manifest(engine, dataset=name, root=root, manifest=manifest, verify=False)
     return records
+
+
+def records_loader(server: RunningServer, **options: Any) -> batchd.Loader:
+    """A Loader of ``server``'s "records" dataset (``record_dataset``), 16 raw records a batch
+    unless ``options`` say otherwise."""
+    options.setdefault("batch_size", 16)
+    options.setdefault("pipeline", batchd.Array((RECORD_FLOATS,), "float32", raw=True))
+    return batchd.Loader(server.address, dataset="records", **options)
 
 
 def token_dataset(

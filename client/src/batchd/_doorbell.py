@@ -34,12 +34,14 @@ import contextlib
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._stats import MAX_PENDING_TIMINGS, BatchTiming
 from batchd._status import disagreement
 from batchd.errors import DataLoss, Unavailable
 
@@ -182,7 +184,8 @@ class ClientDoorbell:
         self._writer = FrameWriter(sock)
         self._queued: list[int] = []
         self._queue_lock = threading.Lock()
-        self._wait_s = 0.0
+        self._timings: list[BatchTiming] = []
+        """Batch timings not yet sent; they ride on the next frame that carries leases."""
 
     @property
     def closed(self) -> bool:
@@ -249,16 +252,27 @@ class ClientDoorbell:
         """Send one frame (from the iterating thread); silent once closed (reads tell why)."""
         self._writer.send(kind, message)
 
-    def ack(self, leases: list[int], wait_s: float = 0.0) -> None:
+    def ack(self, leases: list[int], timings: Sequence[BatchTiming] = ()) -> None:
         """Give these slots back, with anything queued by finalizers; silent once closed.
 
-        ``wait_s`` (the loop's wait for data, for the server's metrics) rides along with the
-        next frame that carries leases: lent batches go back from their finalizers, and a
-        frame for the wait alone would double the frames per batch.
+        ``timings`` (each batch's wait and step, for the server's metrics) ride along with
+        the next frame that carries leases: lent batches go back from their finalizers, and
+        a frame for the timings alone would double the frames per batch.
         """
         with self._writer.lock:
-            self._wait_s += wait_s
+            self._add_timings(timings)
             self._send_ack_locked(leases)
+
+    def flush(self, timings: Sequence[BatchTiming] = ()) -> None:
+        """Send the pending batch timings now, with no leases if none are queued (the end
+        of a stream: nothing else may go out for a while)."""
+        with self._writer.lock:
+            self._add_timings(timings)
+            self._send_ack_locked([], force=bool(self._timings))
+
+    def _add_timings(self, timings: Sequence[BatchTiming]) -> None:
+        room = MAX_PENDING_TIMINGS - len(self._timings)
+        self._timings.extend(timings[:room])
 
     def release(self, leases: list[int]) -> None:
         """Give these slots back from any thread, at once when the socket is free."""
@@ -271,15 +285,21 @@ class ClientDoorbell:
         finally:
             self._writer.lock.release()
 
-    def _send_ack_locked(self, leases: list[int]) -> None:
+    def _send_ack_locked(self, leases: list[int], *, force: bool = False) -> None:
         """Send ``leases`` and the queued ones, with the wait so far; under the send lock."""
         with self._queue_lock:
             if self._queued:
                 leases = [*self._queued, *leases]
                 self._queued.clear()
-        if leases:
-            self._writer.send_locked(RELEASE, loader_pb2.Ack(leases=leases, wait_s=self._wait_s))
-            self._wait_s = 0.0
+        if leases or force:
+            timings, self._timings = self._timings, []
+            ack = loader_pb2.Ack(
+                leases=leases,
+                wait_s=sum(t.wait_s for t in timings),
+                batch_wait_s=[t.wait_s for t in timings],
+                batch_step_s=[t.step_s for t in timings],
+            )
+            self._writer.send_locked(RELEASE, ack)
 
     def close(self) -> None:
         """Idempotent. The server frees the session's slots when it closes the session."""

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._stats import BatchTiming
 from batchd._status import disagreement, error_from_rpc
 from batchd._stream import ReceivedBatch
 
@@ -109,11 +110,16 @@ class InlineStream:
         self._call: Any = stub.StreamBatches(_requests(self._pending, self._stop))
         self._ended = False
 
-    def ack(self, keys: Sequence[int], wait_s: float) -> None:
+    def ack(self, keys: Sequence[int], timings: Sequence[BatchTiming]) -> None:
         """Tell the server the batches of these indices arrived (each is a credit for one
-        more)."""
-        if keys:
-            ack = loader_pb2.Ack(batch_indices=keys, wait_s=wait_s)
+        more), with the loop's timings of the batches handed to it since the last ack."""
+        if keys or timings:
+            ack = loader_pb2.Ack(
+                batch_indices=keys,
+                wait_s=sum(t.wait_s for t in timings),
+                batch_wait_s=[t.wait_s for t in timings],
+                batch_step_s=[t.step_s for t in timings],
+            )
             self._pending.put(loader_pb2.StreamBatchesRequest(ack=ack))
 
     def receive(self) -> ReceivedBatch | None:
@@ -131,13 +137,15 @@ class InlineStream:
             if batch is not None:
                 return batch
 
-    def finish(self) -> None:
-        """Half-close the requests and read the responses to their end (after the last batch).
+    def finish(self, timings: Sequence[BatchTiming]) -> None:
+        """Send the last timings, half-close the requests and read the responses to their
+        end (after the last batch).
 
         Raises:
             DataLoss: the server sent more batches than the epoch has.
             BatchdError: the call ended with an error.
         """
+        self.ack((), timings)
         self._pending.put(None)
         try:
             extra = self._next_message()

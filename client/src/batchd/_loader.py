@@ -10,7 +10,6 @@ starts, and a fresh Loader given that state yields exactly the rest of the run.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
@@ -26,6 +25,7 @@ from batchd._proto.batchd.v1 import loader_pb2
 from batchd._shm import ShmStream
 from batchd._specs import PipelineSpec, check_int
 from batchd._state import STATE_FORMAT, Cursor, SavedPosition, check_state
+from batchd._stats import LoaderStats, LoopClock
 from batchd._stream import BatchStream, ReceivedBatch
 from batchd._version import __version__
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -157,11 +157,7 @@ class Loader(Closeable):
         # entries of its global order, built for this world size (see batchd._state).
         self._epoch_start = 0
         self._order_world_size = 0
-        self._unreported_wait_s = 0.0
-        self.wait_s = 0.0
-        """Seconds the training loop spent blocked waiting for the next batch, in total."""
-        self.batches_served = 0
-        """Batches handed to the training loop, in total."""
+        self._clock = LoopClock()
         self.last_failed_sample_ids: tuple[int, ...] = ()
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
         or replaced (``"replace"``)."""
@@ -265,6 +261,8 @@ class Loader(Closeable):
         if start >= num_batches:  # an epoch without batches (drop_last, tiny split)
             self._move_to(Cursor(epoch + 1))
             return
+        clock = self._clock
+        clock.iteration_started()
         try:
             stream, batch = self._open_stream(session, cursor)
         except NotFound:
@@ -283,11 +281,12 @@ class Loader(Closeable):
         try:
             for index in range(start, num_batches):
                 if index > start:
+                    clock.asked()
                     # The held batches' acks go out before blocking: they are the credits
                     # the server may need to produce the batch awaited.
                     out_of_credits = delivery.held_count() >= session.prefetch
-                    stream.ack(delivery.advance(wait=out_of_credits), self._take_unreported_wait())
-                    batch = self._receive(stream)
+                    stream.ack(delivery.advance(wait=out_of_credits), clock.take_pending())
+                    batch = stream.receive()
                 if batch is None or batch.index != index:
                     got = "the end of the stream" if batch is None else f"batch {batch.index}"
                     raise Unavailable(
@@ -296,15 +295,15 @@ class Loader(Closeable):
                         "a new Loader and load_state_dict(old.state_dict()) to resume"
                     )
                 out, acks = delivery.deliver(batch)
-                stream.ack(acks, self._take_unreported_wait())
                 self._next_batch = index + 1
-                self.batches_served += 1
                 self.last_failed_sample_ids = batch.failed_sample_ids
+                clock.handed(batch.rows)
+                stream.ack(acks, clock.take_pending())
                 yield out
                 if self._iteration is not token:
                     raise FailedPrecondition(_SUPERSEDED)
-            stream.ack(delivery.drain(), self._take_unreported_wait())
-            stream.finish()
+            stream.ack(delivery.drain(), ())
+            stream.finish(clock.take_pending())
             finished = True
             self._move_to(Cursor(epoch + 1))
         finally:
@@ -349,27 +348,31 @@ class Loader(Closeable):
             )
         self._conn.stream = stream
         try:
-            return stream, self._receive(stream)
+            return stream, stream.receive()
         except BaseException:
             self._conn.stream = None
             stream.cancel()
             raise
 
-    def _receive(self, stream: BatchStream) -> ReceivedBatch | None:
-        """The stream's next batch; the time spent blocked counts as waiting for data."""
-        started = time.perf_counter()
-        try:
-            return stream.receive()
-        finally:
-            waited = time.perf_counter() - started
-            self.wait_s += waited
-            self._unreported_wait_s += waited
+    # -- what the loop waited for -----------------------------------------------------------
 
-    def _take_unreported_wait(self) -> float:
-        """The wait for data not yet reported to the server, for the next ack; the count
-        restarts at zero."""
-        waited, self._unreported_wait_s = self._unreported_wait_s, 0.0
-        return waited
+    def stats(self) -> LoaderStats:
+        """The training loop's view of its data so far: batches and samples handed out, how
+        long ``next()`` waited and the steps in between took (totals and percentiles), the
+        stall ratio ``wait / (wait + step)``, and the time to the first batch. The server
+        exports the same per-batch numbers as ``batchd_client_wait_seconds``,
+        ``batchd_client_step_seconds`` and ``batchd_data_stall_ratio``."""
+        return self._clock.stats()
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the training loop spent blocked in ``next()``, in total."""
+        return self._clock.wait_s
+
+    @property
+    def batches_served(self) -> int:
+        """Batches handed to the training loop, in total."""
+        return self._clock.batches
 
     # -- state -----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import numpy.typing as npt
 from batchd._doorbell import ACCEPTED, BATCH, CANCEL, END, START, ClientDoorbell, parse
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._ring import slot_offset
+from batchd._stats import BatchTiming
 from batchd._status import disagreement, error_named
 from batchd._stream import ReceivedBatch
 from batchd.errors import NotFound, Unavailable
@@ -179,9 +180,9 @@ class ShmStream:
                     raise error_named(msg.error_class, msg.message)
             return kind, msg
 
-    def ack(self, keys: Sequence[int], wait_s: float) -> None:
+    def ack(self, keys: Sequence[int], timings: Sequence[BatchTiming]) -> None:
         """Give the slots of these leases back (each is a credit for one more batch)."""
-        self._bell.ack(list(keys), wait_s)
+        self._bell.ack(list(keys), timings)
 
     def receive(self) -> ReceivedBatch | None:
         """The next batch of this stream; None when the server ended it.
@@ -199,13 +200,15 @@ class ShmStream:
             return None
         raise disagreement("the server accepted an shm stream twice")
 
-    def finish(self) -> None:
-        """Wait for the server's end of the stream after the epoch's last batch.
+    def finish(self, timings: Sequence[BatchTiming]) -> None:
+        """Send the pending timings, then wait for the server's end of the stream after the
+        epoch's last batch.
 
         Raises:
             DataLoss: the server sent more batches than the epoch has.
             BatchdError: the stream ended with an error.
         """
+        self._bell.flush(timings)
         while not self._ended:
             kind, msg = self._next_frame()
             if kind == BATCH:

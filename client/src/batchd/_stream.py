@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._stats import BatchTiming
 from batchd._status import disagreement
 
 __all__ = ["BatchStream", "ReceivedBatch", "field_views"]
@@ -96,14 +97,16 @@ class BatchStream(Protocol):
         """
         ...
 
-    def ack(self, keys: Sequence[int], wait_s: float) -> None:
+    def ack(self, keys: Sequence[int], timings: Sequence[BatchTiming]) -> None:
         """Give back the batches of these ``ReceivedBatch.ack_key``s (each is a credit for
-        one more), reporting ``wait_s`` seconds the loop waited for data since the last
-        report. Never raises for a server that is gone: the next receive says so."""
+        one more), reporting the ``timings`` of batches handed to the loop since the last
+        report (for the server's metrics; they may wait for a later frame). Never raises for
+        a server that is gone: the next receive says so."""
         ...
 
-    def finish(self) -> None:
-        """After the epoch's last batch: wait for the server's end of the stream.
+    def finish(self, timings: Sequence[BatchTiming]) -> None:
+        """After the epoch's last batch: report every timing still pending (with
+        ``timings``), then wait for the server's end of the stream.
 
         Raises:
             DataLoss: the server sent more batches than the epoch has.

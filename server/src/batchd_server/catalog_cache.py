@@ -74,7 +74,9 @@ class CatalogCache:
                     return entry
             started = time.monotonic()
             arrays = load_split(self._engine, dataset, split, version=ref.version, snapshot=wanted)
-            metrics.CATALOG_LOAD_SECONDS.observe(time.monotonic() - started)
+            metrics.CATALOG_LOAD_SECONDS.labels(dataset=ref.name).observe(
+                time.monotonic() - started
+            )
             columns: dict[str, npt.NDArray[Any]] = {
                 "ids": arrays.ids,
                 "labels": arrays.labels,

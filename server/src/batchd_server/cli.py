@@ -1,4 +1,4 @@
-"""The ``batchd-server`` command: serve, migrate the catalog, ingest datasets, list them.
+"""The ``batchd-server`` command: serve, check health, migrate the catalog, ingest, list.
 
 The catalog URL comes from ``--database-url`` or ``BATCHD_DATABASE_URL`` (through
 :meth:`ServerConfig.from_env`), else the embedded SQLite file under ``$BATCHD_HOME``.
@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchd_server import __version__
-from batchd_server.config import ServerConfig, parse_bytes
+from batchd_server.config import LOG_FORMATS, ServerConfig, parse_bytes
 from batchd_server.errors import BatchdError
+from batchd_server.logs import configure_logging
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
     from batchd_server.catalog.db import Engine
@@ -28,6 +29,8 @@ __all__ = ["build_parser", "main"]
 
 PROG = "batchd-server"
 EXIT_ERROR = 2
+EXIT_UNHEALTHY = 1
+"""What `healthcheck` exits with when something is wrong (Docker's HEALTHCHECK reserves 2)."""
 EXIT_INTERRUPTED = 130
 log = logging.getLogger(PROG)
 
@@ -173,10 +176,10 @@ def _cmd_datasets(args: argparse.Namespace, engine: Engine) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server import metrics
     from batchd_server.api.server import build_server
+    from batchd_server.catalog.db import describe_url
     from batchd_server.catalog.migrate import require_schema
-    from batchd_server.shm.segments import format_bytes
+    from batchd_server.shm.space import format_bytes
 
     config: ServerConfig = args.config
     require_schema(engine)
@@ -189,26 +192,75 @@ def _cmd_serve(args: argparse.Namespace, engine: Engine) -> int:
     try:
         server = build_server(config)
         try:
-            if config.metrics_port is not None:
-                metrics.serve(config.metrics_port)
+            space = server.registry.space()
+            effective = server.registry.effective_budget_bytes()
+            if effective < config.shm_budget_bytes:
+                log.warning(
+                    "%s is %s with %s free: the effective shm budget is %s, not the %s of "
+                    "--shm-budget; give the server more shared memory (docker compose "
+                    "shm_size, Kubernetes emptyDir.sizeLimit) to use it all",
+                    config.shm_dir,
+                    format_bytes(space.size_bytes),
+                    format_bytes(space.free_bytes),
+                    format_bytes(effective),
+                    format_bytes(config.shm_budget_bytes),
+                )
+            metrics = server.metrics_address
             log.info(
-                "ready: serving on %s with %d decode workers, shm budget %s in %s "
-                "(segments batchd-%s-*), lease timeout %g s%s",
+                "ready: serving on %s (batchd-server %s) with %d decode workers, shm budget %s "
+                "in %s (segments batchd-%s-*), lease timeout %g s, catalog %s, %s, grace %g s",
                 server.address,
+                __version__,
                 config.workers,
-                format_bytes(config.shm_budget_bytes),
+                format_bytes(effective),
                 config.shm_dir,
                 server.registry.instance,
                 config.lease_timeout_s,
-                "" if config.metrics_port is None else f", metrics on :{config.metrics_port}",
+                describe_url(config.database_url),
+                "no metrics" if metrics is None else f"metrics on http://{metrics}/metrics",
+                config.grace_s,
             )
             stop.wait()
-            log.info("stopping: finishing open calls (up to 5 s)")
+            log.info(
+                "stopping: NOT_SERVING now, ending every stream, done within %g s", config.grace_s
+            )
         finally:
-            server.stop(grace_s=5.0)
+            server.stop(grace_s=config.grace_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return 0
+
+
+def _cmd_healthcheck(args: argparse.Namespace, engine: Engine | None) -> int:
+    from batchd_server.health import shm_problem
+    from batchd_server.shm.space import format_bytes, shm_space
+
+    config: ServerConfig = args.config
+    shm_dir = Path(args.shm_dir) if args.shm_dir else config.shm_dir
+    try:
+        space = shm_space(shm_dir)
+    except OSError as e:
+        print(
+            f"cannot inspect {shm_dir}: {e.strerror or e}; batchd needs a tmpfs there "
+            "(pass --shm-dir if the server uses another directory)"
+        )
+        return EXIT_UNHEALTHY
+    problem = shm_problem(space, config.min_free_shm_bytes)
+    if problem is None and args.target:
+        from batchd_server.api.health import check_server
+
+        problem = check_server(args.target, service=args.service, timeout_s=args.timeout_s)
+    if problem is not None:
+        print(" ".join(problem.split()))
+        return EXIT_UNHEALTHY
+    line = (
+        f"healthy: {shm_dir} has {format_bytes(space.free_bytes)} free, batchd needs "
+        f"{format_bytes(config.min_free_shm_bytes)}"
+    )
+    if args.target:
+        line += f"; the server at {args.target} is SERVING"
+    print(line)
     return 0
 
 
@@ -257,7 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         type=str.upper,
-        help="logging to stderr (default WARNING)",
+        help="logging to stderr (default WARNING; INFO for serve)",
+    )
+    common.add_argument(
+        "--log-format",
+        default=argparse.SUPPRESS,
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line for log collectors (default: "
+        "$BATCHD_LOG_FORMAT, else text)",
     )
     parser = argparse.ArgumentParser(
         prog=PROG, description="batchd server: catalog and ingest commands.", parents=[common]
@@ -302,9 +361,75 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="P",
-        help="serve Prometheus metrics on this port (default: none)",
+        help="serve Prometheus metrics on this port, on the --listen host (127.0.0.1 for a "
+        "unix socket); --metrics-listen wins (default: none)",
+    )
+    p.add_argument(
+        "--metrics-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 0.0.0.0:9400 "
+        "(default: $BATCHD_METRICS_LISTEN, else none)",
+    )
+    p.add_argument(
+        "--min-free-shm",
+        dest="min_free_shm_bytes",
+        type=_byte_size,
+        default=None,
+        metavar="BYTES",
+        help="health is NOT_SERVING while /dev/shm has less free (default 56MiB: one image "
+        "session of 64 224x224 images)",
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="on SIGTERM, end streams, stop workers and remove segments within this long "
+        "(default 20, below Kubernetes' 30)",
     )
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "healthcheck",
+        parents=[common],
+        help="exit 0 if /dev/shm (and the server, with --target) are healthy, else 1",
+        description="Check that the shared-memory directory has --min-free-shm free and, with "
+        "--target, that the server's gRPC health service says SERVING. Prints one line; exits "
+        "0 when healthy, 1 when not (the line says what to change). Without --target it "
+        "needs no server: a Docker HEALTHCHECK, an init container or a pre-flight can use it.",
+    )
+    p.add_argument(
+        "--target",
+        metavar="ADDR",
+        help="the server to ask: host:port or unix:///path/batchd.sock (default: none, "
+        "check shared memory only)",
+    )
+    p.add_argument(
+        "--shm-dir", metavar="DIR", help="the shared-memory directory (default /dev/shm)"
+    )
+    p.add_argument(
+        "--min-free-shm",
+        dest="min_free_shm_bytes",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="bytes that must be free there, e.g. 1GiB (default: $BATCHD_MIN_FREE_SHM, else 56MiB)",
+    )
+    p.add_argument(
+        "--service",
+        default="",
+        metavar="NAME",
+        help="health service to ask: '' for readiness (default), 'liveness' for liveness",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="how long to wait for the server's answer (default %(default)s)",
+    )
+    p.set_defaults(func=_cmd_healthcheck, needs_catalog=False)
 
     p = sub.add_parser(
         "migrate", parents=[common], help="upgrade the catalog schema to the newest revision"
@@ -387,27 +512,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help and --version (0), usage errors (2)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else EXIT_ERROR
-    default_level = "INFO" if args.command == "serve" else "WARNING"
-    logging.basicConfig(
-        level=getattr(args, "log_level", default_level),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     try:
         config = ServerConfig.from_env(
-            database_url=getattr(args, "database_url", None),
             **{
                 name: getattr(args, name, None)
-                for name in ("listen", "workers", "shm_budget_bytes", "lease_timeout_s")
+                for name in (
+                    "database_url",
+                    "listen",
+                    "workers",
+                    "shm_budget_bytes",
+                    "lease_timeout_s",
+                    "metrics_port",
+                    "metrics_listen",
+                    "min_free_shm_bytes",
+                    "grace_s",
+                    "log_format",
+                )
             },
-            metrics_port=getattr(args, "metrics_port", None),
         )
     except ValueError as e:  # e.g. an unsupported URL scheme
         return _error(str(e))
+    default_level = "INFO" if args.command == "serve" else "WARNING"
+    configure_logging(getattr(args, "log_level", default_level), config.log_format)
     args.config = config
     engine = None
     try:
-        engine = _engine(config.database_url)
+        if getattr(args, "needs_catalog", True):
+            engine = _engine(config.database_url)
         return int(args.func(args, engine))
     except BatchdError as e:
         return _error(str(e))

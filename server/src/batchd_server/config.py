@@ -10,15 +10,25 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DEFAULT_GRACE_S",
     "DEFAULT_LISTEN",
+    "DEFAULT_MIN_FREE_SHM_BYTES",
+    "LOG_FORMATS",
     "ServerConfig",
     "available_cpus",
     "batchd_home",
     "default_database_url",
     "parse_bytes",
+    "split_host_port",
 ]
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_MIN_FREE_SHM_BYTES = 56 << 20
+"""One image session at the usual settings: 6 slots (prefetch 4 + 2) of 64 x 3 x 224 x 224
+bytes plus labels and ids, 55.2 MiB, rounded up. Health says NOT_SERVING below it."""
+DEFAULT_GRACE_S = 20.0
+"""Below Kubernetes' default terminationGracePeriodSeconds (30), so the pod exits by itself."""
+LOG_FORMATS = ("text", "json")
 _GiB = 1 << 30
 _UNITS = {
     "": 1,
@@ -79,6 +89,21 @@ def parse_bytes(text: str) -> int:
     return int(float(match[1]) * _UNITS[unit])
 
 
+def split_host_port(text: str, what: str = "address") -> tuple[str, int]:
+    """``"0.0.0.0:9400"`` -> ``("0.0.0.0", 9400)``; ``"[::1]:9400"`` -> ``("::1", 9400)``.
+
+    Raises:
+        ValueError: ``text`` is not HOST:PORT with a port in 0..65535.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(
+            f"{what}={text!r} is not HOST:PORT; write e.g. 127.0.0.1:9400, 0.0.0.0:9400 or "
+            "[::]:9400"
+        )
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Everything the server needs to know, validated on construction."""
@@ -94,11 +119,24 @@ class ServerConfig:
     lease_timeout_s: float = 30.0
     """A session with no open stream for this long is closed and its ring freed."""
     metrics_port: int | None = None
-    """Serve Prometheus metrics on this port (all interfaces); None: no metrics endpoint."""
+    """Serve Prometheus metrics on this port, on the host of ``listen`` (127.0.0.1 for a unix
+    socket); ``metrics_listen`` wins. None (and no ``metrics_listen``): no metrics endpoint."""
+    metrics_listen: str | None = None
+    """``HOST:PORT`` to serve Prometheus metrics on (``0.0.0.0:9400`` for every interface)."""
     max_sessions: int = 256
     """Open sessions at most; more is RESOURCE_EXHAUSTED."""
     shm_dir: Path = Path("/dev/shm")
     """Where shared-memory segments live (Linux's shm_open directory)."""
+    min_free_shm_bytes: int = DEFAULT_MIN_FREE_SHM_BYTES
+    """Health is NOT_SERVING while ``shm_dir`` has less than this free."""
+    grace_s: float = DEFAULT_GRACE_S
+    """On SIGTERM, everything (streams, workers, segments) is done within this many seconds."""
+    health_interval_s: float = 2.0
+    """Seconds between health checks (shm, workers) and between catalog probes."""
+    catalog_timeout_s: float = 5.0
+    """A catalog probe that has not answered after this long makes the server NOT_SERVING."""
+    log_format: str = "text"
+    """``text`` (one human line per record) or ``json`` (one object per line)."""
 
     def __post_init__(self) -> None:
         scheme = self.database_url.split(":", 1)[0]
@@ -126,6 +164,35 @@ class ServerConfig:
             )
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions={self.max_sessions} must be >= 1")
+        if self.metrics_listen is not None:
+            split_host_port(self.metrics_listen, "metrics_listen (--metrics-listen)")
+        if self.min_free_shm_bytes < 0:
+            raise ValueError(
+                f"min_free_shm_bytes={self.min_free_shm_bytes} must be >= 0 "
+                "(--min-free-shm, BATCHD_MIN_FREE_SHM)"
+            )
+        if not 0 < self.grace_s <= 3600:
+            raise ValueError(f"grace_s={self.grace_s} must be in (0, 3600] (--grace-s)")
+        for name in ("health_interval_s", "catalog_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value <= 600:
+                raise ValueError(f"{name}={value} must be in (0, 600] (BATCHD_{name.upper()})")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(
+                f"log_format={self.log_format!r} must be one of {', '.join(LOG_FORMATS)} "
+                "(--log-format, BATCHD_LOG_FORMAT)"
+            )
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where to serve ``/metrics``: ``metrics_listen``, else ``metrics_port`` on the host
+        of ``listen`` (127.0.0.1 when that is a unix socket); None for no endpoint."""
+        if self.metrics_listen is not None:
+            return split_host_port(self.metrics_listen, "metrics_listen")
+        if self.metrics_port is None:
+            return None
+        if self.listen.startswith("unix:"):
+            return "127.0.0.1", self.metrics_port
+        return split_host_port(self.listen, "listen")[0], self.metrics_port
 
     @classmethod
     def from_env(
@@ -135,7 +202,9 @@ class ServerConfig:
 
         ``BATCHD_DATABASE_URL``, ``BATCHD_LISTEN``, ``BATCHD_WORKERS``, ``BATCHD_SHM_BUDGET``
         (bytes, ``512MiB``, ``2GiB``), ``BATCHD_LEASE_TIMEOUT_S``, ``BATCHD_METRICS_PORT``,
-        ``BATCHD_MAX_SESSIONS``, ``BATCHD_SHM_DIR``.
+        ``BATCHD_MAX_SESSIONS``, ``BATCHD_SHM_DIR``, ``BATCHD_METRICS_LISTEN``,
+        ``BATCHD_MIN_FREE_SHM`` (bytes), ``BATCHD_GRACE_S``, ``BATCHD_HEALTH_INTERVAL_S``,
+        ``BATCHD_CATALOG_TIMEOUT_S``, ``BATCHD_LOG_FORMAT``.
 
         Raises:
             ValueError: a variable does not parse; the message names it.
@@ -152,6 +221,12 @@ class ServerConfig:
             "metrics_port": ("BATCHD_METRICS_PORT", int),
             "max_sessions": ("BATCHD_MAX_SESSIONS", int),
             "shm_dir": ("BATCHD_SHM_DIR", Path),
+            "metrics_listen": ("BATCHD_METRICS_LISTEN", str),
+            "min_free_shm_bytes": ("BATCHD_MIN_FREE_SHM", parse_bytes),
+            "grace_s": ("BATCHD_GRACE_S", float),
+            "health_interval_s": ("BATCHD_HEALTH_INTERVAL_S", float),
+            "catalog_timeout_s": ("BATCHD_CATALOG_TIMEOUT_S", float),
+            "log_format": ("BATCHD_LOG_FORMAT", str),
         }
         for name, (var, parse) in parsers.items():
             text = env.get(var)

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 from google.protobuf.message import Message
@@ -226,8 +227,12 @@ class DoorbellServer:
                 if kind == RELEASE:
                     ack = parse(pb.Ack, payload)
                     session.release(list(ack.leases))
-                    if ack.wait_s > 0:
-                        metrics.CLIENT_WAIT_SECONDS.inc(ack.wait_s)
+                    metrics.record_client_timings(
+                        session.options.dataset,
+                        ack.batch_wait_s,
+                        ack.batch_step_s,
+                        now=time.monotonic(),
+                    )
                 elif kind == START:
                     bell.start(parse(pb.StreamStart, payload))
                 elif kind == CANCEL:
@@ -264,6 +269,7 @@ class DoorbellServer:
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 5.0  # one wait for all: never one after another
         self._acceptor.join(5.0)
         for thread in threads:
-            thread.join(5.0)
+            thread.join(max(0.0, deadline - time.monotonic()))

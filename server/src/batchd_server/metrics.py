@@ -2,32 +2,100 @@
 
 The metrics live in a registry of their own (not prometheus_client's global one) so that
 several servers in one process, as in the tests, do not collide; :func:`serve` exposes it.
+
+Labels are bounded by what an operator configures: ``dataset`` (a catalog name), ``stage``,
+``kind`` (of sample error), ``transport``. Never a session, rank or sample id: those would
+make a new series per job and grow Prometheus without bound.
+
+Stall attribution, read top-down: ``batchd_batch_seconds`` is a batch's time from the
+server's hand-off to a worker until its result; ``batchd_queue_wait_seconds`` is the part
+before a worker began it (too few workers), ``batchd_stage_seconds{stage}`` the worker's own
+time in reading, decoding and collating (which of them is slow). The workers measure those
+themselves and send them back with each result (``workers.task.StageTimes``).
+
+NOTE [ Client wait histogram ]
+Whether the GPU starves is known only in the trainer: each client measures, per batch, how
+long ``next()`` blocked (wait) and how long the loop worked before asking for it (step), and
+sends those pairs with its acks (``Ack.batch_wait_s`` / ``batch_step_s``). Each pair is one
+observation of ``batchd_client_wait_seconds`` and ``batchd_client_step_seconds`` and feeds
+``batchd_data_stall_ratio`` (wait / (wait + step) over the last minute), per dataset.
+Values are clamped (:func:`clamp_client_seconds`): a client cannot poison the aggregates.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from batchd_server.workers.task import BatchResult, BatchTask
 
 __all__ = [
     "BATCHES",
+    "BATCH_SECONDS",
     "BYTES_SERVED",
     "CATALOG_LOAD_SECONDS",
+    "CLIENT_STEP_SECONDS",
     "CLIENT_WAIT_SECONDS",
+    "DATA_STALL_RATIO",
+    "FIRST_BATCH_SECONDS",
+    "MAX_CLIENT_SECONDS",
+    "MAX_TIMINGS_PER_ACK",
+    "QUEUE_WAIT_SECONDS",
+    "READY",
     "REGISTRY",
     "SAMPLES",
     "SAMPLE_ERRORS",
     "SESSIONS",
+    "SHM_BUDGET_BYTES",
+    "SHM_FREE_BYTES",
     "SHM_RESERVED_BYTES",
+    "STAGES",
+    "STAGE_SECONDS",
     "STREAMS",
     "WORKERS_ALIVE",
+    "WORKERS_CONFIGURED",
     "WORKER_RESTARTS",
+    "MetricsEndpoint",
+    "StallWindow",
+    "clamp_client_seconds",
+    "observe_worker_result",
+    "record_client_batch",
+    "record_client_timings",
+    "record_delivery",
     "serve",
 ]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-BATCHES = Counter("batchd_batches", "Batches delivered to clients.", registry=REGISTRY)
-SAMPLES = Counter("batchd_samples", "Samples delivered to clients.", registry=REGISTRY)
+STAGES: Final = ("read", "decode", "collate")
+"""The ``stage`` label's values: see ``workers.task.StageTimes``."""
+
+# A batch's stages take from tens of microseconds (a few raw records) to seconds (64 large
+# JPEGs on a busy core); catalog loads and first batches take up to minutes (millions of rows).
+_STAGE_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+_SLOW_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+_CLIENT_BUCKETS: Final = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+BATCHES = Counter("batchd_batches", "Batches delivered to clients.", ["dataset"], registry=REGISTRY)
+SAMPLES = Counter("batchd_samples", "Samples delivered to clients.", ["dataset"], registry=REGISTRY)
 BYTES_SERVED = Counter(
     "batchd_served_bytes",
     "Batch bytes delivered, by transport.",
@@ -35,27 +103,224 @@ BYTES_SERVED = Counter(
     registry=REGISTRY,
 )
 SAMPLE_ERRORS = Counter(
-    "batchd_sample_errors", "Samples that failed to read or decode.", ["kind"], registry=REGISTRY
+    "batchd_sample_errors",
+    "Samples that failed to read or decode, by dataset and kind of failure.",
+    ["dataset", "kind"],
+    registry=REGISTRY,
 )
 SESSIONS = Gauge("batchd_sessions", "Open sessions.", registry=REGISTRY)
 STREAMS = Gauge("batchd_streams", "Open StreamBatches calls.", registry=REGISTRY)
 SHM_RESERVED_BYTES = Gauge(
     "batchd_shm_reserved_bytes", "Shared memory reserved by rings and catalogs.", registry=REGISTRY
 )
+SHM_FREE_BYTES = Gauge(
+    "batchd_shm_free_bytes",
+    "Bytes still free in the shared-memory filesystem (/dev/shm).",
+    registry=REGISTRY,
+)
+SHM_BUDGET_BYTES = Gauge(
+    "batchd_shm_budget_bytes",
+    "The effective shm budget: --shm-budget, or less when /dev/shm cannot hold that much.",
+    registry=REGISTRY,
+)
 WORKERS_ALIVE = Gauge("batchd_workers_alive", "Decode worker processes alive.", registry=REGISTRY)
+WORKERS_CONFIGURED = Gauge(
+    "batchd_workers_configured", "Decode worker processes configured.", registry=REGISTRY
+)
 WORKER_RESTARTS = Counter(
     "batchd_worker_restarts", "Decode workers replaced after dying.", registry=REGISTRY
 )
-CATALOG_LOAD_SECONDS = Histogram(
-    "batchd_catalog_load_seconds", "Time to load a split from the catalog.", registry=REGISTRY
+READY = Gauge(
+    "batchd_ready",
+    "1 while the health service says SERVING (may take sessions), else 0.",
+    registry=REGISTRY,
 )
-CLIENT_WAIT_SECONDS = Counter(
+CATALOG_LOAD_SECONDS = Histogram(
+    "batchd_catalog_load_seconds",
+    "Time to load a split's rows from the catalog into shared memory.",
+    ["dataset"],
+    buckets=_SLOW_BUCKETS,
+    registry=REGISTRY,
+)
+STAGE_SECONDS = Histogram(
+    "batchd_stage_seconds",
+    "A worker's time on one batch in one stage (read, decode, collate), as it measured it.",
+    ["dataset", "stage"],
+    buckets=_STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "batchd_queue_wait_seconds",
+    "Time a batch waited after the server handed it to the pool until a worker began it.",
+    ["dataset"],
+    buckets=_STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+BATCH_SECONDS = Histogram(
+    "batchd_batch_seconds",
+    "Time from handing a batch to the pool until its result was back (queue wait included).",
+    ["dataset"],
+    buckets=_STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+FIRST_BATCH_SECONDS = Histogram(
+    "batchd_first_batch_seconds",
+    "Time from a session's open to its first batch delivered.",
+    ["dataset"],
+    buckets=_SLOW_BUCKETS,
+    registry=REGISTRY,
+)
+CLIENT_WAIT_SECONDS = Histogram(
     "batchd_client_wait_seconds",
-    "Time training loops spent waiting for batches, as clients report it.",
+    "Time a training loop's next() blocked for a batch, per batch, as clients report it.",
+    ["dataset"],
+    buckets=_CLIENT_BUCKETS,
+    registry=REGISTRY,
+)
+CLIENT_STEP_SECONDS = Histogram(
+    "batchd_client_step_seconds",
+    "Time a training loop spent between two batches (its step), per batch, as clients report it.",
+    ["dataset"],
+    buckets=_CLIENT_BUCKETS,
+    registry=REGISTRY,
+)
+DATA_STALL_RATIO = Gauge(
+    "batchd_data_stall_ratio",
+    "Share of training-loop time spent waiting for data over the last minute: "
+    "wait / (wait + step). Near 0: the loader keeps up; near 1: the GPU starves.",
+    ["dataset"],
     registry=REGISTRY,
 )
 
+MAX_CLIENT_SECONDS: Final = 3600.0
+"""A client-reported duration is clamped to this: one batch never takes an hour to wait for."""
 
-def serve(port: int) -> None:
-    """Serve ``/metrics`` on ``port`` (all interfaces) from a daemon thread."""
-    start_http_server(port, registry=REGISTRY)
+
+def observe_worker_result(
+    task: BatchTask, result: BatchResult, queued_s: float, latency_s: float
+) -> None:
+    """Record a worker's timings of one batch (the pool's ``on_result``)."""
+    dataset = task.spec.dataset
+    times = result.times
+    for stage, seconds in zip(STAGES, (times.read_s, times.decode_s, times.collate_s), strict=True):
+        STAGE_SECONDS.labels(dataset=dataset, stage=stage).observe(max(0.0, seconds))
+    QUEUE_WAIT_SECONDS.labels(dataset=dataset).observe(max(0.0, queued_s))
+    BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, latency_s))
+
+
+def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = None) -> None:
+    """Count one batch of ``rows`` handed to a client; ``since_open_s`` for a session's first."""
+    BATCHES.labels(dataset=dataset).inc()
+    SAMPLES.labels(dataset=dataset).inc(rows)
+    if since_open_s is not None:
+        FIRST_BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, since_open_s))
+
+
+def clamp_client_seconds(value: float) -> float:
+    """A duration a client reported, made safe to aggregate: NaN and negatives are 0, and
+    infinities and absurd values are :data:`MAX_CLIENT_SECONDS`."""
+    if math.isnan(value) or value <= 0.0:
+        return 0.0
+    return min(value, MAX_CLIENT_SECONDS)
+
+
+class StallWindow:
+    """The data-stall ratio ``wait / (wait + step)`` over the last ``window_s`` seconds.
+
+    Pure bookkeeping: the caller passes the clock, so it is tested without sleeping.
+    Thread-safe.
+    """
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s={window_s} must be > 0")
+        self.window_s = window_s
+        self._entries: deque[tuple[float, float, float]] = deque()
+        self._wait_s = 0.0
+        self._step_s = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, now: float, wait_s: float, step_s: float) -> None:
+        """One batch: the loop waited ``wait_s`` for it and then stepped for ``step_s``."""
+        wait_s, step_s = clamp_client_seconds(wait_s), clamp_client_seconds(step_s)
+        with self._lock:
+            self._entries.append((now, wait_s, step_s))
+            self._wait_s += wait_s
+            self._step_s += step_s
+            self._expire(now)
+
+    def ratio(self, now: float) -> float | None:
+        """The ratio over the window ending at ``now``; None when it holds no time at all."""
+        with self._lock:
+            self._expire(now)
+            if not self._entries:
+                # Re-sum from nothing: floating-point residue must not outlive the entries.
+                self._wait_s = self._step_s = 0.0
+                return None
+            total = self._wait_s + self._step_s
+            return None if total <= 0.0 else min(1.0, max(0.0, self._wait_s / total))
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._entries and self._entries[0][0] <= horizon:
+            _, wait_s, step_s = self._entries.popleft()
+            self._wait_s -= wait_s
+            self._step_s -= step_s
+
+
+_stall_windows: dict[str, StallWindow] = {}
+_stall_lock = threading.Lock()
+
+
+def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: float) -> None:
+    """One batch as a client reported it (see NOTE [ Client wait histogram ])."""
+    wait_s, step_s = clamp_client_seconds(wait_s), clamp_client_seconds(step_s)
+    CLIENT_WAIT_SECONDS.labels(dataset=dataset).observe(wait_s)
+    CLIENT_STEP_SECONDS.labels(dataset=dataset).observe(step_s)
+    with _stall_lock:
+        window = _stall_windows.setdefault(dataset, StallWindow())
+    window.add(now, wait_s, step_s)
+    ratio = window.ratio(now)
+    if ratio is not None:
+        DATA_STALL_RATIO.labels(dataset=dataset).set(ratio)
+
+
+MAX_TIMINGS_PER_ACK: Final = 4096
+"""Batch timings one ack may carry; more is a broken client, and the rest are ignored."""
+
+
+def record_client_timings(
+    dataset: str, waits: Sequence[float], steps: Sequence[float], *, now: float
+) -> None:
+    """The per-batch timings of one ack (pairs up to the shorter list, at most
+    MAX_TIMINGS_PER_ACK)."""
+    for wait_s, step_s in itertools.islice(zip(waits, steps, strict=False), MAX_TIMINGS_PER_ACK):
+        record_client_batch(dataset, wait_s, step_s, now=now)
+
+
+@dataclass
+class MetricsEndpoint:
+    """A running ``/metrics`` HTTP server; :meth:`close` stops it."""
+
+    host: str
+    port: int
+    _httpd: WSGIServer
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def serve(host: str, port: int) -> MetricsEndpoint:
+    """Serve ``/metrics`` on ``host:port`` (port 0: a free one) from a daemon thread.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    httpd, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    return MetricsEndpoint(host, int(httpd.server_address[1]), httpd)

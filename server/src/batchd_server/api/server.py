@@ -13,23 +13,28 @@ import logging
 import secrets
 import socket
 import stat
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd_server import metrics
+from batchd_server.api.health import LOADER_SERVICE, HealthService
 from batchd_server.api.servicer import LoaderServicer
-from batchd_server.catalog.db import make_engine
+from batchd_server.catalog.db import make_engine, ping
 from batchd_server.catalog.sample_errors import record_sample_errors
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig
 from batchd_server.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
+from batchd_server.health import HealthMonitor
 from batchd_server.limits import MAX_UNIX_PATH_BYTES
 from batchd_server.sessions import SessionManager
 from batchd_server.shm.segments import PREFIX, ShmRegistry
@@ -136,24 +141,56 @@ class RunningServer(Closeable):
     def registry(self) -> ShmRegistry:
         return self._parts.registry
 
-    def stop(self, grace_s: float | None = 5.0) -> None:
-        """Refuse new calls, give running ones ``grace_s`` seconds, then cancel them.
+    @property
+    def monitor(self) -> HealthMonitor:
+        """The readiness and liveness checks behind the gRPC health service."""
+        return self._parts.monitor
 
-        Then close every session, stop the workers and remove every shared-memory segment.
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` of ``/metrics`` (port resolved), or None when not served."""
+        endpoint = self._parts.metrics_endpoint
+        return None if endpoint is None else endpoint.address
+
+    def drain(self) -> None:
+        """Say NOT_SERVING on every readiness service and refuse new sessions, from now on."""
+        self._parts.monitor.drain()
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """Shut down within ``grace_s`` seconds in all (None: no grace, cancel calls at once).
+
+        At once: health NOT_SERVING and no new sessions (:meth:`drain`); every session's
+        stream ends (its client raises ``batchd.errors.Unavailable``, which says how to
+        resume), all at once, never one session after another. Then calls still running get
+        what is left of the grace period before they are cancelled, the workers stop
+        (ask, then terminate, then kill) and every shared-memory segment is removed.
         Idempotent. gRPC removes the unix socket file.
         """
         if self._stopped:
             return
         self._stopped = True
+        started = time.monotonic()
+        deadline = started + (grace_s or 0.0)
+
+        def left(floor: float = 0.0) -> float:
+            return max(floor, deadline - time.monotonic())
+
         try:
-            self._server.stop(grace_s).wait()
+            self.drain()
+            # Refuses new calls now; running ones finish or are cancelled at the deadline.
+            # The sessions' streams end next, so their calls return long before that.
+            terminated = self._server.stop(left() if grace_s is not None else None)
+            self._parts.end_sessions(left())
+            terminated.wait(left(floor=0.1))
         finally:
             # A handler stuck in a database call must not hang shutdown; its thread ends
             # when the call returns.
             self._executor.shutdown(wait=False, cancel_futures=True)
-            self._parts.close()
+            # At least a second for the workers to exit on their own before they are
+            # terminated: a worker killed mid-write is harmless, but a clean exit is nicer.
+            self._parts.close(left(floor=1.0))
             self._engine.dispose()
-            logger.info("batchd-server stopped")
+            logger.info("batchd-server stopped in %.1f s", time.monotonic() - started)
 
     def wait_for_termination(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops; False if ``timeout_s`` passed first."""
@@ -248,30 +285,53 @@ class _Parts:
     catalog: CatalogCache
     sessions: SessionManager
     doorbell: DoorbellServer
+    monitor: HealthMonitor
+    metrics_endpoint: metrics.MetricsEndpoint | None = None
 
-    def close(self) -> None:
+    def end_sessions(self, timeout_s: float) -> None:
+        """End every stream and session at once (the doorbell's too), freeing their rings."""
+        self.doorbell.close()
+        self.sessions.close_all(timeout_s=timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop everything within about ``timeout_s`` seconds (stuck workers are killed)."""
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         try:
-            self.doorbell.close()
-            self.sessions.close_all()
+            self.monitor.stop()
+            if self.metrics_endpoint is not None:
+                self.metrics_endpoint.close()
+            self.end_sessions(left())
             self.catalog.close()
         finally:
             try:
-                self.pool.stop()
+                self.pool.stop(timeout_s=left())
             finally:
                 self.registry.close()
 
 
-def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
-    """Shared memory, then the workers, then the session machinery; undone on failure."""
+def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) -> _Parts:
+    """Shared memory, then the workers, then the session machinery and the health checks;
+    undone on failure."""
     registry = ShmRegistry(budget_bytes=config.shm_budget_bytes, shm_dir=config.shm_dir)
     try:
-        pool = WorkerPool(config.workers, on_restart=metrics.WORKER_RESTARTS.inc)
+        pool = WorkerPool(
+            config.workers,
+            on_restart=metrics.WORKER_RESTARTS.inc,
+            on_result=metrics.observe_worker_result,
+        )
         pool.start()
     except BaseException:
         registry.close()
         raise
     metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
+    metrics.WORKERS_CONFIGURED.set(config.workers)
     metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
+    metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
+    metrics.SHM_BUDGET_BYTES.set_function(registry.effective_budget_bytes)
     catalog = CatalogCache(engine, registry)
     bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
     sessions = SessionManager(
@@ -283,6 +343,18 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
         record_errors=lambda rows: record_sample_errors(engine, rows),
         doorbell=bell_path.name,
     )
+    monitor = HealthMonitor(
+        space=registry.space,
+        min_free_shm_bytes=config.min_free_shm_bytes,
+        catalog_probe=lambda: ping(engine),
+        catalog_timeout_s=config.catalog_timeout_s,
+        workers_wanted=config.workers,
+        workers_alive=lambda: pool.alive,
+        dispatcher_alive=lambda: pool.dispatcher_alive,
+        interval_s=config.health_interval_s,
+        on_change=health.publish,
+    )
+    health.attach(monitor)
     try:
         doorbell = DoorbellServer(bell_path, sessions)
     except BaseException:
@@ -291,7 +363,22 @@ def _start_parts(config: ServerConfig, engine: Engine) -> _Parts:
         pool.stop()
         registry.close()
         raise
-    return _Parts(registry, pool, catalog, sessions, doorbell)
+    parts = _Parts(registry, pool, catalog, sessions, doorbell, monitor)
+    try:
+        address = config.metrics_address()
+        if address is not None:
+            try:
+                parts.metrics_endpoint = metrics.serve(*address)
+            except OSError as e:
+                raise FailedPrecondition(
+                    f"cannot serve metrics on {address[0]}:{address[1]}: {e.strerror or e}; "
+                    "choose another --metrics-listen"
+                ) from e
+        monitor.start()
+    except BaseException:
+        parts.close()
+        raise
+    return parts
 
 
 def build_server(
@@ -323,8 +410,9 @@ def build_server(
         _check_unix_path(listen, where.unix_path)
 
     engine = make_engine(config.database_url)
+    health = HealthService()
     try:
-        parts = _start_parts(config, engine)
+        parts = _start_parts(config, engine, health)
     except BaseException:
         engine.dispose()
         raise
@@ -334,8 +422,11 @@ def build_server(
         options=[("grpc.so_reuseport", 0), *_KEEPALIVE_OPTIONS],
         maximum_concurrent_rpcs=None,
     )
-    servicer = LoaderServicer(engine, parts.sessions)
+    servicer = LoaderServicer(engine, parts.sessions, draining=lambda: parts.monitor.draining)
     loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    services = (LOADER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
     try:
         try:
             bound = server.add_insecure_port(where.grpc_address)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -12,7 +12,7 @@ from batchd_server.api import session_rpcs
 from batchd_server.api.status import map_errors
 from batchd_server.catalog import queries
 from batchd_server.catalog.queries import DatasetSummary
-from batchd_server.errors import InvalidArgument
+from batchd_server.errors import InvalidArgument, Unavailable
 from batchd_server.sessions import SessionManager
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
@@ -40,11 +40,21 @@ def _dataset_message(summary: DatasetSummary) -> loader_pb2.Dataset:
 
 
 class LoaderServicer(loader_pb2_grpc.LoaderServicer):
-    """Serves the catalog RPCs from ``engine`` and the session RPCs from ``sessions``."""
+    """Serves the catalog RPCs from ``engine`` and the session RPCs from ``sessions``.
 
-    def __init__(self, engine: Engine, sessions: SessionManager) -> None:
+    ``draining`` says whether the server is shutting down: then OpenSession is refused.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        sessions: SessionManager,
+        *,
+        draining: Callable[[], bool] = lambda: False,
+    ) -> None:
         self._engine = engine
         self._sessions = sessions
+        self._draining = draining
 
     @map_errors
     def ListDatasets(
@@ -66,6 +76,12 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
     def OpenSession(
         self, request: loader_pb2.OpenSessionRequest, context: grpc.ServicerContext
     ) -> loader_pb2.OpenSessionResponse:
+        if self._draining():
+            raise Unavailable(
+                "this batchd server is shutting down and opens no new sessions; open it on "
+                "another replica, or after the restart (a Loader resumes with "
+                "load_state_dict(old.state_dict()))"
+            )
         return session_rpcs.open_session(self._sessions, request)
 
     @map_errors

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 import grpc
 
@@ -22,6 +23,10 @@ __all__ = ["open_session", "session_options", "stream_batches"]
 
 logger = logging.getLogger(__name__)
 
+
+_HALF_CLOSE_WAIT_S: Final = 5.0
+"""How long an inline stream whose batches are all sent waits for the client's last acks."""
+_POLL_S: Final = 0.1
 
 _SAMPLING = {
     pb.SAMPLING_UNSPECIFIED: "uniform",
@@ -146,8 +151,12 @@ def _read_acks(
                 logger.warning("session %s: ignoring a second StreamStart", session.id)
                 continue
             session.ack(stream, list(request.ack.batch_indices))
-            if request.ack.wait_s > 0:
-                metrics.CLIENT_WAIT_SECONDS.inc(request.ack.wait_s)
+            metrics.record_client_timings(
+                session.options.dataset,
+                request.ack.batch_wait_s,
+                request.ack.batch_step_s,
+                now=time.monotonic(),
+            )
     except Exception:  # the call ended (cancelled, client gone): nothing to read any more
         pass
 
@@ -183,5 +192,11 @@ def stream_batches(
     try:
         for ready in session.batches(stream, context.is_active):
             yield from inline_messages(session, ready)
+        # The client's last acks (with the loop's timings of the last batches) are still on
+        # their way when the last batch goes out; ending the call now would drop them. The
+        # client half-closes once it has the whole epoch, which ends the reader.
+        deadline = time.monotonic() + _HALF_CLOSE_WAIT_S
+        while reader.is_alive() and context.is_active() and time.monotonic() < deadline:
+            reader.join(_POLL_S)
     finally:
         session.end_stream(stream)

@@ -9,7 +9,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from batchd_server.errors import FailedPrecondition, Unavailable
 
-__all__ = ["connect", "describe_url", "is_postgres", "make_engine"]
+__all__ = ["connect", "describe_url", "is_postgres", "make_engine", "ping"]
 
 
 def describe_url(url: str) -> str:
@@ -60,4 +60,20 @@ def connect(engine: Engine) -> sa.Connection:
         raise Unavailable(
             f"cannot reach the catalog at {describe_url(str(engine.url))}: "
             f"{str(e.orig).strip()}. Check BATCHD_DATABASE_URL and that the database is up."
+        ) from e
+
+
+def ping(engine: Engine) -> None:
+    """One round trip to the catalog database (the health check's probe).
+
+    Raises:
+        Unavailable: the database cannot be reached or did not answer the query.
+    """
+    try:
+        with connect(engine) as conn:
+            conn.execute(sa.text("SELECT 1")).scalar_one()
+    except sa.exc.DBAPIError as e:
+        raise Unavailable(
+            f"the catalog at {describe_url(str(engine.url))} failed a trivial query: "
+            f"{str(e.orig).strip()}"
         ) from e

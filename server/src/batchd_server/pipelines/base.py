@@ -7,6 +7,12 @@ raises :class:`BadSample`; the worker applies the session's ``on_error`` policy.
 last row, :meth:`Pipeline.finish` may rearrange the filled rows (tokens pad to the batch's
 longest) and says each field's final shape. ``sample_id`` and ``label`` are added by the
 worker, not by pipelines.
+
+Samples that are byte ranges of shard files (small records) may instead be decoded a batch at
+a time: the worker reads every range of the batch in a few reads and offers them all to
+:meth:`Pipeline.decode_batch`, which fills rows ``0..n-1`` without a Python call per sample.
+A pipeline that cannot (the default), or a batch with a sample that is not right, is decoded
+one sample at a time, which is also how each bad sample is found and reported.
 """
 
 from __future__ import annotations
@@ -106,6 +112,26 @@ class Pipeline(ABC):
         Raises:
             BadSample: The bytes are not a valid sample for this pipeline.
         """
+
+    def decode_batch(
+        self,
+        data: npt.NDArray[np.uint8],
+        starts: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+        block: Block,
+    ) -> bool:
+        """Decode samples ``0..n-1`` into rows ``0..n-1`` of ``block`` at once, if possible.
+
+        Sample ``i``'s bytes are ``data[starts[i]:starts[i] + lengths[i]]`` (all inside
+        ``data``, which is only valid during the call).
+
+        Returns:
+            True when every row was written as :meth:`decode_into` would have written it.
+            False when this pipeline has no batch path or some sample is not one it can
+            decode as a batch (rows may have been written): the worker then decodes the batch
+            sample by sample, which finds and reports the bad ones. Never raises BadSample.
+        """
+        return False
 
     def finish(self, block: Block, rows: int) -> dict[str, tuple[int, ...]]:
         """Called once after rows ``0..rows-1`` of ``block`` were filled.

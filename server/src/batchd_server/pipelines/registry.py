@@ -20,6 +20,9 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Final
 
+import numpy as np
+import numpy.typing as npt
+
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
@@ -169,6 +172,18 @@ class _Guarded(Pipeline):
                 "decoder",
                 f"{sample.path}: custom decoder {self.name!r} raised {type(e).__name__}: {e}",
             ) from e
+
+    def decode_batch(
+        self,
+        data: npt.NDArray[np.uint8],
+        starts: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+        block: Block,
+    ) -> bool:
+        try:
+            return bool(self.inner.decode_batch(data, starts, lengths, block))
+        except Exception:  # the sample-by-sample decode that follows reports what is wrong
+            return False
 
     def finish(self, block: Block, rows: int) -> dict[str, tuple[int, ...]]:
         return self.inner.finish(block, rows)

@@ -7,6 +7,9 @@ shrinks the batch to its longest row: ``input_ids`` and ``attention_mask`` becom
 C-contiguous ``(rows, L)`` arrays at the start of their fields, ``L`` being the longest
 length in the batch, so a batch of short sequences crosses the ring in ``L`` columns, not
 ``max_len``.
+
+Token records read a batch at a time (:meth:`TokensPipeline.decode_batch`) are copied in one
+vectorised gather of the batch's longest row for every row, then padded by ``finish``.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from __future__ import annotations
 from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
+from batchd_server.pipelines.ranges import take_ranges
 
 __all__ = ["DTYPES", "MAX_LEN", "TokensPipeline"]
 
@@ -76,6 +81,35 @@ class TokensPipeline(Pipeline):
         n = min(len(data) // itemsize, self.max_len)
         row["input_ids"][:n] = np.frombuffer(data, self.dtype, count=n)
         row["length"][...] = n
+
+    def decode_batch(
+        self,
+        data: npt.NDArray[np.uint8],
+        starts: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+        block: Block,
+    ) -> bool:
+        # Every row takes the batch's longest count of tokens in one gather: the tokens past
+        # a row's own length are whatever follows it in ``data``, and finish() overwrites them
+        # with padding, as it does after decode_into. Rows too close to the end of ``data``
+        # for that are copied one by one.
+        itemsize, n = self.dtype.itemsize, len(starts)
+        if (lengths % itemsize).any():
+            return False
+        counts = np.minimum(lengths // itemsize, self.max_len)
+        width = int(counts.max()) * itemsize if n else 0
+        ids = block["input_ids"]
+        if width:
+            fits = starts + width <= len(data)
+            if fits.any():
+                wide = slice(0, n) if fits.all() else np.flatnonzero(fits)
+                taken = take_ranges(data, starts[wide], width).view(self.dtype)
+                ids[wide, : width // itemsize] = taken.reshape(-1, width // itemsize)
+            for row in np.flatnonzero(~fits).tolist():
+                start, count = int(starts[row]), int(counts[row])
+                ids[row, :count] = data[start : start + count * itemsize].view(self.dtype)
+        block["length"][:n] = counts
+        return True
 
     def finish(self, block: Block, rows: int) -> dict[str, tuple[int, ...]]:
         lengths = block["length"][:rows]

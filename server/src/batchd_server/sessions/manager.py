@@ -186,10 +186,21 @@ class SessionManager:
                     reason=f"expired after {self.lease_timeout_s:g} s without a stream",
                 )
 
-    def close_all(self) -> None:
+    def close_all(self, timeout_s: float = _CLOSE_WAIT_S) -> None:
+        """Close every session (server shutdown): all their streams end at once, then the
+        workers still writing into any ring get ``timeout_s`` seconds in all, together."""
         self._stop.set()
         with self._lock:
-            ids = list(self._sessions)
-        for session_id in ids:
-            self.close(session_id, reason="closed at server shutdown")
-        self._reaper.join(5.0)
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+            metrics.SESSIONS.set(0)
+        busy = [future for session in sessions for future in session.close()]
+        if busy:
+            wait_futures(busy, timeout=timeout_s)
+        for session in sessions:
+            self._pool.forget_session(session.id)
+            self._registry.release(session.ring)
+            self._catalog.release(session.catalog)
+        if sessions:
+            logger.info("closed %d session(s) at server shutdown", len(sessions))
+        self._reaper.join(min(5.0, timeout_s))

@@ -142,6 +142,7 @@ class Session:
             seed=sampler.seed,
             on_error=options.on_error,
             shm_dir=str(ring.path.parent),
+            dataset=options.dataset,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
@@ -158,6 +159,8 @@ class Session:
         self._errors_by_epoch: dict[int, int] = {}
         self.closed = False
         self.last_used = time.monotonic()
+        self.opened_at = self.last_used
+        self._delivered_any = False
 
     def _sampling_columns(self) -> dict[str, Any]:
         mode = self.options.sampler.mode
@@ -418,8 +421,9 @@ class Session:
             shape = result.shapes[f.name]
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
             views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
-        metrics.BATCHES.inc()
-        metrics.SAMPLES.inc(result.rows)
+        first, self._delivered_any = not self._delivered_any, True
+        since_open_s = time.monotonic() - self.opened_at if first else None
+        metrics.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
         return ReadyBatch(
             result.batch_index,
             result.slot,
@@ -431,7 +435,7 @@ class Session:
 
     def _account_errors(self, epoch: int, result: BatchResult) -> None:
         for failure in result.failures:
-            metrics.SAMPLE_ERRORS.labels(kind=failure.kind).inc()
+            metrics.SAMPLE_ERRORS.labels(dataset=self.options.dataset, kind=failure.kind).inc()
             logger.warning(
                 "session %s: sample %d (%s) failed: %s: %s%s",
                 self.id,

@@ -60,6 +60,7 @@ from batchd_server.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from batchd_server.shm.space import ShmSpace, format_bytes, remedy, shm_space
 
 __all__ = [
     "KINDS",
@@ -82,19 +83,6 @@ KINDS: Final = ("catalog", "ring")
 _SEGMENT_RE: Final = re.compile(rf"{PREFIX}-([0-9a-f]{{12}})-([a-z]+)-[0-9a-f]{{32}}")
 _LOCK_RE: Final = re.compile(rf"{PREFIX}-([0-9a-f]{{12}})\.lock")
 _LOCK_ATTEMPTS: Final = 8
-_GIB: Final = 1 << 30
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes for people: ``"512 B"``, ``"64.0 KiB"``, ``"402.0 MiB"``, ``"1.5 GiB"``."""
-    if abs(n) < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 class _Mapping:
@@ -266,7 +254,19 @@ class ShmRegistry(Closeable):
 
     def free_bytes(self) -> int:
         """Bytes an unprivileged process may still allocate in ``shm_dir``."""
-        return _free_bytes(self.shm_dir)
+        return shm_space(self.shm_dir).free_bytes
+
+    def space(self) -> ShmSpace:
+        """``shm_dir``'s size and free bytes, read now."""
+        space = shm_space(self.shm_dir)
+        return ShmSpace(space.path, space.size_bytes, self.free_bytes())
+
+    def effective_budget_bytes(self) -> int:
+        """What this registry may hold now: the configured budget, or less when ``shm_dir``
+        cannot hold that much beside what others keep there (read fresh on every call)."""
+        with self._mutex:
+            reserved = self._reserved_locked()
+        return min(self.budget_bytes, reserved + self.free_bytes())
 
     def segments(self) -> list[Segment]:
         """The live segments, oldest first."""
@@ -290,10 +290,18 @@ class ShmRegistry(Closeable):
             raise InvalidArgument(f"segment kind {kind!r} must be one of {', '.join(KINDS)}")
         if nbytes < 1:
             raise InvalidArgument(f"segment nbytes={nbytes} must be >= 1")
+        space = self.space()
         with self._mutex:
             self._require_open()
             reserved = self._reserved_locked()
-            if reserved + nbytes > self.budget_bytes:
+            # Two ceilings: the operator's budget and what the filesystem can still take (less
+            # what is being created here and not yet allocated). The message names the one
+            # that binds: "raise --shm-budget" is no help when /dev/shm is the limit.
+            fs_room = space.free_bytes - self._creating_bytes
+            budget_room = self.budget_bytes - reserved
+            if nbytes > min(fs_room, budget_room):
+                if fs_room <= budget_room:
+                    raise ResourceExhausted(self._no_space_message(space, nbytes, purpose))
                 raise ResourceExhausted(self._budget_message(reserved, nbytes, purpose))
             self._creating_bytes += nbytes
         try:
@@ -311,9 +319,6 @@ class ShmRegistry(Closeable):
         raise FailedPrecondition(f"shm registry {self.instance} was closed during the creation")
 
     def _allocate(self, kind: str, nbytes: int, purpose: str) -> Segment:
-        free = self.free_bytes()
-        if free < nbytes:
-            raise ResourceExhausted(self._no_space_message(free, nbytes, purpose))
         name = f"{PREFIX}-{self.instance}-{kind}-{secrets.token_hex(16)}"
         path = self.shm_dir / name
         flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -329,7 +334,7 @@ class ShmRegistry(Closeable):
                     raise
                 self._unlink(name, path)  # first, so that free_bytes() counts its pages again
                 raise ResourceExhausted(
-                    self._no_space_message(_free_bytes(self.shm_dir), nbytes, purpose)
+                    self._no_space_message(shm_space(self.shm_dir), nbytes, purpose)
                 ) from e
             buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         except BaseException:
@@ -452,22 +457,13 @@ class ShmRegistry(Closeable):
             "smaller prefetch or batch_size"
         )
 
-    def _no_space_message(self, free: int, nbytes: int, purpose: str) -> str:
-        st = os.statvfs(self.shm_dir)
-        in_use = (st.f_blocks - st.f_bfree) * st.f_frsize
-        gib = max(1, math.ceil((in_use + nbytes) / _GIB))
+    def _no_space_message(self, space: ShmSpace, nbytes: int, purpose: str) -> str:
         return (
-            f"{self.shm_dir} has {format_bytes(free)} free; this session needs "
-            f"{format_bytes(nbytes)} ({purpose}). Give the server more shared memory: docker "
-            f"compose `shm_size: {gib}gb` on its service; Kubernetes: an emptyDir volume with "
-            f"medium: Memory and sizeLimit: {gib}Gi mounted at {self.shm_dir}; or lower "
-            "batch_size / prefetch."
+            f"{self.shm_dir} has {format_bytes(space.free_bytes)} free; this session needs "
+            f"{format_bytes(nbytes)} ({purpose}). {self.shm_dir} is "
+            f"{format_bytes(space.size_bytes)} in all, so the filesystem is the limit, not "
+            f"--shm-budget: {remedy(space, nbytes)}; or lower batch_size / prefetch."
         )
-
-
-def _free_bytes(shm_dir: Path) -> int:
-    st = os.statvfs(shm_dir)
-    return st.f_bavail * st.f_frsize
 
 
 def _lock_name(instance: str) -> str:

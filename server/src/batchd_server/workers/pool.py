@@ -33,6 +33,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from batchd_server.errors import DataLoss, FailedPrecondition, Unavailable
+from batchd_server.logs import current_log_format
 from batchd_server.workers.task import BatchResult, BatchTask
 from batchd_server.workers.worker import WorkerError, worker_main
 
@@ -47,6 +48,7 @@ class _Pending:
     task: BatchTask
     future: Future[BatchResult]
     deaths: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -69,6 +71,9 @@ class WorkerPool:
             :class:`DataLoss` (a sample that crashes the decoder every time).
         start_timeout_s: How long :meth:`start` waits for the workers to be ready.
         on_restart: Called (from the dispatcher thread) after each replacement.
+        on_result: Called (from the dispatcher thread) with each task, its result, the
+            seconds it waited before a worker began it, and the seconds from submit to
+            result; for metrics, so it must be quick and must not raise.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class WorkerPool:
         max_deaths_per_task: int = 3,
         start_timeout_s: float = 120.0,
         on_restart: Callable[[], None] | None = None,
+        on_result: Callable[[BatchTask, BatchResult, float, float], None] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1")
@@ -87,6 +93,7 @@ class WorkerPool:
         self._max_deaths = max_deaths_per_task
         self._start_timeout_s = start_timeout_s
         self._on_restart = on_restart
+        self._on_result = on_result
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -161,13 +168,18 @@ class WorkerPool:
         os.close(self._wake_w)
 
     def _kill_all(self) -> None:
-        for worker in self._workers:
-            if worker.process.is_alive():
-                worker.process.terminate()
-                worker.process.join(1.0)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
+        # Terminate every survivor first and then wait for them together: shutdown must
+        # never wait for one worker after another.
+        alive = [w.process for w in self._workers if w.process.is_alive()]
+        for process in alive:
+            process.terminate()
+        deadline = time.monotonic() + 1.0
+        for process in alive:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in alive:
+            if process.is_alive():
+                process.kill()
+                process.join()
 
     # -- use ------------------------------------------------------------------------------
 
@@ -175,6 +187,11 @@ class WorkerPool:
     def alive(self) -> int:
         """Workers whose process is running."""
         return sum(w.process.is_alive() for w in self._workers)
+
+    @property
+    def dispatcher_alive(self) -> bool:
+        """The thread that feeds the workers runs (every session hangs without it)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def outstanding(self) -> int:
         """Tasks handed to workers and not answered yet."""
@@ -215,7 +232,12 @@ class WorkerPool:
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=worker_main,
-            args=(child, os.getpid(), logging.getLogger("batchd_server").getEffectiveLevel()),
+            args=(
+                child,
+                os.getpid(),
+                logging.getLogger("batchd_server").getEffectiveLevel(),
+                current_log_format(),
+            ),
             name=f"batchd-worker-{index}",
             daemon=True,
         )
@@ -297,6 +319,13 @@ class WorkerPool:
                 )
             )
         else:
+            if self._on_result is not None:
+                now = time.monotonic()
+                queued_s = max(0.0, result.times.started_at - pending.submitted_at)
+                try:
+                    self._on_result(pending.task, result, queued_s, now - pending.submitted_at)
+                except Exception:  # metrics must never cost a batch
+                    logger.exception("recording a batch's timings failed")
             pending.future.set_result(result)
 
     def _replace(self, worker: _Worker) -> None:

@@ -10,6 +10,7 @@ field of every sample straight into the session's ring (see NOTE [ Slot lifecycl
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "SessionContext",
     "SessionSpec",
     "SlotField",
+    "StageTimes",
     "run_batch",
 ]
 
@@ -67,6 +69,8 @@ class SessionSpec:
     seed: int
     on_error: str
     shm_dir: str = "/dev/shm"
+    dataset: str = ""
+    """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,22 @@ class SampleFailure:
 
 
 @dataclass(frozen=True)
+class StageTimes:
+    """Where a worker's time on one batch went, in seconds; the server's stall metrics."""
+
+    started_at: float = 0.0
+    """``time.monotonic()`` when the worker began the task. Linux's monotonic clock is one
+    for the whole machine, so the server subtracts its own submit time to get the queue wait."""
+    read_s: float = 0.0
+    """Reading sample bytes: files, byte ranges, mapping shards."""
+    decode_s: float = 0.0
+    """Decoding and transforming samples, each written into its place in the slot (for raw
+    fixed-size records: the one vectorised gather)."""
+    collate_s: float = 0.0
+    """Batch-wide work after the samples: padding to the longest, the pipeline's finish."""
+
+
+@dataclass(frozen=True)
 class BatchResult:
     batch_index: int
     slot: int
@@ -98,6 +118,8 @@ class BatchResult:
     failures: list[SampleFailure] = field(default_factory=list)
     fatal: bool = False
     """on_error="raise" and a sample failed: the batch must not be served."""
+    times: StageTimes = field(default_factory=StageTimes, compare=False)
+    """How long the worker took; not part of what the batch is (two runs of it differ)."""
 
 
 class SessionContext:
@@ -120,10 +142,20 @@ class SessionContext:
         )
         self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
         self.files = SampleFiles(spec.root)
-        self._record_bytes: int | None = getattr(self.pipeline, "record_bytes", None)
+        self._read_s = 0.0
+        self._decode_s = 0.0
+        """Time spent in the current task's reads and decodes (see ``StageTimes``)."""
+        self._blocks: dict[int, Block] = {}
+        """Each slot's field views, made on its first task (about 30 us a batch otherwise)."""
 
     def slot_block(self, slot: int) -> Block:
         """Every field of ``slot`` as a ``(batch_size, *shape)`` array over the ring."""
+        cached = self._blocks.get(slot)
+        if cached is None:
+            cached = self._blocks[slot] = self._make_block(slot)
+        return dict(cached)
+
+    def _make_block(self, slot: int) -> Block:
         base = slot_offset(slot, self.spec.slot_bytes, self.spec.header_bytes)
         block: Block = {}
         for f in self.spec.fields:
@@ -138,6 +170,7 @@ class SessionContext:
 
     def close(self) -> None:
         """Drop every handle; views into the mappings must be gone already."""
+        self._blocks.clear()
         for name in list(vars(self)):
             if isinstance(getattr(self, name), np.ndarray):
                 delattr(self, name)
@@ -148,49 +181,79 @@ class SessionContext:
     # -- filling a slot -----------------------------------------------------------------
 
     def run(self, task: BatchTask) -> BatchResult:
+        started_at = time.monotonic()
+        self._read_s = self._decode_s = 0.0
         positions = np.frombuffer(task.positions, np.int64)
         block = self.slot_block(task.slot)
-        rows = self._gather_records(positions, block)
+        self.files.begin_batch()
+        rows = self._read_records(positions, block)
         failures: list[SampleFailure] = []
         fatal = False
         if rows is None:
             rows, failures, fatal = self._decode_each(task, positions, block)
+        finish_start = time.perf_counter()
         pipeline_block = {k: v for k, v in block.items() if k not in ("sample_id", "label")}
         shapes = self.pipeline.finish(pipeline_block, rows)
         shapes["sample_id"] = (rows,)
         shapes["label"] = (rows,)
         del block, pipeline_block  # no view of the ring may outlive the task
-        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal)
+        times = StageTimes(
+            started_at=started_at,
+            read_s=self._read_s,
+            decode_s=self._decode_s,
+            collate_s=time.perf_counter() - finish_start,
+        )
+        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
 
-    def _gather_records(self, positions: npt.NDArray[np.int64], block: Block) -> int | None:
-        """Raw fixed-size records all in one file: one vectorised gather, no per-sample
-        Python. None when the batch does not qualify (then each sample is read on its own,
-        which also finds and reports whichever sample is bad)."""
-        record_bytes = self._record_bytes
-        if record_bytes is None or len(positions) == 0:
+    def _read_records(self, positions: npt.NDArray[np.int64], block: Block) -> int | None:
+        """A batch of byte-range samples: read in a few reads, decoded in one go
+        (``Pipeline.decode_batch``), no Python call per sample. None when the batch does not
+        qualify or a sample in it is not right; then each sample is read on its own, which
+        also finds and reports whichever sample is bad."""
+        if len(positions) == 0:
             return None
         offsets = self.byte_offsets[positions]
-        if (offsets < 0).any() or (self.byte_lengths[positions] != record_bytes).any():
+        lengths = self.byte_lengths[positions]
+        if offsets.min() < 0 or lengths.min() < 0:  # whole files, or "to the end"
             return None
-        starts = self.path_offsets[positions]
-        widths = self.path_offsets[positions + 1] - starts
-        width = int(widths[0])
-        if (widths != width).any():
-            return None
-        names = self.path_bytes[starts[:, None] + np.arange(width)]
-        if (names != names[0]).any():
-            return None
+        read_start = time.perf_counter()
+        paths, files = self._batch_paths(positions)
         try:
-            data = self.files.map_whole(self.path(int(positions[0])))
+            data, starts = self.files.read_ranges(paths, files, offsets, lengths)
         except BadSample:
             return None
-        if int(offsets.max()) + record_bytes > len(data):
-            return None
+        finally:
+            self._read_s += time.perf_counter() - read_start
         rows = len(positions)
-        self.pipeline.gather_into(data, offsets, block["array"][:rows])  # type: ignore[attr-defined]
+        decode_start = time.perf_counter()
+        decoded = self.pipeline.decode_batch(data, starts, lengths, block)
+        self._decode_s += time.perf_counter() - decode_start
+        if not decoded:
+            return None
         block["sample_id"][:rows] = self.ids[positions]
         block["label"][:rows] = self.labels[positions]
         return rows
+
+    def _batch_paths(self, positions: npt.NDArray[np.int64]) -> tuple[list[str], npt.NDArray[Any]]:
+        """The distinct paths of the samples at ``positions``, and each sample's index in them."""
+        starts = self.path_offsets[positions]
+        ends = self.path_offsets[positions + 1]
+        width = int(ends[0] - starts[0])
+        if (ends - starts == width).all():  # the usual batch: one shard for all its samples
+            names = self.path_bytes[starts[:, None] + np.arange(width)]
+            if (names == names[0]).all():
+                return [self.path(int(positions[0]))], np.zeros(len(positions), np.intp)
+        seen: dict[bytes, int] = {}
+        raw = self.path_bytes
+        files = np.fromiter(
+            (
+                seen.setdefault(raw[a:b].tobytes(), len(seen))
+                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+            ),
+            np.intp,
+            len(positions),
+        )
+        return [k.decode("utf-8", "replace") for k in seen], files
 
     def _decode_one(self, position: int, epoch: int, row: Block) -> None:
         sample_id = int(self.ids[position])
@@ -202,12 +265,20 @@ class SessionContext:
             seed=self.spec.seed,
             epoch=epoch,
         )
-        data = self.files.read(
-            info.path, int(self.byte_offsets[position]), int(self.byte_lengths[position])
-        )
-        self.pipeline.decode_into(data, info, row)
-        row["sample_id"][...] = sample_id
-        row["label"][...] = info.label
+        read_start = time.perf_counter()
+        try:
+            data = self.files.read(
+                info.path, int(self.byte_offsets[position]), int(self.byte_lengths[position])
+            )
+        finally:
+            decode_start = time.perf_counter()
+            self._read_s += decode_start - read_start
+        try:
+            self.pipeline.decode_into(data, info, row)
+            row["sample_id"][...] = sample_id
+            row["label"][...] = info.label
+        finally:
+            self._decode_s += time.perf_counter() - decode_start
 
     def _decode_each(
         self, task: BatchTask, positions: npt.NDArray[np.int64], block: Block

@@ -59,7 +59,9 @@ def _preload() -> None:
             logger.debug("preloading %s failed: %s", name, e)
 
 
-def worker_main(conn: Connection, parent_pid: int, log_level: int) -> None:
+def worker_main(
+    conn: Connection, parent_pid: int, log_level: int, log_format: str = "text"
+) -> None:
     """Serve tasks from ``conn`` until told to stop or the server goes away."""
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -71,7 +73,9 @@ def worker_main(conn: Connection, parent_pid: int, log_level: int) -> None:
         os.environ[name] = "1"
     # Ctrl-C goes to the whole process group; the server decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from batchd_server.logs import configure_logging
+
+    configure_logging(log_level, log_format)
 
     from batchd_server.workers.task import SessionContext, run_batch
 

@@ -274,14 +274,18 @@ class StreamStart(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ..., start_sample: _Optional[int] = ..., order_world_size: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("batch_indices", "wait_s", "leases")
+    __slots__ = ("batch_indices", "wait_s", "leases", "batch_wait_s", "batch_step_s")
     BATCH_INDICES_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STEP_S_FIELD_NUMBER: _ClassVar[int]
     batch_indices: _containers.RepeatedScalarFieldContainer[int]
     wait_s: float
     leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch_indices: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    batch_wait_s: _containers.RepeatedScalarFieldContainer[float]
+    batch_step_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, batch_indices: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., leases: _Optional[_Iterable[int]] = ..., batch_wait_s: _Optional[_Iterable[float]] = ..., batch_step_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
     __slots__ = ("start", "ack")

@@ -20,8 +20,8 @@ from batchd_server.pipelines import (
     build_pipeline,
 )
 
+from pipeline_reference import bad_kind, decode_row, info
 from serving import install_decoders
-from test_pipelines import bad_kind, decode_row, info
 
 # --- arrays ----------------------------------------------------------------------------------
 

@@ -17,12 +17,12 @@ import pytest
 from sqlalchemy.engine import Engine
 
 import batchd
-from batchd_server.api import RunningServer
 
-from serving import RECORD_FLOATS, batchd_segments, record_dataset, serve
+import serving
+from serving import RECORD_FLOATS, batchd_segments, record_dataset, records_loader, serve
 from shmns import run_with_small_shm, unavailable_reason
 
-TESTS = Path(__file__).parent
+TESTS = Path(serving.__file__).parent  # the helpers' directory, for a child's sys.path
 
 
 def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -34,17 +34,15 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> N
         time.sleep(0.05)
 
 
-def _records(server: RunningServer, **kwargs: object) -> batchd.Loader:
-    pipeline = batchd.Array((RECORD_FLOATS,), "float32", raw=True)
-    return batchd.Loader(server.address, dataset="records", pipeline=pipeline, **kwargs)  # type: ignore[arg-type]
-
-
 def test_killed_workers_batches_are_redone_exactly_once(engine: Engine, tmp_path: Path) -> None:
     """SIGKILL every worker while it holds batches mid-epoch: each sample still comes once."""
     record_dataset(engine, tmp_path / "r", n=203)
     url = engine.url.render_as_string(hide_password=False)
     # 51 batches of 4, more than the ring's 16 slots: work is left when the workers freeze.
-    with serve(url, tmp_path, workers=2) as srv, _records(srv, batch_size=4, seed=4) as loader:
+    with (
+        serve(url, tmp_path, workers=2) as srv,
+        records_loader(srv, batch_size=4, seed=4) as loader,
+    ):
         it = iter(loader)
         ids = [i for _ in range(2) for i in next(it)["sample_id"].tolist()]
         victims = srv.pool.pids()
@@ -106,7 +104,7 @@ def test_killed_client_ring_is_reclaimed_within_the_lease(engine: Engine, tmp_pa
         _wait_until(reclaimed, lease_s + 10, "the killed client's session to expire")
         # The reaper checks every lease/4; allow one period beyond the lease.
         assert time.monotonic() - killed_at < lease_s + 5
-        with _records(srv, batch_size=16) as loader:
+        with records_loader(srv, batch_size=16) as loader:
             assert sum(len(b["sample_id"]) for b in loader) == 203
 
 
@@ -211,10 +209,10 @@ def test_a_loader_idle_past_the_lease_reopens_its_session_and_keeps_the_order(
     record_dataset(engine, tmp_path / "r", n=100)
     url = engine.url.render_as_string(hide_password=False)
     with serve(url, tmp_path, lease_timeout_s=1.0) as srv:
-        with _records(srv, batch_size=16, seed=2) as fresh:
+        with records_loader(srv, batch_size=16, seed=2) as fresh:
             fresh.set_epoch(1)
             want = [b["sample_id"].tolist() for b in fresh]
-        with _records(srv, batch_size=16, seed=2) as loader:
+        with records_loader(srv, batch_size=16, seed=2) as loader:
             first = [b["sample_id"].tolist() for b in loader]
             _wait_until(lambda: len(srv.sessions) == 0, 30, "the idle session to expire")
             assert [b["sample_id"].tolist() for b in loader] == want != first

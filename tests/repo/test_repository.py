@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _quick_start_block() -> list[str]:
@@ -24,11 +24,32 @@ def test_quick_start_is_exactly_two_commands_demo_then_tests() -> None:
         assert (REPO / cmd.split()[1]).is_file(), f"{cmd} names a missing script"
 
 
-def test_ci_runs_the_readme_test_command() -> None:
-    """.ci/run executes the README's second quick-start command and nothing weaker."""
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    """.ci/run runs the README's second quick-start command as written: no other command,
+    no argument added (only shell options and a cd to the repository root before it)."""
     test_command = _quick_start_block()[1]
-    ci = (REPO / ".ci" / "run").read_text()
-    assert test_command in ci
+    lines = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()]
+    commands = [ln for ln in lines if ln and not ln.startswith("#")]
+    setup = [c for c in commands if c.startswith("set ") or c == 'cd "$(dirname "$0")/.."']
+    runs = [c.removeprefix("exec ") for c in commands if c not in setup]
+    assert runs == [test_command], f".ci/run runs {runs}, the README says {test_command!r}"
+
+
+def _make_recipe(target: str) -> list[str]:
+    lines = (REPO / "Makefile").read_text().splitlines()
+    assert f"{target}:" in lines, f"the Makefile has no plain {target!r} target"
+    recipe = []
+    for line in lines[lines.index(f"{target}:") + 1 :]:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip())
+    return recipe
+
+
+def test_make_demo_and_make_test_are_the_readme_commands() -> None:
+    """The README says ``make demo`` and ``make test`` run the same two scripts."""
+    demo, test = _quick_start_block()
+    assert (_make_recipe("demo"), _make_recipe("test")) == ([demo], [test])
 
 
 def test_top_level_layout_exists() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "client" / "src" / "batchd" / "_proto"
 GRPC_STUB = COMMITTED / "batchd" / "v1" / "loader_pb2_grpc.py"
 PB2 = COMMITTED / "batchd" / "v1" / "loader_pb2.py"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SERVER_ONLY = {"sqlalchemy", "psycopg2", "psycopg2-binary", "prometheus-client", "torch"}
 
 # Run inside the fresh venv: what is installed, and what `import batchd` pulls in.

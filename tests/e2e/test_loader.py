@@ -7,7 +7,6 @@ import itertools
 import stat
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,45 +23,9 @@ from batchd_server import metrics
 from batchd_server.api import RunningServer
 from batchd_server.catalog.schema import sample_errors
 
-from serving import (
-    RECORD_FLOATS,
-    image_dataset,
-    install_decoders,
-    record_dataset,
-    serve,
-    token_dataset,
-)
-from test_pipelines import reference_centre
-
-N_RECORDS = 203  # prime: no world size or batch size divides it
-
-
-@pytest.fixture
-def catalog(engine: Engine, tmp_path: Path) -> dict[str, Any]:
-    """Records, tokens and images in one catalog (once on Postgres, once on SQLite)."""
-    return {
-        "records": record_dataset(engine, tmp_path / "records", n=N_RECORDS),
-        "tokens": token_dataset(engine, tmp_path / "tokens", n=50),
-        "images": image_dataset(engine, tmp_path / "images", n=24),
-        "url": engine.url.render_as_string(hide_password=False),
-        "engine": engine,
-    }
-
-
-@pytest.fixture
-def server(catalog: dict[str, Any], tmp_path: Path) -> Iterator[RunningServer]:
-    with serve(catalog["url"], tmp_path) as srv:
-        yield srv
-
-
-def _records(server: RunningServer, **kwargs: Any) -> batchd.Loader:
-    kwargs.setdefault("batch_size", 16)
-    kwargs.setdefault("pipeline", batchd.Array((RECORD_FLOATS,), "float32", raw=True))
-    return batchd.Loader(server.address, dataset="records", **kwargs)
-
-
-def _epoch_ids(loader: batchd.Loader) -> list[list[int]]:
-    return [batch["sample_id"].tolist() for batch in loader]
+from pipeline_reference import reference_centre
+from resume import sample_ids
+from serving import RECORD_FLOATS, install_decoders, record_dataset, records_loader, serve
 
 
 def _catalog_ids(engine: Engine, dataset: str) -> list[int]:
@@ -88,10 +51,10 @@ def test_ranks_are_disjoint_cover_the_split_and_get_equal_batches(
     for drop_last, shuffle in itertools.product([False, True], [False, True]):
         per_rank = []
         for rank in range(world_size):
-            with _records(
+            with records_loader(
                 server, rank=rank, world_size=world_size, drop_last=drop_last, shuffle=shuffle
             ) as loader:
-                batches = _epoch_ids(loader)
+                batches = sample_ids(loader)
                 assert len(batches) == len(loader)
                 per_rank.append(batches)
         counts = {len(b) for b in per_rank}
@@ -116,45 +79,27 @@ def test_new_epoch_new_order_and_same_order_after_a_server_restart(
     catalog: dict[str, Any], tmp_path: Path
 ) -> None:
     """Epochs differ; the same seed and epoch give the same order from a new server."""
-    with serve(catalog["url"], tmp_path) as srv, _records(srv, seed=7) as loader:
+    with serve(catalog["url"], tmp_path) as srv, records_loader(srv, seed=7) as loader:
         loader.set_epoch(3)
-        epoch3 = _epoch_ids(loader)
+        epoch3 = sample_ids(loader)
         loader.set_epoch(4)
-        epoch4 = _epoch_ids(loader)
+        epoch4 = sample_ids(loader)
     assert epoch3 != epoch4
     assert sorted(itertools.chain(*epoch3)) == sorted(itertools.chain(*epoch4))
-    with serve(catalog["url"], tmp_path) as srv, _records(srv, seed=7) as loader:
+    with serve(catalog["url"], tmp_path) as srv, records_loader(srv, seed=7) as loader:
         loader.set_epoch(3)
-        assert _epoch_ids(loader) == epoch3
+        assert sample_ids(loader) == epoch3
 
 
 def test_next_iteration_moves_to_the_next_epoch_without_set_epoch(server: RunningServer) -> None:
     """Forgetting set_epoch cannot repeat an epoch's order."""
-    with _records(server, seed=1) as loader:
-        first, second = _epoch_ids(loader), _epoch_ids(loader)
+    with records_loader(server, seed=1) as loader:
+        first, second = sample_ids(loader), sample_ids(loader)
         state = loader.state_dict()
         assert (state["epoch"], state["next_batch"]) == (2, 0), "resume starts epoch 2"
-    with _records(server, seed=1) as loader:
+    with records_loader(server, seed=1) as loader:
         loader.set_epoch(1)
-        assert _epoch_ids(loader) == second != first
-
-
-@pytest.mark.parametrize("k", [0, 1, 5, 6])  # rank 1 of 2 has 7 batches of 16
-def test_a_fresh_loader_resumes_at_exactly_the_next_batch(server: RunningServer, k: int) -> None:
-    """state_dict after k batches, load_state_dict in a new Loader: exactly the rest."""
-    with _records(server, seed=3, world_size=2, rank=1) as loader:
-        loader.set_epoch(2)
-        full = _epoch_ids(loader)
-    with _records(server, seed=3, world_size=2, rank=1) as loader:
-        loader.set_epoch(2)
-        it = iter(loader)
-        head = [next(it)["sample_id"].tolist() for _ in range(k)]
-        state = loader.state_dict()
-        it.close()
-    assert head == full[:k]
-    with _records(server, seed=3, world_size=2, rank=1) as loader:
-        loader.load_state_dict(state)
-        assert _epoch_ids(loader) == full[k:]
+        assert sample_ids(loader) == second != first
 
 
 def test_record_batches_hold_the_exact_bytes_labels_and_ids(
@@ -164,7 +109,7 @@ def test_record_batches_hold_the_exact_bytes_labels_and_ids(
     ids = _catalog_ids(catalog["engine"], "records")
     index_of = {sample_id: i for i, sample_id in enumerate(ids)}
     records = catalog["records"]
-    with _records(server, shuffle=True) as loader:
+    with records_loader(server, shuffle=True) as loader:
         for batch in loader:
             assert batch["array"].dtype == torch.float32
             assert batch["array"].shape[1:] == (RECORD_FLOATS,)
@@ -181,13 +126,13 @@ def test_batches_the_loop_keeps_are_never_overwritten(
     dropped) leaves every one intact while another epoch is served."""
     ids = _catalog_ids(catalog["engine"], "records")
     index_of = {sample_id: i for i, sample_id in enumerate(ids)}
-    with _records(server, prefetch=2) as loader:
+    with records_loader(server, prefetch=2) as loader:
         kept = list(loader)
         dropped = [b["array"].clone() for b in loader]  # recycled memory, checked by value
     for batch in kept:
         rows = [index_of[i] for i in batch["sample_id"].tolist()]
         np.testing.assert_array_equal(batch["array"].numpy(), catalog["records"][rows])
-    assert sum(len(b) for b in dropped) == N_RECORDS
+    assert sum(len(b) for b in dropped) == len(catalog["records"])
 
 
 def _until(condition: Any, what: str, timeout_s: float = 30.0) -> None:
@@ -207,7 +152,7 @@ def test_default_batches_lend_their_slot_until_the_loop_drops_them(
     max_lent held batches, further ones are copies, so the stream never runs dry."""
     ids = _catalog_ids(catalog["engine"], "records")
     index_of = {sample_id: i for i, sample_id in enumerate(ids)}
-    with _records(server, prefetch=2, batch_size=8) as loader:
+    with records_loader(server, prefetch=2, batch_size=8) as loader:
         session = loader._conn.session
         assert session is not None and loader.transport == "shm"
         delivery = session.delivery
@@ -234,24 +179,55 @@ def test_default_batches_lend_their_slot_until_the_loop_drops_them(
         assert delivery.copies == 3  # one batch held at a time: lent, never copied
 
 
-def test_the_loops_wait_for_data_reaches_the_servers_metric(server: RunningServer) -> None:
-    """The loop's wait rides on the doorbell's acks into batchd_client_wait_seconds_total."""
+@pytest.mark.parametrize(
+    ("transport", "zero_copy"), [("shm", False), ("shm", True), ("inline", False)]
+)
+def test_every_batchs_wait_and_step_reach_the_servers_histograms(
+    server: RunningServer, transport: str, zero_copy: bool
+) -> None:
+    """One epoch: the server's wait and step histograms get one observation per batch, their
+    sums are the loop's own totals, and loader.stats() agrees with what it handed out."""
 
-    def reported() -> float:
-        return metrics.REGISTRY.get_sample_value("batchd_client_wait_seconds_total") or 0.0
+    def observed(name: str, suffix: str) -> float:
+        value = metrics.REGISTRY.get_sample_value(f"{name}_{suffix}", {"dataset": "records"})
+        return value or 0.0
 
-    before = reported()
-    with _records(server, prefetch=2, batch_size=4) as loader:
-        assert len(_epoch_ids(loader)) == len(loader) and loader.wait_s > 0
-        _until(lambda: reported() > before, "a wait report")
-        assert reported() - before <= loader.wait_s + 1e-9
+    names = ("batchd_client_wait_seconds", "batchd_client_step_seconds")
+    before = {(n, x): observed(n, x) for n in names for x in ("count", "sum")}
+    with records_loader(
+        server, prefetch=2, batch_size=4, transport=transport, zero_copy=zero_copy
+    ) as loader:
+        seen = 0
+        for batch in loader:
+            seen += len(batch["sample_id"])
+            time.sleep(0.002)  # a training step to measure, not synchronisation
+        n, num_samples = len(loader), loader.num_samples
+
+        def arrived() -> bool:
+            return all(observed(name, "count") - before[name, "count"] >= n for name in names)
+
+        _until(arrived, f"{n} batches' timings")
+        stats = loader.stats()
+    for name in names:
+        assert observed(name, "count") - before[name, "count"] == n
+    assert stats.batches == n and stats.samples == seen == num_samples
+    # float32 on the wire: the sums agree to well under a millisecond per batch.
+    waited = observed(names[0], "sum") - before[names[0], "sum"]
+    stepped = observed(names[1], "sum") - before[names[1], "sum"]
+    assert waited == pytest.approx(stats.wait_s, abs=1e-4 * n)
+    assert stepped == pytest.approx(stats.step_s, abs=1e-4 * n)
+    assert stats.step_s >= 0.002 * (n - 1)
+    assert stats.stall_ratio is not None and 0.0 <= stats.stall_ratio <= 1.0
+    assert stats.time_to_first_batch_s is not None and stats.time_to_first_batch_s > 0
+    assert stats.wait_p50_s is not None and stats.wait_p50_s <= stats.wait_p99_s  # type: ignore[operator]
+    assert loader.wait_s == stats.wait_s and loader.batches_served == n  # not closed by close()
 
 
 def test_zero_copy_batches_are_acked_when_the_next_one_is_asked_for(
     server: RunningServer,
 ) -> None:
     """zero_copy=True: a batch is the loop's only until it asks for the next one."""
-    with _records(server, prefetch=2, zero_copy=True) as loader:
+    with records_loader(server, prefetch=2, zero_copy=True) as loader:
         session = loader._conn.session
         assert session is not None
         it = iter(loader)
@@ -264,7 +240,7 @@ def test_zero_copy_batches_are_acked_when_the_next_one_is_asked_for(
 
 def test_the_doorbell_answers_only_the_sessions_own_client(server: RunningServer) -> None:
     """A hello needs the session's id and its ring's token; anything else is hung up on."""
-    with _records(server) as loader:
+    with records_loader(server) as loader:
         session = loader._conn.session
         assert session is not None
         ring = session.reply.ring
@@ -276,12 +252,12 @@ def test_the_doorbell_answers_only_the_sessions_own_client(server: RunningServer
         ):
             with pytest.raises(DoorbellRefused, match="refused the hello"):
                 ClientDoorbell.connect(path, session_id, token)
-        assert len(_epoch_ids(loader)) == len(loader)  # the real client is unaffected
+        assert len(sample_ids(loader)) == len(loader)  # the real client is unaffected
 
 
 def test_a_closed_session_ends_a_waiting_loop_with_unavailable(server: RunningServer) -> None:
     """The server closing the session hangs up its doorbell: the loop fails, never hangs."""
-    with _records(server, prefetch=1, batch_size=1) as loader:  # more batches than slots
+    with records_loader(server, prefetch=1, batch_size=1) as loader:  # more batches than slots
         session = loader._conn.session
         assert session is not None
         it = iter(loader)
@@ -294,8 +270,8 @@ def test_a_closed_session_ends_a_waiting_loop_with_unavailable(server: RunningSe
 def test_inline_transport_serves_what_shm_serves(server: RunningServer) -> None:
     """Bytes inside the stream (remote pools) and bytes in shared memory agree."""
     with (
-        _records(server, seed=5, transport="shm") as shm,
-        _records(server, seed=5, transport="inline") as inline,
+        records_loader(server, seed=5, transport="shm") as shm,
+        records_loader(server, seed=5, transport="inline") as inline,
     ):
         for a, b in zip(shm, inline, strict=True):
             assert a.keys() == b.keys()
@@ -305,7 +281,10 @@ def test_inline_transport_serves_what_shm_serves(server: RunningServer) -> None:
 
 def test_zero_copy_batches_match_copied_ones(server: RunningServer) -> None:
     """zero_copy=True views hold the same values as owned tensors while they are valid."""
-    with _records(server, seed=9) as copied, _records(server, seed=9, zero_copy=True) as views:
+    with (
+        records_loader(server, seed=9) as copied,
+        records_loader(server, seed=9, zero_copy=True) as views,
+    ):
         for a, b in zip(copied, views, strict=True):
             assert torch.equal(a["array"], b["array"])
 
@@ -402,7 +381,7 @@ def test_bad_samples_are_skipped_listed_and_recorded(engine: Engine, tmp_path: P
     url = engine.url.render_as_string(hide_password=False)
     with (
         serve(url, tmp_path) as srv,
-        _records(srv, batch_size=10, shuffle=False, max_error_fraction=0.05) as loader,
+        records_loader(srv, batch_size=10, shuffle=False, max_error_fraction=0.05) as loader,
     ):
         rows = 0
         failed: list[int] = []
@@ -425,7 +404,7 @@ def test_bad_sample_with_on_error_raise_fails_with_its_id(engine: Engine, tmp_pa
     url = engine.url.render_as_string(hide_password=False)
     with (
         serve(url, tmp_path) as srv,
-        _records(srv, batch_size=10, shuffle=False, on_error="raise") as loader,
+        records_loader(srv, batch_size=10, shuffle=False, on_error="raise") as loader,
         pytest.raises(errors.DataLoss, match=r"missing\.bin"),
     ):
         for _ in loader:
@@ -441,10 +420,10 @@ def test_bad_sample_with_on_error_replace_keeps_batches_full(
     runs = []
     with serve(url, tmp_path) as srv:
         for _ in range(2):
-            with _records(
+            with records_loader(
                 srv, batch_size=10, shuffle=False, on_error="replace", max_error_fraction=0.1
             ) as loader:
-                runs.append(_epoch_ids(loader))
+                runs.append(sample_ids(loader))
     assert [len(b) for b in runs[0]] == [10, 10, 10, 10]
     assert runs[0] == runs[1]
 
@@ -455,7 +434,7 @@ def test_too_many_bad_samples_fail_the_session_clearly(engine: Engine, tmp_path:
     url = engine.url.render_as_string(hide_password=False)
     with (
         serve(url, tmp_path) as srv,
-        _records(srv, batch_size=10, shuffle=False) as loader,
+        records_loader(srv, batch_size=10, shuffle=False) as loader,
         pytest.raises(errors.DataLoss, match="max_error_fraction"),
     ):
         for _ in loader:
@@ -505,17 +484,19 @@ def test_open_session_errors_say_what_is_wrong(server: RunningServer) -> None:
     with pytest.raises(errors.NotFound, match="nope"):
         batchd.Loader(server.address, dataset="nope", batch_size=4)
     with pytest.raises(errors.InvalidArgument, match="batch_size"):
-        _records(server, batch_size=0)
+        records_loader(server, batch_size=0)
     with pytest.raises(errors.FailedPrecondition, match="drop_last"):
-        _records(server, batch_size=500, drop_last=True)
+        records_loader(server, batch_size=500, drop_last=True)
 
 
-def test_iterable_dataset_feeds_a_dataloader_every_sample_once(server: RunningServer) -> None:
+def test_iterable_dataset_feeds_a_dataloader_every_sample_once(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
     """DataLoader(batchd.IterableDataset(loader), batch_size=None) passes batches through."""
-    with _records(server, batch_size=16) as loader:
+    with records_loader(server, batch_size=16) as loader:
         data = torch.utils.data.DataLoader(batchd.IterableDataset(loader), batch_size=None)
         ids = [i for batch in data for i in batch["sample_id"].tolist()]
-    assert len(ids) == len(set(ids)) == N_RECORDS
+    assert len(ids) == len(set(ids)) == len(catalog["records"])
 
 
 # -- CUDA (run on a machine with a GPU; deselected loudly elsewhere) ----------------------
@@ -540,11 +521,11 @@ def test_cuda_batches_equal_the_cpu_ones(
     strategy: str,
 ) -> None:
     """Batches land on the GPU equal to the CPU run, readable on the consumer's stream."""
-    with _records(server, shuffle=False, transport=transport, device="cpu") as loader:
+    with records_loader(server, shuffle=False, transport=transport, device="cpu") as loader:
         expected = [{name: t.clone() for name, t in batch.items()} for batch in loader]
     monkeypatch.setattr(batchd.Loader, "_h2d", h2d)
     options = {"shuffle": False, "transport": transport, "prefetch": prefetch}
-    with _records(server, device="cuda", **options) as loader:
+    with records_loader(server, device="cuda", **options) as loader:
         session = loader._conn.session
         assert session is not None and loader.transport == transport
         assert session.delivery.strategy == strategy
@@ -554,7 +535,7 @@ def test_cuda_batches_equal_the_cpu_ones(
             assert {t.device.type for t in batch.values()} == {"cuda"}
             # Work queued on the consumer stream right away must see the finished copy.
             got.append({name: (t * 1).cpu() for name, t in batch.items()})
-        assert len(_epoch_ids(loader)) == len(loader)  # a second epoch: the slots came back
+        assert len(sample_ids(loader)) == len(loader)  # a second epoch: the slots came back
     assert len(got) == len(expected) == n
     for mine, theirs in zip(got, expected, strict=True):
         assert sorted(mine) == sorted(theirs)

@@ -1,0 +1,61 @@
+"""Logging to stderr as text for people or as JSON lines for log collectors (``--log-format``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["JsonFormatter", "configure_logging", "current_log_format"]
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``time`` (UTC, ISO 8601), ``level``, ``logger``,
+    ``message``, plus ``process`` and ``thread`` names, and ``exception`` with the traceback
+    when there is one. A message never spans lines, so a collector never splits a record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "process": record.processName,
+            "thread": record.threadName,
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str | int, log_format: str = "text") -> None:
+    """Send every logger's records at ``level`` and above to stderr in ``log_format``.
+
+    Replaces handlers a previous call installed (tests call ``main`` many times).
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if getattr(old, "_batchd", False):
+            root.removeHandler(old)
+    handler._batchd = True  # type: ignore[attr-defined]
+    if not any(not getattr(h, "_batchd", False) for h in root.handlers):
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def current_log_format() -> str:
+    """``json`` when :func:`configure_logging` set up JSON lines in this process, else ``text``
+    (what a worker process started from here should use)."""
+    for handler in logging.getLogger().handlers:
+        if getattr(handler, "_batchd", False) and isinstance(handler.formatter, JsonFormatter):
+            return "json"
+    return "text"

@@ -1,0 +1,60 @@
+"""The shm budget knows /dev/shm: the effective budget is the smaller of --shm-budget and what
+the filesystem can hold, and a refusal names the limit that binds and the setting to change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import shmns
+
+MiB = 1 << 20
+
+_SCRIPT = """
+import json
+from batchd_server.errors import ResourceExhausted
+from batchd_server.shm import ShmRegistry
+
+MiB = 1 << 20
+out = {}
+with ShmRegistry(budget_bytes=1 << 30) as roomy:
+    out["effective"] = roomy.effective_budget_bytes()
+    try:
+        roomy.create("ring", 100 * MiB, purpose="ring of 6 slots of 16.7 MiB")
+    except ResourceExhausted as e:
+        out["fs_limit"] = str(e)
+    held = roomy.create("ring", 40 * MiB, purpose="a ring that fits")
+    out["effective_while_held"] = roomy.effective_budget_bytes()
+    roomy.release(held)
+with ShmRegistry(budget_bytes=8 * MiB) as tight:
+    out["tight_effective"] = tight.effective_budget_bytes()
+    try:
+        tight.create("ring", 16 * MiB, purpose="ring of 4 slots of 4.0 MiB")
+    except ResourceExhausted as e:
+        out["budget_limit"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_the_effective_budget_is_the_smaller_of_the_flag_and_what_dev_shm_holds() -> None:
+    """Under a 64 MB /dev/shm a 1 GiB budget is really 64 MiB; a session over it is refused
+    naming /dev/shm, its size, the need and shm_size/sizeLimit, never --shm-budget as the
+    fix; when the budget is the smaller limit, the message names --shm-budget instead."""
+    reason = shmns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cannot mount a private 64 MB tmpfs on /dev/shm: {reason}")
+    child = shmns.run_with_small_shm(_SCRIPT, size="64m")
+    assert child.returncode == 0, f"exit {child.returncode} (-7 is SIGBUS): {child.stderr}"
+    out = json.loads(child.stdout)
+    assert out["effective"] == 64 * MiB
+    assert out["effective_while_held"] == 64 * MiB, "our own segments stay in the budget"
+    fs_limit = out["fs_limit"]
+    assert fs_limit.startswith("/dev/shm has 64.0 MiB free; this session needs 100.0 MiB")
+    assert "/dev/shm is 64.0 MiB in all" in fs_limit
+    assert "not --shm-budget" in fs_limit and "Raise the budget" not in fs_limit
+    assert "shm_size: 1gb" in fs_limit and "sizeLimit: 1Gi" in fs_limit
+
+    assert out["tight_effective"] == 8 * MiB
+    budget_limit = out["budget_limit"]
+    assert "budget of 8.0 MiB" in budget_limit and "--shm-budget" in budget_limit
