@@ -5,7 +5,9 @@
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
 cd "$repo"
-python -m pip install --quiet -r requirements/test.txt
+# The frameworks the examples run on come in on the same command line as test.txt's
+# torch==2.13.0, so pip cannot pick a CUDA torch for them.
+python -m pip install --quiet -r requirements/test.txt -r requirements/frameworks.txt
 echo "==> ruff" >&2
 ruff check .
 ruff format --check .

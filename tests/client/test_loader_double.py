@@ -111,9 +111,9 @@ def test_a_new_iterator_supersedes_the_old_one(double: Any) -> None:
     [
         ({"batch_size": 4}, "batch_size=4"),
         ({"seed": 1}, "seed=1"),
-        ({"world_size": 2}, "world_size=2"),
-        ({"format": 2}, "format=2"),
-        ({"next_batch": 99}, "next_batch=99"),
+        ({"shuffle": False}, "shuffle=False"),
+        ({"format": 3, "batchd_version": "9.0"}, "format=3 \\(written by batchd 9.0\\)"),
+        ({"consumed": 297}, "consumed=297"),
         ({"epoch": -1}, "epoch=-1"),
     ],
 )
@@ -126,8 +126,8 @@ def test_load_state_dict_refuses_a_state_it_cannot_resume(
         state = loader.state_dict()
         with pytest.raises(InvalidArgument, match=words):
             loader.load_state_dict({**state, **change})
-        with pytest.raises(InvalidArgument, match="missing next_batch"):
-            loader.load_state_dict({k: v for k, v in state.items() if k != "next_batch"})
+        with pytest.raises(InvalidArgument, match="missing consumed"):
+            loader.load_state_dict({k: v for k, v in state.items() if k != "consumed"})
         assert len(server.opened) == 1
 
 
@@ -136,7 +136,7 @@ def test_load_state_dict_reopens_the_session_on_the_saved_snapshot(double: Any) 
     server, address = double
     with _loader(address) as loader:
         first = loader._conn.session.reply.session_id
-        loader.load_state_dict({**loader.state_dict(), "snapshot": "snap-0", "next_batch": 1})
+        loader.load_state_dict({**loader.state_dict(), "snapshot": "snap-0", "consumed": 3})
         assert server.opened[-1].snapshot == "snap-0" and loader.snapshot == "snap-0"
         assert server.closed == [first]
         with pytest.raises(SnapshotMismatch, match="gone"):

@@ -14,23 +14,26 @@ import os
 import time
 import weakref
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any, Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle
 from batchd._device import Batch, resolve_device
+from batchd._epoch import rest_of_epoch
 from batchd._inline import InlineStream
-from batchd._lifetime import Closeable
+from batchd._loader_info import LoaderInfo
 from batchd._options import MAX_BATCH_SIZE, LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S, retry_until
 from batchd._shm import ShmStream
 from batchd._specs import PipelineSpec, check_int
-from batchd._state import STATE_FORMAT, check_state
-from batchd._stats import LoaderStats, LoopClock
+from batchd._state import STATE_FORMAT, Cursor, SavedPosition, check_state
+from batchd._stats import LoopClock
 from batchd._status import disagreement
 from batchd._stream import BatchStream, ReceivedBatch
+from batchd._version import __version__
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 __all__ = ["MAX_BATCH_SIZE", "STATE_FORMAT", "Loader"]
@@ -43,7 +46,7 @@ _SUPERSEDED: Final = (
 )
 
 
-class Loader(Closeable):
+class Loader(LoaderInfo):
     """Batches of one split of a dataset, decoded by a batchd server.
 
     Args:
@@ -173,6 +176,10 @@ class Loader(Closeable):
         """The session the server lost, while reconnecting has not replaced it."""
         self._epoch = 0
         self._next_batch = 0
+        # After an elastic resume, the epoch's plan is the rest of the epoch after this many
+        # entries of its global order, built for this world size (see batchd._state).
+        self._epoch_start = 0
+        self._order_world_size = 0
         self._clock = LoopClock()
         self.last_failed_sample_ids: tuple[int, ...] = ()
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
@@ -231,12 +238,32 @@ class Loader(Closeable):
         """Batches per epoch on this rank (the same on every rank)."""
         return self._session().num_batches
 
-    def _position(self) -> tuple[int, int]:
-        """The (epoch, batch) the next iteration starts at."""
-        n = len(self)
-        if n > 0 and self._next_batch >= n:
-            return self._epoch + 1, 0
-        return self._epoch, self._next_batch
+    def _epoch_batches(self) -> int:
+        """Batches of the current epoch's plan on this rank: ``len(self)``, or fewer for the
+        rest of an epoch after an elastic resume."""
+        session = self._session()
+        if self._epoch_start == 0:
+            return session.num_batches
+        options = self._options
+        assert options.world_size is not None  # set in LoaderOptions
+        return rest_of_epoch(
+            int(session.reply.num_rows),
+            self._epoch_start,
+            batch_size=options.batch_size,
+            world_size=options.world_size,
+            drop_last=options.drop_last,
+        )[1]
+
+    def _position(self) -> Cursor:
+        """Where the next iteration starts."""
+        n = self._epoch_batches()
+        if self._next_batch >= n and (n > 0 or self._epoch_start > 0):
+            return Cursor(self._epoch + 1)
+        return Cursor(self._epoch, self._next_batch, self._epoch_start, self._order_world_size)
+
+    def _move_to(self, cursor: Cursor) -> None:
+        self._epoch, self._next_batch = cursor.epoch, cursor.next_batch
+        self._epoch_start, self._order_world_size = cursor.start, cursor.order_world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Serve ``epoch``'s order from the next iteration on.
@@ -246,11 +273,12 @@ class Loader(Closeable):
         starts at its first batch and abandons a live iteration.
         """
         epoch = check_int("epoch", epoch, 0, (1 << 63) - 1)
-        if epoch == self._epoch and 0 < self._next_batch < len(self):
+        started = self._next_batch > 0 or self._epoch_start > 0
+        if epoch == self._epoch and started and self._next_batch < self._epoch_batches():
             return
         if self._iteration is not None:
             self._abandon()
-        self._epoch, self._next_batch = epoch, 0
+        self._move_to(Cursor(epoch))
 
     def __iter__(self) -> Iterator[Batch]:
         self._session()
@@ -263,23 +291,24 @@ class Loader(Closeable):
         if self._iteration is not token:
             raise FailedPrecondition(_SUPERSEDED)
         session = self._session()
-        epoch, start = self._position()
-        self._epoch, self._next_batch = epoch, start
-        num_batches = session.num_batches
+        cursor = self._position()
+        self._move_to(cursor)
+        epoch, start = cursor.epoch, cursor.next_batch
+        num_batches = self._epoch_batches()
         if start >= num_batches:  # an epoch without batches (drop_last, tiny split)
-            self._epoch, self._next_batch = epoch + 1, 0
+            self._move_to(Cursor(epoch + 1))
             return
         clock = self._clock
         clock.iteration_started()
         try:
-            stream, batch = self._open_stream(session, epoch, start)
+            stream, batch = self._open_stream(session, cursor)
         except (NotFound, Unavailable) as e:
             # The server forgot the session: it sat idle past the lease (a long evaluation
             # between epochs) or the server restarted. Sampling is a pure function of the
             # options and the snapshot, so a new session on the same snapshot serves exactly
             # the batches the old one would have.
             logger.info("batchd: session %s is gone (%s); reopening", session.reply.session_id, e)
-            stream, batch = self._resume(epoch, start, e, time.monotonic())
+            stream, batch = self._resume(cursor, e, time.monotonic())
         lost_at: float | None = None
         """When the server went away, until a batch arrives again."""
         finished = False
@@ -305,7 +334,7 @@ class Loader(Closeable):
                     # reopen at the first batch the loop has not seen.
                     if lost_at is None:
                         lost_at = time.monotonic()
-                    stream, batch = self._resume(epoch, index, e, lost_at)
+                    stream, batch = self._resume(replace(cursor, next_batch=index), e, lost_at)
                     continue
                 if batch.index != index:
                     raise disagreement(
@@ -332,7 +361,7 @@ class Loader(Closeable):
                 # Every batch of the epoch arrived; only the goodbye was lost.
                 logger.info("batchd: the server went away after the epoch's last batch: %s", e)
             finished = True
-            self._epoch, self._next_batch = epoch + 1, 0
+            self._move_to(Cursor(epoch + 1))
         finally:
             if self._conn.stream is stream:
                 self._conn.stream = None
@@ -346,11 +375,11 @@ class Loader(Closeable):
                 self._iteration = None
 
     def _resume(
-        self, epoch: int, index: int, cause: BaseException, lost_at: float
+        self, cursor: Cursor, cause: BaseException, lost_at: float
     ) -> tuple[BatchStream, ReceivedBatch | None]:
         """After the server went away (at ``lost_at``, monotonic): a new session on the same
-        snapshot and a stream from batch ``index``, retried with backoff until
-        ``reconnect_timeout_s`` after ``lost_at``.
+        snapshot and a stream from ``cursor`` (the first batch the loop has not seen),
+        retried with backoff until ``reconnect_timeout_s`` after ``lost_at``.
 
         Raises:
             Unavailable: the server did not come back in time (names the target).
@@ -380,7 +409,7 @@ class Loader(Closeable):
             self._conn.replace_session(session)
             self._lost = None
             try:
-                return self._open_stream(session, epoch, index)
+                return self._open_stream(session, cursor)
             except NotFound as e:  # gone again already: another restart
                 raise Unavailable(str(e)) from e
 
@@ -393,9 +422,9 @@ class Loader(Closeable):
         )
 
     def _open_stream(
-        self, session: SessionHandle, epoch: int, start_batch: int
+        self, session: SessionHandle, cursor: Cursor
     ) -> tuple[BatchStream, ReceivedBatch | None]:
-        """Start the epoch's stream at ``start_batch`` and take its first batch.
+        """Start the epoch's stream at ``cursor`` and take its first batch.
 
         A stream this Loader cancelled moments ago may not have ended on the server yet; the
         server ends it when this one starts (one stream per session).
@@ -403,8 +432,10 @@ class Loader(Closeable):
         session.streams_started += 1
         start = loader_pb2.StreamStart(
             session_id=session.reply.session_id,
-            epoch=epoch,
-            start_batch=start_batch,
+            epoch=cursor.epoch,
+            start_batch=cursor.next_batch,
+            start_sample=cursor.start,
+            order_world_size=cursor.order_world_size,
             transport=session.transport,
         )
         stream: BatchStream
@@ -427,39 +458,24 @@ class Loader(Closeable):
             stream.cancel()
             raise
 
-    # -- what the loop waited for -----------------------------------------------------------
-
-    def stats(self) -> LoaderStats:
-        """The training loop's view of its data so far: batches and samples handed out, how
-        long ``next()`` waited and the steps in between took (totals and percentiles), the
-        stall ratio ``wait / (wait + step)``, and the time to the first batch. The server
-        exports the same per-batch numbers as ``batchd_client_wait_seconds``,
-        ``batchd_client_step_seconds`` and ``batchd_data_stall_ratio``."""
-        return self._clock.stats()
-
-    @property
-    def wait_s(self) -> float:
-        """Seconds the training loop spent blocked in ``next()``, in total."""
-        return self._clock.wait_s
-
-    @property
-    def batches_served(self) -> int:
-        """Batches handed to the training loop, in total."""
-        return self._clock.batches
-
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next iteration starts, and what must match to resume there.
 
-        ``next_batch`` counts the batches of ``epoch`` already handed out. Plain values only
-        (JSON- and ``torch.save``-friendly).
+        ``consumed`` counts the entries of ``epoch``'s global order that all ranks served
+        together (the same on every rank, so any rank's state resumes every rank, at this or
+        another world size); ``next_batch`` is this rank's batches of the epoch, for
+        reading. Plain values only (JSON- and ``torch.save``-friendly).
         """
         session = self._session()
-        epoch, next_batch = self._position()
+        cursor = self._position()
         options = self._options
+        assert options.world_size is not None  # set in LoaderOptions
+        global_batch = options.batch_size * options.world_size
         return {
             "format": STATE_FORMAT,
+            "batchd_version": __version__,
             "dataset": options.dataset,
             "version": session.reply.version or options.version or "",
             "split": session.reply.split or options.split,
@@ -470,41 +486,78 @@ class Loader(Closeable):
             "shuffle": options.shuffle,
             "drop_last": options.drop_last,
             "sampling": options.sampling,
-            "epoch": epoch,
-            "next_batch": next_batch,
+            "epoch": cursor.epoch,
+            "consumed": cursor.start + cursor.next_batch * global_batch,
+            "order_world_size": cursor.order_world_size or options.world_size,
+            "next_batch": cursor.next_batch,
             "num_batches": session.num_batches,
+            "rows": int(session.reply.num_rows),
             "snapshot": session.reply.snapshot,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next iteration start exactly where ``state`` (from :meth:`state_dict`) was.
 
-        The session is reopened on the state's snapshot (and version) when they differ from
-        this Loader's, so the rows are the ones the saved run served.
+        The state may come from any rank, and from a job with another world size (an
+        elastic resume): the rest of the saved epoch is then dealt to this job's ranks, each
+        sample once (``len()`` is still a whole epoch's batches; the resumed epoch has
+        fewer). The session is reopened on the state's snapshot (and version) when they
+        differ from this Loader's, so the rows are the ones the saved run served.
 
         Raises:
-            InvalidArgument: ``state`` is not such a dict, or was saved by a Loader with
-                different options (the message names the key).
+            InvalidArgument: ``state`` is not such a dict, of a format this batchd cannot
+                read, or was saved by a Loader with different options (the message names the
+                key).
             SnapshotMismatch: the catalog no longer has the snapshot's rows.
         """
         session = self._session()
         mine = self.state_dict()
-        epoch, next_batch = check_state(state, mine, pinned_version=self._options.version)
+        saved = check_state(state, mine, pinned_version=self._options.version)
         self._abandon()
         candidate = session
         if state["snapshot"] != mine["snapshot"] or state["version"] != mine["version"]:
             candidate = self._open_session(state["version"] or None, state["snapshot"] or None)
-        num_batches = candidate.num_batches
-        saved = state.get("num_batches", num_batches)
-        if saved != num_batches or next_batch > num_batches:
+        try:
+            cursor = self._cursor_for(saved, candidate)
+        except BaseException:
             if candidate is not session:
                 candidate.close(self._conn.stub, self._conn.target)
-            raise InvalidArgument(
-                f"state num_batches={saved!r}, next_batch={next_batch} do not fit this "
-                f"session's {num_batches} batches per epoch; the state is from another plan"
-            )
+            raise
         self._conn.replace_session(candidate)
-        self._epoch, self._next_batch = epoch, next_batch
+        self._move_to(cursor)
+
+    def _cursor_for(self, saved: SavedPosition, session: SessionHandle) -> Cursor:
+        """The cursor that continues ``saved`` on ``session``."""
+        options = self._options
+        assert options.world_size is not None  # set in LoaderOptions
+        rows, num_batches = int(session.reply.num_rows), session.num_batches
+        global_batch = options.batch_size * options.world_size
+        if (saved.rows is not None and rows and saved.rows != rows) or (
+            saved.num_batches is not None
+            and saved.world_size == options.world_size
+            and saved.num_batches != num_batches
+        ):
+            raise InvalidArgument(
+                f"the state's split had rows={saved.rows}, num_batches={saved.num_batches}; "
+                f"this session has {rows} rows, {num_batches} batches per epoch: the state is "
+                "from another plan"
+            )
+        if saved.order_world_size == options.world_size and saved.consumed % global_batch == 0:
+            next_batch = saved.consumed // global_batch
+            if next_batch > num_batches:
+                raise InvalidArgument(
+                    f"state consumed={saved.consumed} is past this session's epoch of "
+                    f"{num_batches} batches of {global_batch}; the state is from another plan"
+                )
+            return Cursor(saved.epoch, next_batch)
+        if not rows:
+            raise FailedPrecondition(
+                f"the server at {self._conn.target!r} cannot resume a state saved at "
+                f"world_size={saved.world_size} on world_size={options.world_size} (it does "
+                "not report the split's rows); upgrade batchd-server, or resume with "
+                f"world_size={saved.world_size}"
+            )
+        return Cursor(saved.epoch, 0, saved.consumed, saved.order_world_size)
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -523,48 +576,6 @@ class Loader(Closeable):
             "channel and shared memory); create it in the process that iterates, and use "
             "DataLoader(batchd.IterableDataset(loader), batch_size=None, num_workers=0)"
         )
-
-    # -- what the session is ---------------------------------------------------------------
-
-    @property
-    def target(self) -> str:
-        return self._conn.target
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next iteration serves."""
-        return self._position()[0]
-
-    @property
-    def snapshot(self) -> str:
-        """The catalog snapshot served; pass it as ``snapshot=`` to pin other ranks."""
-        return self._session().reply.snapshot
-
-    @property
-    def version(self) -> str:
-        """The dataset version served."""
-        return self._session().reply.version
-
-    @property
-    def num_samples(self) -> int:
-        """Samples per epoch on this rank, padding included."""
-        return int(self._session().reply.num_samples)
-
-    @property
-    def transport(self) -> str:
-        """``"shm"`` or ``"inline"``: what this session uses."""
-        return "shm" if self._session().transport == loader_pb2.TRANSPORT_SHM else "inline"
-
-    @property
-    def device(self) -> Any:
-        """``"cpu"`` or the ``torch.device`` batches are delivered to."""
-        return self._device
-
-    @property
-    def fields(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Field name → (dtype, one sample's largest shape), in slot order."""
-        reply = self._session().reply
-        return {f.name: (f.dtype, tuple(f.shape)) for f in reply.fields}
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"epoch {self._epoch}, batch {self._next_batch}"

@@ -93,6 +93,36 @@ def _cmd_ingest_imagefolder(args: argparse.Namespace, engine: Engine) -> int:
     return 0
 
 
+def _cmd_ingest_tar(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog.ingest import ingest_tar
+
+    def progress(done: int, total: int, samples: int) -> None:
+        # A bar on a terminal only: logs and pipes get the summary alone.
+        width = 30
+        bar = "#" * (width * done // total)
+        end = "\n" if done == total else ""
+        print(
+            f"\r[{bar:<{width}}] {done}/{total} shards, {samples} samples",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
+
+    report = ingest_tar(
+        engine,
+        dataset=args.dataset,
+        version=args.dataset_version,
+        root=args.root,
+        shards=args.shards,
+        split=args.split,
+        label_key=args.label_key,
+        description=args.description,
+        progress=progress if sys.stderr.isatty() else None,
+    )
+    print(report.summary())
+    return 0
+
+
 def _cmd_demo_data(args: argparse.Namespace, engine: Engine) -> int:
     from batchd_server.catalog.ingest import ingest_imagefolder
     from batchd_server.demo_data import write_demo_images
@@ -480,6 +510,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--description")
     p.add_argument("manifest", metavar="FILE")
     p.set_defaults(func=_cmd_ingest_manifest)
+
+    p = kinds.add_parser(
+        "tar",
+        parents=[common],
+        help="WebDataset tar shards: samples as byte ranges inside them (nothing extracted)",
+    )
+    _dataset_args(p)
+    p.add_argument("--root", required=True, help="directory the shards are under")
+    p.add_argument("--split", help="split of every sample (default: train/val/test in the name)")
+    p.add_argument(
+        "--label-key", default="label", help="field of a .json member with the label (label)"
+    )
+    p.add_argument("--description")
+    p.add_argument(
+        "shards",
+        metavar="SHARD",
+        nargs="+",
+        help="shard files, globs or brace ranges (shard-{000..099}.tar), relative to --root",
+    )
+    p.set_defaults(func=_cmd_ingest_tar)
 
     p = sub.add_parser("demo-data", parents=[common], help="write synthetic JPEGs and ingest them")
     _dataset_args(p, dataset_default="demo")

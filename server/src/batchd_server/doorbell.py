@@ -88,7 +88,11 @@ class ServerBell:
                     f"StreamStart for session {start.session_id} on the doorbell of {session.id}"
                 )
             stream = session.start_stream(
-                start.epoch, start.start_batch, held_leases=start.held_leases
+                start.epoch,
+                start.start_batch,
+                start_sample=start.start_sample,
+                order_world_size=start.order_world_size,
+                held_leases=start.held_leases,
             )
             with self._lock:
                 cancelled = seq in self._cancelled

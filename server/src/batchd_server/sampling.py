@@ -15,6 +15,15 @@ An epoch is planned in two steps, with the semantics of ``DistributedSampler`` a
    world_size, so every rank has as many batches as the others and batch k has the same size
    on every rank. Ranks are disjoint except for the at most ``world_size - 1`` padding entries.
 
+**Elastic resume.** Ranks consume the global order together, so how far an epoch got is
+one number, ``start``: the entries of the global order consumed by all ranks so far. The rest
+of the epoch for any world size M is entries ``start, start + 1, ...`` of the same order,
+dealt to M ranks as above and padded (or dropped) for M; ``start = 0`` is the whole epoch.
+Padding always wraps around to the epoch's start, so a plan from ``start`` is exactly the
+tail of the plan from 0 when ``start`` is a whole number of global batches. Only
+``bucketed`` orders depend on the world size (pools of global batches): the rest of such an
+epoch keeps the world size it began with (``order_world_size``).
+
 Randomness comes from ``Generator(PCG64(SeedSequence([seed, epoch, purpose tag])))``, so an
 order depends on numpy's PCG64 stream and its ``permutation`` and ``random`` algorithms.
 ``tests/test_sampling.py`` pins some orders: a numpy upgrade that changed them would reorder
@@ -29,6 +38,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from batchd._epoch import rest_of_epoch
 from batchd._ring import ceil_div
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 
@@ -136,23 +146,30 @@ class EpochPlan:
         return self.positions[start : start + self.batch_size]
 
 
-def samples_per_rank(n: int, options: SamplerOptions) -> int:
-    """Samples each rank gets in an epoch of a split of ``n`` samples, padding included."""
-    if options.drop_last:
-        return num_batches(n, options) * options.batch_size
-    _require_samples(n)
-    return ceil_div(n, options.world_size)
+def samples_per_rank(n: int, options: SamplerOptions, *, start: int = 0) -> int:
+    """Samples each rank gets in an epoch of a split of ``n`` samples, padding included
+    (from global position ``start`` on: an elastic resume)."""
+    return _rest(n, options, start)[0]
 
 
-def num_batches(n: int, options: SamplerOptions) -> int:
-    """Batches each rank gets in an epoch of a split of ``n`` samples.
+def num_batches(n: int, options: SamplerOptions, *, start: int = 0) -> int:
+    """Batches each rank gets in an epoch of a split of ``n`` samples (from ``start`` on).
 
     With ``drop_last`` this is 0 when the split cannot fill one batch on every rank.
     """
+    return _rest(n, options, start)[1]
+
+
+def _rest(n: int, options: SamplerOptions, start: int) -> tuple[int, int]:
     _require_samples(n)
-    if options.drop_last:
-        return n // options.world_size // options.batch_size
-    return ceil_div(samples_per_rank(n, options), options.batch_size)
+    _require_int("start", start, 0, None)
+    return rest_of_epoch(
+        n,
+        start,
+        batch_size=options.batch_size,
+        world_size=options.world_size,
+        drop_last=options.drop_last,
+    )
 
 
 def epoch_order(
@@ -160,19 +177,26 @@ def epoch_order(
     options: SamplerOptions,
     epoch: int,
     *,
+    start: int = 0,
+    order_world_size: int | None = None,
     weights: npt.ArrayLike | None = None,
     labels: npt.ArrayLike | None = None,
     lengths: npt.ArrayLike | None = None,
 ) -> Int64Array:
-    """The global order of one epoch, the same for every rank, truncated or padded.
+    """The global order of one epoch from entry ``start`` on, the same for every rank,
+    truncated or padded for ``options.world_size``.
 
-    Its length is ``samples_per_rank(n, options) * options.world_size``; rank r serves
-    entries r, r + world_size, ... of it.
+    Its length is ``samples_per_rank(n, options, start=start) * options.world_size``; rank r
+    serves entries r, r + world_size, ... of it.
 
     Args:
         n: Samples in the split.
         options: How to sample; ``options.rank`` does not matter here.
         epoch: The epoch, >= 0.
+        start: Entries of the epoch's order consumed already, by every rank together (an
+            elastic resume; 0 is the whole epoch).
+        order_world_size: ``bucketed``: the world size the epoch's order was built for (the
+            one that started the epoch); default ``options.world_size``.
         weights: mode "weighted": one finite weight >= 0 per sample (float32 or float64).
         labels: mode "class_balanced": one label per sample (int64; -1, no label, is a class).
         lengths: mode "bucketed": one length >= 0 per sample (int32; -1 means unknown).
@@ -184,6 +208,10 @@ def epoch_order(
     """
     _require_samples(n)
     _require_int("epoch", epoch, 0, _MAX_EPOCH)
+    total = samples_per_rank(n, options, start=start) * options.world_size
+    if order_world_size is None:
+        order_world_size = options.world_size
+    _require_int("order_world_size", order_world_size, 1, _MAX_WORLD_SIZE)
     if options.mode == "uniform":
         order = _uniform_order(n, options, epoch)
     elif options.mode == "weighted":
@@ -192,10 +220,15 @@ def epoch_order(
         order = _draw(_balancing_weights(labels, n), options.seed, epoch)
     else:
         assert options.mode == "bucketed", "SamplerOptions checks the mode"
-        order = _bucketed_order(_lengths_column(lengths, n), options, epoch)
-    total = samples_per_rank(n, options) * options.world_size
-    # Without drop_last, the padding is the order's start again (repeated when total > 2n).
-    return order[:total] if total <= n else np.resize(order, total)
+        lengths_column = _lengths_column(lengths, n)
+        order = _bucketed_order(lengths_column, options, epoch, order_world_size)
+    rest = order[start:]
+    if total <= rest.size:
+        return rest[:total]
+    # Without drop_last, the padding is the order's start again (repeated when it is longer
+    # than the order), whatever ``start`` is: the plan from a whole number of global batches
+    # is then exactly the tail of the whole epoch's plan.
+    return np.concatenate([rest, np.resize(order, total - rest.size)])
 
 
 def plan_epoch(
@@ -203,15 +236,27 @@ def plan_epoch(
     options: SamplerOptions,
     epoch: int,
     *,
+    start: int = 0,
+    order_world_size: int | None = None,
     weights: npt.ArrayLike | None = None,
     labels: npt.ArrayLike | None = None,
     lengths: npt.ArrayLike | None = None,
 ) -> EpochPlan:
-    """This rank's batches of one epoch; arguments and errors as for ``epoch_order``."""
-    order = epoch_order(n, options, epoch, weights=weights, labels=labels, lengths=lengths)
+    """This rank's batches of one epoch (from global entry ``start`` on); arguments and
+    errors as for ``epoch_order``."""
+    order = epoch_order(
+        n,
+        options,
+        epoch,
+        start=start,
+        order_world_size=order_world_size,
+        weights=weights,
+        labels=labels,
+        lengths=lengths,
+    )
     # A contiguous copy, so the plan neither strides through nor keeps the whole order.
     positions = np.ascontiguousarray(order[options.rank :: options.world_size])
-    return EpochPlan(positions, options.batch_size, num_batches(n, options))
+    return EpochPlan(positions, options.batch_size, num_batches(n, options, start=start))
 
 
 def _uniform_order(n: int, options: SamplerOptions, epoch: int) -> Int64Array:
@@ -242,10 +287,12 @@ def _draw(weights: npt.NDArray[np.float64], seed: int, epoch: int) -> Int64Array
     return drawn.astype(np.int64, copy=False)
 
 
-def _bucketed_order(lengths: Int64Array, options: SamplerOptions, epoch: int) -> Int64Array:
+def _bucketed_order(
+    lengths: Int64Array, options: SamplerOptions, epoch: int, world_size: int
+) -> Int64Array:
     n = lengths.size
     order = _uniform_order(n, options, epoch)
-    global_batch = options.batch_size * options.world_size
+    global_batch = options.batch_size * world_size
     order = order[_sort_pools(lengths[order], options.bucket_batches * global_batch)]
     if options.shuffle:
         # The short last global batch stays last, so rank r's batch k still comes from

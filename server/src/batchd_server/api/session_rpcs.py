@@ -126,6 +126,7 @@ def open_session(
         session_id=session.id,
         num_batches=session.num_batches,
         num_samples=session.num_samples,
+        num_rows=session.num_rows,
         fields=[pb.FieldSchema(name=f.name, dtype=f.dtype, shape=f.shape) for f in session.layout],
         snapshot=session.catalog.arrays.snapshot.token(),
         ring=pb.RingLayout(
@@ -179,7 +180,12 @@ def stream_batches(
             "shm streams run on the session's doorbell (RingLayout.doorbell), not as a "
             "StreamBatches call; send the StreamStart there, or use TRANSPORT_INLINE"
         )
-    stream = session.start_stream(start.epoch, start.start_batch)
+    stream = session.start_stream(
+        start.epoch,
+        start.start_batch,
+        start_sample=start.start_sample,
+        order_world_size=start.order_world_size,
+    )
     # The callback runs however the call ends, even while this generator is suspended in a
     # yield that grpc will never resume (a client killed mid-epoch).
     context.add_callback(lambda: session.end_stream(stream))

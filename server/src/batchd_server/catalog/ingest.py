@@ -1,4 +1,5 @@
-"""Fill the catalog from a JSONL/CSV manifest or an image-folder tree, in one transaction.
+"""Fill the catalog from a JSONL/CSV manifest, an image-folder tree or WebDataset tar shards,
+in one transaction.
 
 Both ingests stream their rows into a staging table (COPY on Postgres, ``executemany`` on
 SQLite) in chunks, then move them into ``samples`` with one ``INSERT ... SELECT ... ON
@@ -11,11 +12,12 @@ file, line, field and value, and the transaction, dataset row included, is rolle
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -41,9 +43,10 @@ from batchd_server.catalog.manifest import (
 from batchd_server.catalog.migrate import require_schema
 from batchd_server.catalog.queries import DatasetRef
 from batchd_server.catalog.schema import datasets
+from batchd_server.catalog.tar_shards import TarSamples, expand_shards
 from batchd_server.errors import DataError
 
-__all__ = ["IMAGE_SUFFIXES", "IngestReport", "ingest_imagefolder", "ingest_manifest"]
+__all__ = ["IMAGE_SUFFIXES", "IngestReport", "ingest_imagefolder", "ingest_manifest", "ingest_tar"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,8 @@ class IngestReport:
     seconds: float
     missing_paths: tuple[str, ...] = ()
     """Up to five of the missing files, for the summary."""
+    skipped: tuple[str, ...] = ()
+    """What could not be cataloged and was left out (tar shards: malformed members)."""
 
     def summary(self) -> str:
         """One line for a terminal or a log."""
@@ -84,6 +89,8 @@ class IngestReport:
         if self.unverified:
             more = ", ..." if self.unverified > len(self.missing_paths) else ""
             text += f"; missing under {self.dataset.root}: {', '.join(self.missing_paths)}{more}"
+        if self.skipped:
+            text += f"; {len(self.skipped)} skipped:\n  " + "\n  ".join(self.skipped)
         return text
 
 
@@ -439,3 +446,60 @@ def ingest_imagefolder(
         empty=f"no .jpg/.jpeg/.png/.webp images found in {stored_root} as {layout}{hint}",
         classes=sorted({c for _, c, _ in folders}),
     )
+
+
+# --------------------------------------------------------------------------- tar shards
+
+
+def ingest_tar(
+    engine: Engine,
+    *,
+    dataset: str,
+    version: str = "1",
+    root: str | Path,
+    shards: list[str],
+    split: str | None = None,
+    label_key: str = "label",
+    description: str | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> IngestReport:
+    """Add the samples of WebDataset-style tar shards, as byte ranges inside them.
+
+    Members are grouped by key (the name up to its first dot); each sample's payload member
+    (the one that is not ``.cls``/``.json``/``.txt``) is its row's byte range, the label is
+    the ``.cls`` integer, the ``.json`` field ``label_key`` or an integer ``.txt``, and the
+    other members' ranges go to ``attrs["members"]``. Keys are ``<shard>#<key>``. Malformed
+    samples are skipped and listed in the report's ``skipped``; see ``tar_shards``.
+
+    Args:
+        shards: Paths, globs or brace ranges (``shard-{000..099}.tar``); relative ones are
+            relative to ``root``. Every shard must be under ``root``.
+        split: The split of every sample; default the one word of ``train``/``val``/``test``
+            in each shard's name.
+        progress: Called after each shard with (shards done, shards, samples so far).
+
+    Raises:
+        DataError: a pattern that matches nothing, a compressed shard, a shard outside
+            ``root`` or of unknown split, no sample at all, or (dataset, version) already
+            rooted elsewhere.
+    """
+    if split is not None:
+        check_name("split", split, SPLIT_MAX_CHARS)
+    stored_root, local = _resolve_root(root, must_exist=True)
+    if local is None:
+        raise DataError(f"root {stored_root!r} must be a local directory for tar shards")
+    samples = TarSamples(
+        local, expand_shards(shards, local), split, label_key=label_key, progress=progress
+    )
+    report = _run(
+        engine,
+        name=dataset,
+        version=version,
+        root=stored_root,
+        description=description,
+        rows=samples.rows(),
+        file=stored_root,
+        empty=f"no samples found in {len(samples.shards)} shard(s) under {stored_root}"
+        + "".join(f"\n  {s}" for s in samples.skipped[:20]),
+    )
+    return dataclasses.replace(report, skipped=tuple(samples.skipped))

@@ -128,7 +128,7 @@ class Session:
         probe = plan_epoch(self.num_rows, sampler, 0, **self._sampling_columns())
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
-        self._plans: dict[int, EpochPlan] = {0: probe}
+        self._plans: dict[tuple[int, int, int], EpochPlan] = {(0, 0, sampler.world_size): probe}
         self.spec = SessionSpec(
             session_id=session_id,
             root=arrays.dataset.root,
@@ -172,17 +172,26 @@ class Session:
             "lengths": arrays.lengths if mode == "bucketed" else None,
         }
 
-    def plan(self, epoch: int) -> EpochPlan:
+    def plan(self, epoch: int, start: int = 0, order_world_size: int = 0) -> EpochPlan:
+        """This rank's plan of ``epoch`` from global entry ``start`` on (an elastic resume;
+        see ``sampling``), the order built for ``order_world_size`` (0: the session's)."""
+        sampler = self.options.sampler
+        key = (epoch, start, order_world_size or sampler.world_size)
         with self._cond:
-            plan = self._plans.get(epoch)
+            plan = self._plans.get(key)
         if plan is None:
             plan = plan_epoch(
-                self.num_rows, self.options.sampler, epoch, **self._sampling_columns()
+                self.num_rows,
+                sampler,
+                epoch,
+                start=start,
+                order_world_size=key[2],
+                **self._sampling_columns(),
             )
             with self._cond:
                 while len(self._plans) >= _MAX_PLANS:
                     self._plans.pop(next(iter(self._plans)))
-                self._plans[epoch] = plan
+                self._plans[key] = plan
         return plan
 
     @property
@@ -245,19 +254,31 @@ class Session:
             self._cond.notify_all()
 
     def start_stream(
-        self, epoch: int, start_batch: int, *, held_leases: Collection[int] | None = None
+        self,
+        epoch: int,
+        start_batch: int,
+        *,
+        start_sample: int = 0,
+        order_world_size: int = 0,
+        held_leases: Collection[int] | None = None,
     ) -> Stream:
         """Start streaming ``epoch`` at ``start_batch``, ending any previous stream.
 
         Args:
+            start_sample: The epoch's plan starts at this entry of the global order (an
+                elastic resume: what all ranks of the saving job consumed); ``start_batch``
+                counts from there.
+            order_world_size: The world size the epoch's order was built for; 0 means the
+                session's.
             held_leases: For an shm stream, the leases the client still holds; every other
                 delivered slot becomes free. None for an inline stream.
         """
         if epoch < 0:
             raise InvalidArgument(f"epoch={epoch} must be >= 0")
-        if not 0 <= start_batch <= self.num_batches:
+        plan = self.plan(epoch, start_sample, order_world_size)  # checks both
+        if not 0 <= start_batch <= plan.num_batches:
             raise InvalidArgument(
-                f"start_batch={start_batch} must be between 0 and num_batches={self.num_batches}"
+                f"start_batch={start_batch} must be between 0 and num_batches={plan.num_batches}"
             )
         with self._cond:
             if self.closed:
@@ -271,7 +292,6 @@ class Session:
                 "session %s: a new stream replaces the one of epoch %d", self.id, previous.epoch
             )
             self.end_stream(previous)
-        plan = self.plan(epoch)
         with self._cond:
             if held_leases is not None:
                 still_held = set(held_leases)
@@ -343,7 +363,7 @@ class Session:
             DataLoss: a sample failed under on_error="raise", the epoch's errors passed
                 max_error_fraction, or a batch kept killing workers.
         """
-        for k in range(stream.start, self.num_batches):
+        for k in range(stream.start, stream.plan.num_batches):
             with self._cond:
                 while True:
                     if stream.closed or self.closed or not client_active():
@@ -371,7 +391,11 @@ class Session:
 
     def _fill(self, stream: Stream) -> None:
         """Hand the stream's next batches to the workers while slots are free (under the lock)."""
-        while not stream.closed and stream.next_submit < self.num_batches and self._book.has_free():
+        while (
+            not stream.closed
+            and stream.next_submit < stream.plan.num_batches
+            and self._book.has_free()
+        ):
             k, slot = stream.next_submit, self._book.take()
             task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
             stream.working[k] = (slot, self._pool.submit(task))

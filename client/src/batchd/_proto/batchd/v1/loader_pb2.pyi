@@ -228,7 +228,7 @@ class DoorbellHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch")
+    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class OpenSessionResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_batches: int
     num_samples: int
@@ -249,23 +250,28 @@ class OpenSessionResponse(_message.Message):
     version: str
     split: str
     prefetch: int
-    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ...) -> None: ...
+    num_rows: int
+    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
 
 class StreamStart(_message.Message):
-    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases")
+    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_BATCH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HELD_LEASES_FIELD_NUMBER: _ClassVar[int]
+    START_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    ORDER_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     start_batch: int
     transport: Transport
     seq: int
     held_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    start_sample: int
+    order_world_size: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ..., start_sample: _Optional[int] = ..., order_world_size: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batch_indices", "wait_s", "leases", "batch_wait_s", "batch_step_s")
