@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchd_server import __version__
+from batchd_server import __version__, cli_catalog
 from batchd_server.config import LOG_FORMATS, ServerConfig, parse_bytes
 from batchd_server.errors import BatchdError
 from batchd_server.logs import configure_logging
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
 
 __all__ = ["build_parser", "main"]
 
-PROG = "batchd-server"
+PROG = cli_catalog.PROG
 EXIT_ERROR = 2
 EXIT_UNHEALTHY = 1
 """What `healthcheck` exits with when something is wrong (Docker's HEALTHCHECK reserves 2)."""
@@ -58,120 +58,6 @@ def _cmd_migrate(args: argparse.Namespace, engine: Engine) -> int:
     else:
         head = " (head)" if revision == migrate.head_revision() else ""
         print(f"{where}: at revision {revision}{head}")
-    return 0
-
-
-def _cmd_ingest_manifest(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.ingest import ingest_manifest
-
-    report = ingest_manifest(
-        engine,
-        dataset=args.dataset,
-        version=args.dataset_version,
-        root=args.root,
-        manifest=args.manifest,
-        split=args.split,
-        verify=args.verify,
-        description=args.description,
-    )
-    print(report.summary())
-    return 0
-
-
-def _cmd_ingest_imagefolder(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.ingest import ingest_imagefolder
-
-    report = ingest_imagefolder(
-        engine,
-        dataset=args.dataset,
-        version=args.dataset_version,
-        root=args.root,
-        split=args.split,
-        description=args.description,
-    )
-    print(report.summary())
-    return 0
-
-
-def _cmd_ingest_tar(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.ingest import ingest_tar
-
-    def progress(done: int, total: int, samples: int) -> None:
-        # A bar on a terminal only: logs and pipes get the summary alone.
-        width = 30
-        bar = "#" * (width * done // total)
-        end = "\n" if done == total else ""
-        print(
-            f"\r[{bar:<{width}}] {done}/{total} shards, {samples} samples",
-            end=end,
-            file=sys.stderr,
-            flush=True,
-        )
-
-    report = ingest_tar(
-        engine,
-        dataset=args.dataset,
-        version=args.dataset_version,
-        root=args.root,
-        shards=args.shards,
-        split=args.split,
-        label_key=args.label_key,
-        description=args.description,
-        progress=progress if sys.stderr.isatty() else None,
-    )
-    print(report.summary())
-    return 0
-
-
-def _cmd_demo_data(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.ingest import ingest_imagefolder
-    from batchd_server.demo_data import write_demo_images
-
-    out = Path(args.out).expanduser()
-    written = write_demo_images(out, args.images, seed=args.seed, classes=args.classes)
-    log.info(
-        "wrote %d of %d images (%d bytes) under %s",
-        written["written"],
-        written["images"],
-        written["bytes"],
-        out,
-    )
-    report = ingest_imagefolder(
-        engine,
-        dataset=args.dataset,
-        version=args.dataset_version,
-        root=out,
-        description=f"synthetic demo images (seed {args.seed}, {args.classes} classes)",
-    )
-    print(report.summary())
-    return 0
-
-
-def _cmd_datasets(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.db import describe_url
-    from batchd_server.catalog.queries import list_datasets
-
-    found = list_datasets(engine)
-    if not found:
-        print(
-            f"no datasets in the catalog at {describe_url(str(engine.url))}; add one with "
-            f"`{PROG} ingest imagefolder`, `{PROG} ingest manifest` or `{PROG} demo-data`"
-        )
-        return 0
-    header = ("NAME", "VERSION", "ROOT", "SPLITS (verified/total)", "CREATED")
-    rows = [
-        (
-            d.name,
-            d.version,
-            d.root,
-            ", ".join(f"{s.name} {s.verified}/{s.samples}" for s in d.splits) or "(no samples)",
-            d.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-        )
-        for d in found
-    ]
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    for r in (header, *rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
     return 0
 
 
@@ -492,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", required=True, help="the image tree's top directory")
     p.add_argument("--split", help="the whole tree is this split: ROOT/<class>/<image>")
     p.add_argument("--description")
-    p.set_defaults(func=_cmd_ingest_imagefolder)
+    p.set_defaults(func=cli_catalog.cmd_ingest_imagefolder)
 
     p = kinds.add_parser(
         "manifest", parents=[common], help="rows of a JSONL (.jsonl/.ndjson) or CSV manifest"
@@ -509,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--description")
     p.add_argument("manifest", metavar="FILE")
-    p.set_defaults(func=_cmd_ingest_manifest)
+    p.set_defaults(func=cli_catalog.cmd_ingest_manifest)
 
     p = kinds.add_parser(
         "tar",
@@ -529,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         help="shard files, globs or brace ranges (shard-{000..099}.tar), relative to --root",
     )
-    p.set_defaults(func=_cmd_ingest_tar)
+    p.set_defaults(func=cli_catalog.cmd_ingest_tar)
 
     p = sub.add_parser("demo-data", parents=[common], help="write synthetic JPEGs and ingest them")
     _dataset_args(p, dataset_default="demo")
@@ -537,10 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", required=True, type=_positive_int, metavar="N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--classes", type=_positive_int, default=4)
-    p.set_defaults(func=_cmd_demo_data)
+    p.set_defaults(func=cli_catalog.cmd_demo_data)
 
     p = sub.add_parser("datasets", parents=[common], help="list datasets and their splits")
-    p.set_defaults(func=_cmd_datasets)
+    p.set_defaults(func=cli_catalog.cmd_datasets)
     return parser
 
 
