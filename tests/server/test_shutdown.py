@@ -86,9 +86,10 @@ def test_sigterm_mid_epoch_exits_0_in_the_grace_period_and_the_client_raises_cle
     pg_url: str, tmp_path: Path, transport: str
 ) -> None:
     """Mid-epoch SIGTERM: health NOT_SERVING at once, the open stream ends, exit 0 well
-    within --grace-s, no segment left; the client raises batchd's Unavailable telling how
-    to resume, and never hangs. The JSON ready line names the version, address, workers,
-    effective shm budget and the catalog URL with its password hidden."""
+    within --grace-s, no segment left; the client, finding no server to reconnect to within
+    its reconnect_timeout_s, raises batchd's Unavailable naming the server, and never hangs.
+    The JSON ready line names the version, address, workers, effective shm budget and the
+    catalog URL with its password hidden."""
     engine = make_engine(pg_url)
     migrate.upgrade(engine)
     record_dataset(engine, tmp_path / "r", n=3000)
@@ -119,6 +120,7 @@ def test_sigterm_mid_epoch_exits_0_in_the_grace_period_and_the_client_raises_cle
             pipeline=spec,
             transport=transport,
             prefetch=2,
+            reconnect_timeout_s=2,
         )
         iterator = iter(loader)
         for _ in range(3):
@@ -138,7 +140,7 @@ def test_sigterm_mid_epoch_exits_0_in_the_grace_period_and_the_client_raises_cle
     assert code == 0, "".join(lines.raw)
     assert took < GRACE_S, f"shutdown took {took:.1f} s, more than --grace-s {GRACE_S:g}"
     assert isinstance(error, errors.Unavailable), repr(error)
-    assert "load_state_dict" in str(error), str(error)
+    assert f"unix://{sock}" in str(error) and "reconnect_timeout_s=2" in str(error), str(error)
     assert batchd_segments(instance) == []
     messages = [e["message"] for e in entries]
     draining = next(i for i, m in enumerate(messages) if m.startswith("health: NOT_SERVING"))
