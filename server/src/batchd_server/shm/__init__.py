@@ -6,27 +6,9 @@ one in another process; ``pack_arrays`` / ``attach_arrays`` share numpy arrays r
 
 from __future__ import annotations
 
-from batchd_server.shm.arrays import attach_arrays, pack_arrays
-from batchd_server.shm.segments import (
-    KINDS,
-    PREFIX,
-    SHM_DIR,
-    Attachment,
-    Segment,
-    ShmRegistry,
-    attach,
-    format_bytes,
-)
+from batchd_server.shm import segments as _segments
+from batchd_server.shm.arrays import attach_arrays as attach_arrays
+from batchd_server.shm.arrays import pack_arrays as pack_arrays
+from batchd_server.shm.segments import *  # noqa: F403 (the package's face is the module's)
 
-__all__ = [
-    "KINDS",
-    "PREFIX",
-    "SHM_DIR",
-    "Attachment",
-    "Segment",
-    "ShmRegistry",
-    "attach",
-    "attach_arrays",
-    "format_bytes",
-    "pack_arrays",
-]
+__all__ = sorted([*_segments.__all__, "attach_arrays", "pack_arrays"])
