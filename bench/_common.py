@@ -36,6 +36,7 @@ __all__ = [
     "ServerProcess",
     "batchd_server",
     "best",
+    "closing_line",
     "compete",
     "cores",
     "descendants",
@@ -125,6 +126,19 @@ def rss_bytes() -> int:
 def shm_entries() -> list[str]:
     """The ``batchd`` entries in /dev/shm."""
     return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("batchd"))
+
+
+def closing_line(started: float, busy0: float, own0: float) -> str:
+    """The run's last line: wall time, what other processes took of the cores meanwhile
+    (``busy0``/``own0`` from :func:`machine_busy_s`/:func:`own_cpu_s` at ``started``), and any
+    batchd entry left in /dev/shm."""
+    wall_s = time.perf_counter() - started
+    others_s = machine_busy_s() - busy0 - (own_cpu_s() - own0)
+    return (
+        f"\ntotal {wall_s:.0f} s; other processes on the machine used {others_s:.0f} CPU-s "
+        f"meanwhile ({100 * others_s / (wall_s * cores()):.0f}% of {cores()} cores); "
+        f"batchd entries left in /dev/shm: {shm_entries() or 'none'}"
+    )
 
 
 @dataclass(frozen=True)

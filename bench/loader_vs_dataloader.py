@@ -48,6 +48,7 @@ from _common import (
     ServerProcess,
     batchd_server,
     best,
+    closing_line,
     compete,
     cores,
     machine_busy_s,
@@ -57,7 +58,6 @@ from _common import (
     pids_cpu_s,
     ratio,
     results_table,
-    shm_entries,
 )
 from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset
@@ -489,13 +489,7 @@ def main() -> None:
                 targets += small_section(args, server, shard)
     print("\n### Targets (issue 3)\n")
     print(markdown_table(["target", "measured", "goal", "met"], [list(t) for t in targets]))
-    wall_s = time.perf_counter() - started
-    others_s = machine_busy_s() - busy0 - (own_cpu_s() - own0)
-    print(
-        f"\ntotal {wall_s:.0f} s; other processes on the machine used {others_s:.0f} CPU-s "
-        f"meanwhile ({100 * others_s / (wall_s * cores()):.0f}% of {cores()} cores); "
-        f"batchd entries left in /dev/shm: {shm_entries() or 'none'}"
-    )
+    print(closing_line(started, busy0, own0))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from _common import (
     ServerProcess,
     batchd_server,
     best,
+    closing_line,
     compete,
     cores,
     descendants,
@@ -63,7 +64,6 @@ from _common import (
     own_cpu_s,
     pids_cpu_s,
     ratio,
-    shm_entries,
     spread,
 )
 from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
@@ -352,13 +352,7 @@ def main() -> None:
             done = workload_section(args, workload, root, url)
             print(f"\n### {workload}: {args.records:,} records, batch {BATCH}, full epochs\n")
             print(table(done))
-    wall_s = time.perf_counter() - started
-    others_s = machine_busy_s() - busy0 - (own_cpu_s() - own0)
-    print(
-        f"\ntotal {wall_s:.0f} s; other processes used {others_s:.0f} CPU-s meanwhile "
-        f"({100 * others_s / (wall_s * cores()):.0f}% of {cores()} cores); batchd entries left "
-        f"in /dev/shm: {shm_entries() or 'none'}"
-    )
+    print(closing_line(started, busy0, own0))
 
 
 if __name__ == "__main__":
