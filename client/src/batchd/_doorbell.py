@@ -16,14 +16,24 @@ A frame is a 4-byte little-endian payload length, one kind byte and a protobuf p
 kind  direction           payload
 ====  ==================  =======================================================
 H     client -> server    ``DoorbellHello`` (session id and ring token); first frame
-W     server -> client    empty: the hello was accepted
+W     server -> client    ``DoorbellHeartbeat``: the hello was accepted; the heartbeat interval
 S     client -> server    ``StreamStart`` (``seq``, ``held_leases``): start a stream
 A     server -> client    ``StreamBatchesResponse`` (``accepted``, ``seq``): it started
 B     server -> client    ``StreamBatchesResponse``: a batch is in a slot (``lease``)
 R     client -> server    ``Ack`` with ``leases``: these slots may be reused
 C     client -> server    ``DoorbellCancel``: stop the stream of ``seq``
 E     server -> client    ``DoorbellEnd``: the stream of ``seq`` is over (or failed)
+K     server -> client    ``DoorbellHeartbeat``: nothing else to say for an interval
 ====  ==================  =======================================================
+
+Every wait has a deadline. The hello is answered within :data:`HELLO_TIMEOUT_S`; a stream's
+start is accepted within the Loader's ``timeout_s``; and while a stream runs (and asked for
+heartbeats, ``StreamStart.heartbeat``), a server that has nothing to send for the interval
+its WELCOME announced sends a heartbeat. A client that waits for a frame and hears nothing
+for :data:`SILENT_HEARTBEATS` intervals treats the server as gone (stopped, wedged, its
+machine frozen): :class:`DoorbellSilent`, an ``Unavailable``, which sends the Loader down its
+reconnect path instead of blocking forever. The wait is the kernel's (``SO_RCVTIMEO``), so
+it costs no extra system call per batch.
 
 Both packages use this module: the framing is defined once.
 """
@@ -31,9 +41,11 @@ Both packages use this module: the framing is defined once.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, TypeVar
@@ -50,14 +62,17 @@ __all__ = [
     "BATCH",
     "CANCEL",
     "END",
+    "HEARTBEAT",
     "HELLO",
     "HELLO_TIMEOUT_S",
     "MAX_FRAME_BYTES",
     "RELEASE",
+    "SILENT_HEARTBEATS",
     "START",
     "WELCOME",
     "ClientDoorbell",
     "DoorbellRefused",
+    "DoorbellSilent",
     "FrameReader",
     "FrameWriter",
     "encode_frame",
@@ -72,12 +87,17 @@ BATCH: Final = ord("B")
 RELEASE: Final = ord("R")
 CANCEL: Final = ord("C")
 END: Final = ord("E")
+HEARTBEAT: Final = ord("K")
 MAX_FRAME_BYTES: Final = 64 << 20
 """Far above any real frame (a batch's failed ids at most); a longer one is a broken peer."""
 _HEADER: Final = struct.Struct("<IB")
 _RECV_BYTES: Final = 1 << 16
 HELLO_TIMEOUT_S: Final = 10.0
 """How long either end waits for the other's side of the hello, in seconds."""
+SILENT_HEARTBEATS: Final = 4
+"""A server that sent no frame for this many heartbeat intervals while the client waited is
+gone. Four: the server looks every half interval, so a live one leaves gaps of 1.5 at most."""
+_TIMEVAL: Final = struct.Struct("@ll")
 _M = TypeVar("_M", bound=Message)
 
 
@@ -136,6 +156,10 @@ class DoorbellRefused(Exception):
     """The doorbell cannot be used from here; the message says why."""
 
 
+class DoorbellSilent(Unavailable):
+    """No frame came from the server within a deadline: it is stopped, wedged or gone."""
+
+
 class FrameWriter:
     """Frames onto a socket from several threads; ``closed`` once a send failed or it hung up.
 
@@ -152,6 +176,22 @@ class FrameWriter:
         """Send one frame; False when the connection is closed or the send failed."""
         with self.lock:
             return self.send_locked(kind, message)
+
+    def try_send(self, kind: int, message: Message) -> bool:
+        """Send one small frame only if that cannot block: the lock is free and the socket
+        has room; False otherwise (or when the connection is closed)."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if self.closed:
+                return False
+            try:
+                _, writable, _ = select.select([], [self.sock], [], 0)
+            except (OSError, ValueError):  # closed meanwhile
+                return False
+            return bool(writable) and self.send_locked(kind, message)
+        finally:
+            self.lock.release()
 
     def send_locked(self, kind: int, message: Message) -> bool:
         """:meth:`send` for a caller that holds ``lock``."""
@@ -180,10 +220,17 @@ class ClientDoorbell:
     waiting (it may be running inside that very send, on the same thread).
     """
 
-    def __init__(self, sock: socket.socket, reader: FrameReader, path: Path) -> None:
+    def __init__(
+        self, sock: socket.socket, reader: FrameReader, path: Path, heartbeat_s: float = 0.0
+    ) -> None:
         self.path = path
+        self.heartbeat_s = heartbeat_s
+        """The server's heartbeat interval (its WELCOME said); 0: it sends none."""
         self._reader = reader
         self._writer = FrameWriter(sock)
+        self._wait_s: float | None = None
+        """The receive timeout set on the socket now (None: none)."""
+        self._silence_s = SILENT_HEARTBEATS * heartbeat_s if heartbeat_s > 0 else None
         self._queued: list[int] = []
         self._queue_lock = threading.Lock()
         self._timings: list[BatchTiming] = []
@@ -220,22 +267,45 @@ class ClientDoorbell:
                 raise DoorbellRefused(
                     f"the server at {path} refused the hello of session {session_id}"
                 )
+            welcome = parse(loader_pb2.DoorbellHeartbeat, frame[1])  # empty: an older server
             sock.settimeout(None)
         except BaseException:
             sock.close()
             raise
-        return cls(sock, reader, path)
+        return cls(sock, reader, path, max(welcome.interval_s, 0.0))
 
-    def read(self) -> tuple[int, bytes]:
-        """The next frame from the server.
+    def read(self, deadline: float | None = None) -> tuple[int, bytes]:
+        """The next frame from the server (heartbeats included).
+
+        Args:
+            deadline: ``time.monotonic()`` by which a frame must have come, else
+                DoorbellSilent; besides, a server that promised heartbeats must send a frame
+                within :data:`SILENT_HEARTBEATS` intervals.
 
         Raises:
+            DoorbellSilent: no frame within the deadline or the heartbeat window.
             Unavailable: the server closed the connection (it stopped, died or closed the
                 session).
             DataLoss: a malformed frame.
         """
+        wait_s = self._silence_s
+        if deadline is not None:
+            left = max(deadline - time.monotonic(), 0.001)
+            wait_s = left if wait_s is None else min(wait_s, left)
+        self._set_wait(wait_s)
         try:
             frame = self._reader.read()
+        except (BlockingIOError, TimeoutError) as e:  # SO_RCVTIMEO ran out
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DoorbellSilent(
+                    f"the batchd server sent nothing on its doorbell {self.path} in time "
+                    "(see timeout_s); it may be overloaded or wedged"
+                ) from e
+            raise DoorbellSilent(
+                f"the batchd server sent nothing on its doorbell {self.path} for "
+                f"{self._silence_s:g} s, though it promised a heartbeat every "
+                f"{self.heartbeat_s:g} s: it is stopped, wedged or its machine is frozen"
+            ) from e
         except OSError as e:
             raise Unavailable(
                 f"the batchd server's doorbell {self.path} failed: {e.strerror or e}; the "
@@ -249,6 +319,23 @@ class ClientDoorbell:
                 "to resume"
             )
         return frame
+
+    def _set_wait(self, wait_s: float | None) -> None:
+        """Make a blocking receive give up after ``wait_s`` (None: never); a system call
+        only when it changes."""
+        if wait_s == self._wait_s:
+            return
+        seconds = 0.0 if wait_s is None else max(wait_s, 0.001)  # 0: wait forever
+        whole = int(seconds)
+        try:
+            self._writer.sock.setsockopt(
+                socket.SOL_SOCKET,
+                socket.SO_RCVTIMEO,
+                _TIMEVAL.pack(whole, int((seconds - whole) * 1e6)),
+            )
+        except OSError:  # closed: the read that follows says so
+            return
+        self._wait_s = wait_s
 
     def send(self, kind: int, message: Message) -> None:
         """Send one frame (from the iterating thread); silent once closed (reads tell why)."""

@@ -4,12 +4,20 @@ The server packs each batch's fields (as ``batchd._ring.pack`` places them) into
 of a few MiB; the client joins them into one buffer of its own per batch, which the batch's
 arrays then own. Requests (the StreamStart, then acks by batch index) go in through a queue
 that gRPC's sending thread drains; responses are read on demand by the Loader's thread.
+
+The stream's first message is bounded: the StreamStart asks the server to answer
+``accepted`` as soon as the stream started (``accept_first``), and a call that has not said
+so within ``timeout_s`` is cancelled and raises Unavailable (a server whose every RPC thread
+is taken queues the call without ever starting it). Once accepted, batches take as long as
+they take: gRPC keepalive notices a server that went silent, and the server's own task
+deadline bounds a batch.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -20,6 +28,7 @@ from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._stats import BatchTiming
 from batchd._status import disagreement, error_from_rpc
 from batchd._stream import ReceivedBatch
+from batchd.errors import Unavailable
 
 __all__ = ["InlineAssembler", "InlineStream"]
 
@@ -89,8 +98,8 @@ class InlineStream:
         stub: The Loader stub of the session's channel.
         start: The call's first message.
         target: For error messages.
-        timeout_s: For error messages (the stream itself has no deadline: an epoch takes
-            as long as training takes).
+        timeout_s: How long the server may take to accept the stream (the stream itself
+            has no deadline: an epoch takes as long as training takes).
     """
 
     def __init__(
@@ -106,9 +115,25 @@ class InlineStream:
         self._timeout_s = timeout_s
         self._pending: queue.Queue[loader_pb2.StreamBatchesRequest | None] = queue.Queue()
         self._stop = threading.Event()
+        start.accept_first = True
         self._pending.put(loader_pb2.StreamBatchesRequest(start=start))
+        self._accepted = False
+        self._late = False
+        self._lock = threading.Lock()
+        self._started_at = time.monotonic()
         self._call: Any = stub.StreamBatches(_requests(self._pending, self._stop))
         self._ended = False
+        self._timer = threading.Timer(timeout_s, self._not_accepted)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _not_accepted(self) -> None:
+        """The timer: the server did not accept the stream in time; cancel the call."""
+        with self._lock:
+            if self._accepted or self._ended:
+                return
+            self._late = True
+        self._call.cancel()
 
     def ack(self, keys: Sequence[int], timings: Sequence[BatchTiming]) -> None:
         """Tell the server the batches of these indices arrived (each is a credit for one
@@ -159,6 +184,7 @@ class InlineStream:
 
     def cancel(self) -> None:
         """Abandon the call (the consumer stopped early). Idempotent."""
+        self._timer.cancel()
         self._stop.set()
         self._pending.put(None)
         if not self._ended:
@@ -166,18 +192,41 @@ class InlineStream:
             self._call.cancel()
 
     def _next_message(self) -> loader_pb2.StreamBatchesResponse | None:
+        while True:
+            msg = self._next_any()
+            if msg is None or self._accepted:
+                return msg
+            with self._lock:
+                self._accepted = True
+            self._timer.cancel()
+            if not (msg.accepted and not msg.data and not msg.fields):
+                return msg  # a server without accept_first: its first batch says it all
+
+    def _next_any(self) -> loader_pb2.StreamBatchesResponse | None:
         if self._ended:
             return None
         try:
             msg: loader_pb2.StreamBatchesResponse = next(self._call)
         except StopIteration:
-            self._ended = True
-            self._stop.set()
+            self._end()
             return None
         except grpc.RpcError as e:
-            self._ended = True
-            self._stop.set()
+            self._end()
+            if self._late:
+                waited = time.monotonic() - self._started_at
+                raise Unavailable(
+                    f"StreamBatches on {self._target!r} was not accepted within "
+                    f"{self._timeout_s:g} s (waited {waited:.1f} s): the server is overloaded "
+                    "(every RPC thread busy) or wedged. Pass a larger timeout_s if it is "
+                    "merely slow"
+                ) from e
             raise error_from_rpc(
                 e, target=self._target, method="StreamBatches", timeout_s=self._timeout_s
             ) from e
         return msg
+
+    def _end(self) -> None:
+        with self._lock:
+            self._ended = True
+        self._timer.cancel()
+        self._stop.set()

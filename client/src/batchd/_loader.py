@@ -442,7 +442,7 @@ class Loader(LoaderInfo):
         if session.ring is not None:
             start.seq = session.streams_started
             start.held_leases.extend(session.delivery.lent())
-            stream = ShmStream(start, ring=session.ring)
+            stream = ShmStream(start, ring=session.ring, accept_timeout_s=self._options.timeout_s)
         else:
             stream = InlineStream(
                 self._conn.stub,

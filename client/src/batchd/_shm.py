@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -21,7 +22,17 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd._doorbell import ACCEPTED, BATCH, CANCEL, END, START, ClientDoorbell, parse
+from batchd._doorbell import (
+    ACCEPTED,
+    BATCH,
+    CANCEL,
+    END,
+    HEARTBEAT,
+    START,
+    ClientDoorbell,
+    DoorbellSilent,
+    parse,
+)
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._ring import slot_offset
 from batchd._stats import BatchTiming
@@ -133,26 +144,38 @@ class ShmRing:
 class ShmStream:
     """One shm stream, run on the session's doorbell: start, batches, acks, end.
 
-    The constructor waits for the server to accept the start, so a session the server
-    forgot raises NotFound here, before any batch is awaited.
+    The constructor waits (up to ``accept_timeout_s``) for the server to accept the start, so
+    a session the server forgot raises NotFound here, before any batch is awaited. The
+    stream asks for heartbeats: while it waits for a batch, a server silent for a few of its
+    heartbeat intervals raises Unavailable (see ``_doorbell.py``).
 
     Args:
         start: The stream's StreamStart (``seq`` and ``held_leases`` set).
         ring: The session's mapped ring, with its doorbell.
+        accept_timeout_s: How long the server may take to accept the start.
 
     Raises:
-        BatchdError: the server refused the stream (NotFound when the session is gone).
+        BatchdError: the server refused the stream (NotFound when the session is gone),
+            or did not accept it in time (Unavailable).
     """
 
-    def __init__(self, start: loader_pb2.StreamStart, *, ring: ShmRing) -> None:
+    def __init__(
+        self, start: loader_pb2.StreamStart, *, ring: ShmRing, accept_timeout_s: float = 30.0
+    ) -> None:
         assert ring.doorbell is not None, "select_transport connects the doorbell"
         self._ring = ring
         self._bell = ring.doorbell
         self._seq = start.seq
         self._ended = False
+        start.heartbeat = True
         self._bell.send(START, start)
         try:
-            kind, _ = self._next_frame()
+            kind, _ = self._next_frame(deadline=time.monotonic() + accept_timeout_s)
+        except DoorbellSilent as e:
+            raise DoorbellSilent(
+                f"the batchd server did not accept the stream of session {start.session_id} "
+                f"within {accept_timeout_s:g} s (timeout_s): {e}"
+            ) from e
         except Unavailable as e:
             # The server hangs up a session's doorbell when it closes the session (its lease
             # expired while the loop was busy elsewhere, say): the session is gone.
@@ -162,10 +185,13 @@ class ShmStream:
         if kind != ACCEPTED:
             raise disagreement(f"the server answered a StreamStart with a frame of kind {kind!r}")
 
-    def _next_frame(self) -> tuple[int, Any]:
-        """The next frame of this stream (others' are skipped); an error end raises."""
+    def _next_frame(self, deadline: float | None = None) -> tuple[int, Any]:
+        """The next frame of this stream (others' and heartbeats are skipped); an error end
+        raises."""
         while True:
-            kind, payload = self._bell.read()
+            kind, payload = self._bell.read(deadline)
+            if kind == HEARTBEAT:
+                continue
             if kind in (ACCEPTED, BATCH):
                 msg: Any = parse(loader_pb2.StreamBatchesResponse, payload)
             elif kind == END:

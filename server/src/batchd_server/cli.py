@@ -106,7 +106,10 @@ def _cmd_serve(args: argparse.Namespace, engine: Engine) -> int:
                 "no metrics" if metrics is None else f"metrics on http://{metrics}/metrics",
                 config.grace_s,
             )
-            stop.wait()
+            # A timed wait: a SIGTERM the kernel hands to another thread (gRPC's, say) only
+            # runs its Python handler once the main thread is back in the interpreter.
+            while not stop.wait(1.0):
+                pass
             log.info(
                 "stopping: NOT_SERVING now, ending every stream, done within %g s", config.grace_s
             )
@@ -317,6 +320,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, end streams, stop workers and remove segments within this long "
         "(default 20, below Kubernetes' 30)",
     )
+    p.add_argument(
+        "--task-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="kill a decode worker whose batch takes longer (a hung read or decode) and redo "
+        "the batch; a sample that hangs twice is a bad sample of kind 'timeout' (default 60)",
+    )
+    p.add_argument(
+        "--heartbeat-interval-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="heartbeat on an idle doorbell stream this often, so clients notice a silent "
+        "server within a few intervals (default 5; 0: none)",
+    )
     _security_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -457,6 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "min_free_shm_bytes",
                     "grace_s",
                     "log_format",
+                    "task_timeout_s",
+                    "heartbeat_interval_s",
                 )
             },
             **{

@@ -169,6 +169,12 @@ class ServerConfig:
     data_roots: tuple[Path, ...] = ()
     """Directories dataset roots must lie in; a catalog row pointing elsewhere is refused.
     Empty: any root (the catalog is trusted)."""
+    task_timeout_s: float = 60.0
+    """A decode task running longer than this gets its worker killed and is redone; a sample
+    that hangs twice is a bad sample of kind ``timeout`` (``workers/deadline.py``)."""
+    heartbeat_interval_s: float = 5.0
+    """While a doorbell stream waits for batches, a heartbeat frame goes out after this long
+    without another frame, so the client can tell a silent server from a slow batch. 0: none."""
 
     def __post_init__(self) -> None:
         scheme = self.database_url.split(":", 1)[0]
@@ -205,6 +211,16 @@ class ServerConfig:
             )
         if not 0 < self.grace_s <= 3600:
             raise ValueError(f"grace_s={self.grace_s} must be in (0, 3600] (--grace-s)")
+        if not 0 < self.task_timeout_s <= 86400:
+            raise ValueError(
+                f"task_timeout_s={self.task_timeout_s} must be in (0, 86400] "
+                "(--task-timeout-s, BATCHD_TASK_TIMEOUT_S)"
+            )
+        if not 0 <= self.heartbeat_interval_s <= 600:
+            raise ValueError(
+                f"heartbeat_interval_s={self.heartbeat_interval_s} must be in [0, 600], 0 for "
+                "none (--heartbeat-interval-s, BATCHD_HEARTBEAT_INTERVAL_S)"
+            )
         for name in ("health_interval_s", "catalog_timeout_s"):
             value = getattr(self, name)
             if not 0 < value <= 600:
@@ -253,7 +269,8 @@ class ServerConfig:
         ``BATCHD_MIN_FREE_SHM`` (bytes), ``BATCHD_GRACE_S``, ``BATCHD_HEALTH_INTERVAL_S``,
         ``BATCHD_CATALOG_TIMEOUT_S``, ``BATCHD_LOG_FORMAT``, ``BATCHD_TLS_CERT``,
         ``BATCHD_TLS_KEY``, ``BATCHD_TLS_CLIENT_CA``, ``BATCHD_AUTH_TOKEN_FILE``,
-        ``BATCHD_INSECURE`` (1 or 0), ``BATCHD_DATA_ROOTS`` (directories separated by ``:``).
+        ``BATCHD_INSECURE`` (1 or 0), ``BATCHD_DATA_ROOTS`` (directories separated by ``:``),
+        ``BATCHD_TASK_TIMEOUT_S``, ``BATCHD_HEARTBEAT_INTERVAL_S``.
 
         Raises:
             ValueError: a variable does not parse; the message names it.
@@ -282,6 +299,8 @@ class ServerConfig:
             "auth_token_file": ("BATCHD_AUTH_TOKEN_FILE", Path),
             "insecure": ("BATCHD_INSECURE", parse_bool),
             "data_roots": ("BATCHD_DATA_ROOTS", _parse_paths),
+            "task_timeout_s": ("BATCHD_TASK_TIMEOUT_S", float),
+            "heartbeat_interval_s": ("BATCHD_HEARTBEAT_INTERVAL_S", float),
         }
         for name, (var, parse) in parsers.items():
             text = env.get(var)

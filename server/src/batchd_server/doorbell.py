@@ -8,6 +8,13 @@ hello for one session, proving with the ring's token that it mapped the segment,
 gets a thread that reads its frames: acks are applied at once, a StreamStart starts a
 thread that streams the epoch's batch notices, a cancel ends that stream. A connection that
 closes (the client exited or died) ends its stream; the session's lease does the rest.
+
+Heartbeats: the WELCOME frame announces ``heartbeat_s`` (a ``DoorbellHeartbeat``), and while
+a stream that asked for them (``StreamStart.heartbeat``) runs, one thread of the server sends
+a heartbeat frame on each doorbell that sent nothing for that long. A batch that takes
+minutes (a slow decode, a hung one waiting for its deadline) is then still news to the
+client that the server is there; silence for several intervals means the server is stopped
+or wedged, and the client reconnects instead of blocking forever.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from batchd._doorbell import (
     BATCH,
     CANCEL,
     END,
+    HEARTBEAT,
     HELLO,
     HELLO_TIMEOUT_S,
     RELEASE,
@@ -62,6 +70,9 @@ class ServerBell:
         self._streams: dict[int, Stream] = {}
         """seq -> running stream (normally one: a new start ends the previous)."""
         self._cancelled: set[int] = set()
+        self._last_sent = time.monotonic()
+        self._heartbeats = 0
+        """Streams running (or starting) that asked for heartbeats."""
 
     @property
     def closed(self) -> bool:
@@ -69,10 +80,25 @@ class ServerBell:
 
     def send(self, kind: int, message: Message) -> bool:
         """Send one frame; False when the client is gone (the connection failed)."""
-        return self._writer.send(kind, message)
+        sent = self._writer.send(kind, message)
+        self._last_sent = time.monotonic()
+        return sent
+
+    def heartbeat(self, interval_s: float, now: float) -> None:
+        """Send a heartbeat if a stream that wants them runs and nothing went out for
+        ``interval_s``; never waits (a client too busy to read has frames to read anyway)."""
+        with self._lock:
+            wanted = self._heartbeats > 0
+        if not wanted or now - self._last_sent < interval_s:
+            return
+        if self._writer.try_send(HEARTBEAT, pb.DoorbellHeartbeat(interval_s=interval_s)):
+            self._last_sent = now
 
     def start(self, start: pb.StreamStart) -> None:
         """Run the stream ``start`` asks for in a thread of its own."""
+        if start.heartbeat:
+            with self._lock:
+                self._heartbeats += 1
         thread = threading.Thread(
             target=self._stream, args=(start,), name="batchd-bell-stream", daemon=True
         )
@@ -120,6 +146,8 @@ class ServerBell:
             with self._lock:
                 self._streams.pop(seq, None)
                 self._cancelled.discard(seq)
+                if start.heartbeat:
+                    self._heartbeats -= 1
             self.send(END, end)
 
     def cancel(self, seq: int) -> None:
@@ -146,9 +174,11 @@ class DoorbellServer:
         FailedPrecondition: (constructor) the socket cannot be created in the shm directory.
     """
 
-    def __init__(self, path: Path, sessions: SessionManager) -> None:
+    def __init__(self, path: Path, sessions: SessionManager, *, heartbeat_s: float = 0.0) -> None:
         self.path = path
         self._sessions = sessions
+        self.heartbeat_s = heartbeat_s
+        """Seconds between heartbeats on an idle doorbell stream; 0: none."""
         if len(str(path).encode()) > MAX_UNIX_PATH_BYTES:
             raise FailedPrecondition(
                 f"the shm directory {path.parent} is too long a path for the doorbell socket "
@@ -173,9 +203,29 @@ class DoorbellServer:
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
+        self._bells: set[ServerBell] = set()
         self._closed = False
+        self._stop = threading.Event()
         self._acceptor = threading.Thread(target=self._accept, name="batchd-bell", daemon=True)
         self._acceptor.start()
+        self._heart: threading.Thread | None = None
+        if heartbeat_s > 0:
+            self._heart = threading.Thread(
+                target=self._beat, name="batchd-bell-heartbeat", daemon=True
+            )
+            self._heart.start()
+
+    def _beat(self) -> None:
+        # Looking twice per interval keeps the gap between two frames under 1.5 intervals.
+        while not self._stop.wait(self.heartbeat_s / 2):
+            with self._lock:
+                bells = list(self._bells)
+            now = time.monotonic()
+            for bell in bells:
+                try:
+                    bell.heartbeat(self.heartbeat_s, now)
+                except Exception:  # one broken connection must not stop the others' heartbeats
+                    logger.exception("doorbell: a heartbeat failed")
 
     def _accept(self) -> None:
         while True:
@@ -218,7 +268,10 @@ class DoorbellServer:
             conn.settimeout(None)
             bell = ServerBell(conn, session)
             session.attach_bell(bell)
-            conn.sendall(encode_frame(WELCOME))
+            welcome = pb.DoorbellHeartbeat(interval_s=self.heartbeat_s)
+            conn.sendall(encode_frame(WELCOME, welcome.SerializeToString()))
+            with self._lock:
+                self._bells.add(bell)
             while True:
                 frame = reader.read()
                 if frame is None:
@@ -249,6 +302,8 @@ class DoorbellServer:
                 session.detach_bell(bell)
                 bell.close()
             with self._lock:
+                if bell is not None:
+                    self._bells.discard(bell)
                 self._connections.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
@@ -261,6 +316,7 @@ class DoorbellServer:
             self._closed = True
             connections = list(self._connections)
             threads = list(self._threads)
+        self._stop.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -271,5 +327,7 @@ class DoorbellServer:
                 conn.shutdown(socket.SHUT_RDWR)
         deadline = time.monotonic() + 5.0  # one wait for all: never one after another
         self._acceptor.join(5.0)
+        if self._heart is not None:
+            self._heart.join(max(0.0, deadline - time.monotonic()))
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))

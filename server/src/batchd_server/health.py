@@ -1,7 +1,8 @@
 """Is this server fit to take sessions (readiness), and is it still working at all (liveness)?
 
 DESIGN.md §6: ready only while the shared-memory filesystem has ``min_free_shm_bytes`` free,
-the catalog database answers, every decode worker lives, and the server is not draining.
+the catalog database answers, every decode worker lives (and they are not in a crash loop:
+dying before they get ready, see ``workers/respawn.py``), and the server is not draining.
 :class:`HealthMonitor` re-checks that every ``interval_s`` on a thread of its own and tells
 a listener (the gRPC health service, ``api/health.py``) when the answer changes, logging
 each change once with its reason. The catalog is probed on yet another thread: a database
@@ -150,6 +151,7 @@ class HealthMonitor:
         workers_wanted: The configured decode workers.
         workers_alive: How many of them live now.
         dispatcher_alive: Whether the worker pool's dispatcher thread runs (liveness).
+        crash_loop: Why the workers are in a crash loop, or None (the default: never).
         interval_s: Seconds between rounds.
         on_change: Called with the new report after each change (and once at start), from
             the monitor's thread.
@@ -167,6 +169,7 @@ class HealthMonitor:
         dispatcher_alive: Callable[[], bool],
         interval_s: float,
         on_change: Callable[[HealthReport], None],
+        crash_loop: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._space = space
         self._min_free = min_free_shm_bytes
@@ -177,6 +180,7 @@ class HealthMonitor:
         self._workers_wanted = workers_wanted
         self._workers_alive = workers_alive
         self._dispatcher_alive = dispatcher_alive
+        self._crash_loop = crash_loop
         self._interval_s = interval_s
         self._on_change = on_change
         self._lock = threading.Lock()
@@ -250,7 +254,12 @@ class HealthMonitor:
         if catalog is not None:
             problems.append(Problem("catalog", catalog))
         alive = self._workers_alive()
-        if alive < self._workers_wanted:
+        crash_loop = self._crash_loop()
+        if crash_loop is not None:
+            problems.append(
+                Problem("workers", f"{alive} of {self._workers_wanted} alive; {crash_loop}")
+            )
+        elif alive < self._workers_wanted:
             problems.append(
                 Problem(
                     "workers",

@@ -64,7 +64,9 @@ __all__ = [
     "STREAMS",
     "WORKERS_ALIVE",
     "WORKERS_CONFIGURED",
+    "WORKERS_CRASH_LOOP",
     "WORKER_RESTARTS",
+    "WORKER_TIMEOUTS",
     "MetricsEndpoint",
     "StallWindow",
     "clamp_client_seconds",
@@ -128,7 +130,19 @@ WORKERS_CONFIGURED = Gauge(
     "batchd_workers_configured", "Decode worker processes configured.", registry=REGISTRY
 )
 WORKER_RESTARTS = Counter(
-    "batchd_worker_restarts", "Decode workers replaced after dying.", registry=REGISTRY
+    "batchd_worker_restarts",
+    "Decode workers replaced after dying or being killed (task deadline).",
+    registry=REGISTRY,
+)
+WORKER_TIMEOUTS = Counter(
+    "batchd_worker_task_timeouts",
+    "Decode workers killed because a task ran past --task-timeout-s.",
+    registry=REGISTRY,
+)
+WORKERS_CRASH_LOOP = Gauge(
+    "batchd_workers_crash_loop",
+    "1 while decode workers keep dying before they are ready (a crash loop), else 0.",
+    registry=REGISTRY,
 )
 READY = Gauge(
     "batchd_ready",

@@ -350,7 +350,9 @@ def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) ->
     try:
         pool = WorkerPool(
             config.workers,
+            task_timeout_s=config.task_timeout_s,
             on_restart=metrics.WORKER_RESTARTS.inc,
+            on_timeout=metrics.WORKER_TIMEOUTS.inc,
             on_result=metrics.observe_worker_result,
         )
         pool.start()
@@ -359,6 +361,7 @@ def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) ->
         raise
     metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
     metrics.WORKERS_CONFIGURED.set(config.workers)
+    metrics.WORKERS_CRASH_LOOP.set_function(lambda: pool.crash_loop is not None)
     metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
     metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
     metrics.SHM_BUDGET_BYTES.set_function(registry.effective_budget_bytes)
@@ -383,12 +386,13 @@ def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) ->
         workers_wanted=config.workers,
         workers_alive=lambda: pool.alive,
         dispatcher_alive=lambda: pool.dispatcher_alive,
+        crash_loop=lambda: pool.crash_loop,
         interval_s=config.health_interval_s,
         on_change=health.publish,
     )
     health.attach(monitor)
     try:
-        doorbell = DoorbellServer(bell_path, sessions)
+        doorbell = DoorbellServer(bell_path, sessions, heartbeat_s=config.heartbeat_interval_s)
     except BaseException:
         sessions.close_all()
         catalog.close()

@@ -194,6 +194,8 @@ def stream_batches(
     )
     reader.start()
     try:
+        if start.accept_first:  # the client bounds its wait for this, not for a batch
+            yield pb.StreamBatchesResponse(accepted=True, slot=-1)
         for ready in session.batches(stream, context.is_active):
             yield from inline_messages(session, ready)
         # The client's last acks (with the loop's timings of the last batches) are still on

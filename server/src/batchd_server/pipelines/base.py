@@ -87,6 +87,8 @@ class BadSample(Exception):
         "corrupt",  # not decodable as the pipeline's format
         "shape",  # decodes, but not to the shape/dtype the pipeline promised
         "decoder",  # a custom decoder raised something else
+        "transient",  # an I/O error that is usually passing (EIO, ESTALE...), on every retry
+        "timeout",  # reading or decoding it hung past the task deadline, twice
     )
 
     def __init__(self, kind: str, message: str) -> None:

@@ -13,7 +13,9 @@ only way workers read sample bytes, and it refuses all three:
    and 3. Only regular files are read; ``O_NONBLOCK`` keeps a FIFO from hanging the open.
 
 Every failure is a :class:`~batchd_server.pipelines.base.BadSample` whose ``kind`` says what
-went wrong, so one bad sample never stops a worker.
+went wrong, so one bad sample never stops a worker. I/O errors that are usually passing
+(``EIO``, ``ESTALE``, ``EMFILE``...) are retried with backoff first, and one that persists is
+kind ``transient``, not blamed on the sample (see :mod:`~batchd_server.pipelines.transient`).
 
 Shard files (read through byte ranges) stay open in a small least-recently-used cache, so a
 record costs a ``pread``, not an open and three checks. A cached descriptor was confined when
@@ -38,8 +40,8 @@ import os
 import stat
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +50,12 @@ from batchd._lifetime import Closeable
 from batchd_server.errors import FailedPrecondition
 from batchd_server.pipelines.base import BadSample
 from batchd_server.pipelines.ranges import plan_reads
+from batchd_server.pipelines.transient import (
+    InjectedFaults,
+    TransientError,
+    is_transient,
+    retrying,
+)
 
 __all__ = ["MAX_CACHED_BUFFER_BYTES", "MAX_READS_PER_FILE", "SampleFiles"]
 
@@ -61,6 +69,7 @@ MAX_READS_PER_FILE: Final = 4
 file instead (see :meth:`SampleFiles.read_ranges`)."""
 _MAX_MAPS: Final = 8
 _PROC_FD: Final = "/proc/self/fd"
+_T = TypeVar("_T")
 
 
 Identity = tuple[int, int, int, int, int]
@@ -124,6 +133,20 @@ class SampleFiles(Closeable):
         self._batch = 0
         self._maps: OrderedDict[str, npt.NDArray[np.uint8]] = OrderedDict()
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._given_up: dict[str, str] = {}
+        """Files whose transient errors outlasted the retries in this batch."""
+        self._faults = InjectedFaults.from_env()
+
+    def _retrying(self, attempt: Callable[[], _T]) -> _T:
+        return retrying(attempt, forget=self._forget, given_up=self._given_up)
+
+    def _forget(self, paths: Iterable[str]) -> None:
+        """Close the cached descriptors and drop the maps of ``paths`` (before a retry)."""
+        for path in paths:
+            entry = self._fds.pop(path, None)
+            if entry is not None:
+                os.close(entry.fd)
+            self._maps.pop(path, None)
 
     def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview:
         """The bytes of one sample.
@@ -137,12 +160,16 @@ class SampleFiles(Closeable):
             A view of a buffer this object reuses: valid until the next call.
 
         Raises:
-            BadSample: ``unsafe_path``, ``missing`` or ``unreadable`` (see module docs).
+            BadSample: ``unsafe_path``, ``missing``, ``unreadable`` or ``transient`` (see
+                module docs).
         """
         if offset < -1 or length < -1:
             raise BadSample(
                 "unreadable", f"{path}: byte range offset={offset}, length={length} is invalid"
             )
+        return self._retrying(lambda: self._read(path, offset, length))
+
+    def _read(self, path: str, offset: int, length: int) -> memoryview:
         whole = offset == -1 and length == -1
         if whole:
             fd, st, _ = self._open(path)
@@ -159,7 +186,7 @@ class SampleFiles(Closeable):
                     f"({size} bytes)",
                 )
             view = self._view(end - start)
-            _pread_into(fd, view, start, path)
+            _pread_into(fd, view, start, path, self._faults)
             return view
         finally:
             if whole:
@@ -197,6 +224,16 @@ class SampleFiles(Closeable):
         n = len(offsets)
         if n and (offsets.min() < 0 or lengths.min() < 0):
             raise BadSample("unreadable", "a byte range has a negative offset or length")
+        return self._retrying(lambda: self._read_ranges(paths, files, offsets, lengths))
+
+    def _read_ranges(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+        n = len(offsets)
         if len(paths) == 1:
             groups = [np.arange(n)]
         else:
@@ -218,15 +255,17 @@ class SampleFiles(Closeable):
             runs = zip(plan.run_offsets.tolist(), plan.run_lengths.tolist(), strict=True)
             at = base
             for offset, length in runs:
-                _pread_into(entry.fd, view[at : at + length], offset, path)
+                _pread_into(entry.fd, view[at : at + length], offset, path, self._faults)
                 at += length
             starts[rows] = plan.starts + base
             base = at
         return np.frombuffer(view, np.uint8), starts
 
     def begin_batch(self) -> None:
-        """A new batch begins: each cached descriptor is re-checked on its next use."""
+        """A new batch begins: each cached descriptor is re-checked on its next use, and
+        files that failed transiently are tried again."""
         self._batch += 1
+        self._given_up.clear()
 
     def map_whole(self, path: str) -> npt.NDArray[np.uint8]:
         """A read-only memory map of a whole file, cached (least recently used first out).
@@ -234,6 +273,9 @@ class SampleFiles(Closeable):
         Raises:
             BadSample: As :meth:`read`.
         """
+        return self._retrying(lambda: self._map_whole(path))
+
+    def _map_whole(self, path: str) -> npt.NDArray[np.uint8]:
         cached = self._maps.get(path)
         if cached is not None:
             self._maps.move_to_end(path)
@@ -248,7 +290,7 @@ class SampleFiles(Closeable):
                     # mmap keeps its own duplicate of the descriptor.
                     array = np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ), np.uint8)
                 except OSError as e:
-                    raise BadSample("unreadable", f"{path}: {_describe(e)}") from e
+                    raise _bad(path, e) from e
         finally:
             os.close(fd)
         self._maps[path] = array
@@ -279,7 +321,11 @@ class SampleFiles(Closeable):
             try:
                 # mmap keeps its own duplicate of the descriptor.
                 mapped = mmap.mmap(entry.fd, entry.size, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:  # ValueError: an empty file
+            except OSError as e:
+                if is_transient(e):
+                    raise TransientError(path, e) from e
+                raise BadSample("unreadable", f"{path}: cannot be mapped ({e})") from e
+            except ValueError as e:  # an empty file
                 raise BadSample("unreadable", f"{path}: cannot be mapped ({e})") from e
             entry.mapped = np.frombuffer(mapped, np.uint8)
         return entry.mapped
@@ -319,9 +365,12 @@ class SampleFiles(Closeable):
         except OSError as e:
             raise _bad(path, e) from e
         try:
-            if self._check_proc and not self._inside(os.readlink(f"{_PROC_FD}/{fd}")):
-                raise BadSample("unsafe_path", f"{path}: resolves outside {self.root}")
-            st = os.fstat(fd)
+            try:
+                if self._check_proc and not self._inside(os.readlink(f"{_PROC_FD}/{fd}")):
+                    raise BadSample("unsafe_path", f"{path}: resolves outside {self.root}")
+                st = os.fstat(fd)
+            except OSError as e:
+                raise _bad(path, e) from e
             if not stat.S_ISREG(st.st_mode):
                 kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
                 raise BadSample("unreadable", f"{path}: is {kind}")
@@ -348,14 +397,19 @@ class SampleFiles(Closeable):
         return real == self.root or real.startswith(self._prefix)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from ``fd`` at ``offset``, or raise BadSample."""
+def _pread_into(
+    fd: int, view: memoryview, offset: int, path: str, faults: InjectedFaults | None = None
+) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``, or raise BadSample (TransientError for an
+    errno that is usually passing)."""
     count, done = len(view), 0
     while done < count:
         try:
+            if faults is not None:
+                faults.check(path)
             got = os.preadv(fd, [view[done:]], offset + done)
         except OSError as e:
-            raise BadSample("unreadable", f"{path}: {_describe(e)}") from e
+            raise _bad(path, e) from e
         if got == 0:
             raise BadSample(
                 "unreadable", f"{path}: file ended at byte {offset + done} while reading"
@@ -367,7 +421,9 @@ def _describe(e: OSError) -> str:
     return e.strerror or str(e)
 
 
-def _bad(path: str, e: OSError) -> BadSample:
+def _bad(path: str, e: OSError) -> BadSample | TransientError:
+    if is_transient(e):
+        return TransientError(path, e)
     if e.errno in (errno.ENOENT, errno.ENOTDIR):
         return BadSample("missing", f"{path}: no such file")
     if e.errno == errno.ELOOP:

@@ -28,6 +28,7 @@ from batchd_server.sampling import EpochPlan, plan_epoch
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
+from batchd_server.workers.deadline import HungBatch
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField
 
 __all__ = ["Bell", "FieldView", "ReadyBatch", "Session", "Stream", "SubmitsTasks"]
@@ -412,6 +413,10 @@ class Session:
                     return None
             except CancelledError:  # the stream ended meanwhile and cancelled the task
                 return None
+            except HungBatch as e:
+                arrays = self.catalog.arrays
+                named = "; ".join(f"sample {arrays.ids[p]} ({arrays.path(p)})" for p in e.positions)
+                raise DataLoss(f"{e}. Samples it hung on: {named or 'none known'}") from e
 
     def _ready(self, stream: Stream, result: BatchResult, lease: int) -> ReadyBatch:
         failures = result.failures

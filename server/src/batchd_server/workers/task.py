@@ -81,6 +81,12 @@ class BatchTask:
     slot: int
     positions: bytes
     """The batch's sample positions in the split arrays, int64."""
+    one_by_one: bool = False
+    """Read and decode each sample on its own, never the batch at once (a redo after a
+    worker hung on the batch; see ``workers/deadline.py``)."""
+    hung: tuple[int, ...] = ()
+    """Positions whose read or decode hung past the task deadline twice: reported as bad
+    samples of kind ``timeout`` without touching them again."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,11 @@ class SessionContext:
         """Time spent in the current task's reads and decodes (see ``StageTimes``)."""
         self._blocks: dict[int, Block] = {}
         """Each slot's field views, made on its first task (about 30 us a batch otherwise)."""
+        self.where: npt.NDArray[np.int64] = np.zeros(1, np.int64)
+        """Where the current task is: the position being read or decoded, -1 for a step of
+        the whole batch. The worker points this into memory its pool reads when the task
+        overruns its deadline (``workers/deadline.py``)."""
+        self._hung: frozenset[int] = frozenset()
 
     def slot_block(self, slot: int) -> Block:
         """Every field of ``slot`` as a ``(batch_size, *shape)`` array over the ring."""
@@ -186,11 +197,14 @@ class SessionContext:
         positions = np.frombuffer(task.positions, np.int64)
         block = self.slot_block(task.slot)
         self.files.begin_batch()
-        rows = self._read_records(positions, block)
+        self._hung = frozenset(task.hung)
+        self.where[0] = -1
+        rows = None if task.one_by_one or task.hung else self._read_records(positions, block)
         failures: list[SampleFailure] = []
         fatal = False
         if rows is None:
             rows, failures, fatal = self._decode_each(task, positions, block)
+        self.where[0] = -1
         finish_start = time.perf_counter()
         pipeline_block = {k: v for k, v in block.items() if k not in ("sample_id", "label")}
         shapes = self.pipeline.finish(pipeline_block, rows)
@@ -256,6 +270,7 @@ class SessionContext:
         return [k.decode("utf-8", "replace") for k in seen], files
 
     def _decode_one(self, position: int, epoch: int, row: Block) -> None:
+        self.where[0] = position
         sample_id = int(self.ids[position])
         info = SampleInfo(
             sample_id=sample_id,
@@ -265,6 +280,13 @@ class SessionContext:
             seed=self.spec.seed,
             epoch=epoch,
         )
+        if position in self._hung:
+            raise BadSample(
+                "timeout",
+                f"{info.path}: reading or decoding it hung past the server's task deadline "
+                "(--task-timeout-s) twice, and the worker was killed each time; check the "
+                "file and the file system it is on",
+            )
         read_start = time.perf_counter()
         try:
             data = self.files.read(
@@ -325,9 +347,19 @@ class SessionContext:
         return None
 
 
-def run_batch(contexts: dict[str, SessionContext], task: BatchTask) -> BatchResult:
-    """Fill ``task``'s slot, opening the session's handles on its first task here."""
+def run_batch(
+    contexts: dict[str, SessionContext],
+    task: BatchTask,
+    where: npt.NDArray[np.int64] | None = None,
+) -> BatchResult:
+    """Fill ``task``'s slot, opening the session's handles on its first task here.
+
+    ``where``: one int64 the context keeps up to date with the position it works on (see
+    ``SessionContext.where``).
+    """
     context = contexts.get(task.spec.session_id)
     if context is None:
         context = contexts[task.spec.session_id] = SessionContext(task.spec)
+    if where is not None:
+        context.where = where
     return context.run(task)

@@ -4,7 +4,10 @@ A worker is started with the ``spawn`` method (a fresh interpreter, never a fork
 process that has gRPC threads) and talks to the pool over one duplex pipe. Messages in:
 ``("task", task_id, BatchTask)``, ``("forget", session_id)`` or ``None`` (exit). Messages
 out: ``("ready",)`` once, then ``(task_id, BatchResult)`` or ``(task_id, WorkerError)`` per
-task. The worker never touches the catalog database and holds no gRPC object.
+task. Beside the pipe, two int64 in memory shared with the pool say where the worker is:
+the id of the task it runs and the sample position it reads or decodes (-1: a step of the
+whole batch); the pool reads them when a task overruns its deadline (``deadline.py``). The
+worker never touches the catalog database and holds no gRPC object.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 __all__ = ["WorkerError", "worker_main"]
 
@@ -60,9 +64,16 @@ def _preload() -> None:
 
 
 def worker_main(
-    conn: Connection, parent_pid: int, log_level: int, log_format: str = "text"
+    conn: Connection,
+    parent_pid: int,
+    log_level: int,
+    log_format: str = "text",
+    progress: Any = None,
 ) -> None:
-    """Serve tasks from ``conn`` until told to stop or the server goes away."""
+    """Serve tasks from ``conn`` until told to stop or the server goes away.
+
+    ``progress``: the pool's shared ``RawArray("q", 2)`` (task id, position), or None.
+    """
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
@@ -77,8 +88,11 @@ def worker_main(
 
     configure_logging(log_level, log_format)
 
+    import numpy as np
+
     from batchd_server.workers.task import SessionContext, run_batch
 
+    where = np.zeros(2, np.int64) if progress is None else np.frombuffer(progress, np.int64)
     contexts: dict[str, SessionContext] = {}
     conn.send(("ready",))
     threading.Thread(target=_preload, name="batchd-preload", daemon=True).start()
@@ -96,8 +110,10 @@ def worker_main(
                     context.close()
                 continue
             _, task_id, task = message
+            where[1] = -1
+            where[0] = task_id
             try:
-                result: object = run_batch(contexts, task)
+                result: object = run_batch(contexts, task, where[1:])
             except Exception as e:  # a bug: report it, stay alive for the next task
                 result = WorkerError(type(e).__name__, str(e), traceback.format_exc())
             conn.send((task_id, result))
