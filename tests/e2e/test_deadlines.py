@@ -94,7 +94,8 @@ def test_a_hanging_decode_is_killed_retried_and_reported_naming_its_sample(
     """A decode that never returns: its worker is killed at the task deadline and the batch
     redone; hanging again, the sample is a bad sample of kind timeout. on_error='raise' gets
     DataLoss naming it; on_error='skip' gets every other sample once; the pool is whole
-    afterwards and serves a clean epoch."""
+    afterwards and serves a clean epoch. Heartbeats flow meanwhile, and are not news of a
+    batch."""
     install_decoders(tmp_path / "site", HANG_DECODER, {"hang": "Hang"})
     monkeypatch.syspath_prepend(str(tmp_path / "site"))  # before the workers are spawned
     record_dataset(engine, tmp_path / "r", n=40)
@@ -102,7 +103,9 @@ def test_a_hanging_decode_is_killed_retried_and_reported_naming_its_sample(
     url = engine.url.render_as_string(hide_password=False)
     timeouts_before = _task_timeouts()
     pipeline = batchd.Custom("hang", stuck_at=STUCK * 1000.0)
-    with serve(url, tmp_path, workers=2, task_timeout_s=3.0) as srv:
+    # Heartbeats every 0.5 s: the client, waiting seconds for the stuck batch, reads them and
+    # does not mistake a slow batch for a silent server.
+    with serve(url, tmp_path, workers=2, task_timeout_s=3.0, heartbeat_interval_s=0.5) as srv:
         options: dict[str, Any] = {"dataset": "records", "batch_size": 8, "shuffle": False}
         with (
             batchd.Loader(srv.address, pipeline=pipeline, on_error="raise", **options) as loader,
