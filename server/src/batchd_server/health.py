@@ -257,7 +257,7 @@ class HealthMonitor:
         crash_loop = self._crash_loop()
         if crash_loop is not None:
             problems.append(
-                Problem("workers", f"{alive} of {self._workers_wanted} alive; {crash_loop}")
+                Problem("workers", f"{alive} of {self._workers_wanted} workers alive; {crash_loop}")
             )
         elif alive < self._workers_wanted:
             problems.append(

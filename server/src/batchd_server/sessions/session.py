@@ -399,7 +399,12 @@ class Session:
         ):
             k, slot = stream.next_submit, self._book.take()
             task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
-            stream.working[k] = (slot, self._pool.submit(task))
+            try:
+                future = self._pool.submit(task)
+            except BaseException:  # the pool refused (shutting down, workers crash-looping)
+                self._book.free(slot, SlotState.WORKING)
+                raise
+            stream.working[k] = (slot, future)
             stream.next_submit += 1
 
     def _result(

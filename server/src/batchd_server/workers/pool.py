@@ -456,7 +456,8 @@ class WorkerPool:
         self._start_replacement(worker)
 
     def _died(self, worker: _Worker) -> None:
-        worker.process.join(0)
+        # Its sentinel fires as it exits, a moment before it can be reaped for the exit code.
+        worker.process.join(1.0)
         code = worker.process.exitcode
         how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
         with self._lock:
