@@ -335,7 +335,8 @@ class WorkerPool:
                     self._died(worker)
         now = time.monotonic()
         for worker in self._live():
-            if worker.busy_since is not None and now - worker.busy_since >= self.task_timeout_s:
+            started = worker.busy_since
+            if started is not None and worker.outstanding and now - started >= self.task_timeout_s:
                 self._timed_out(worker)
         for worker in list(self._workers):
             if worker.respawn_at is not None and now >= worker.respawn_at:
