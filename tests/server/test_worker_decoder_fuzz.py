@@ -3,7 +3,7 @@ pipelines in real worker processes (a ``WorkerPool``, the code path a server run
 files and as byte ranges of a shard (the batch-at-a-time path). No file crashes or hangs a
 worker; each one that cannot be served is a sample error naming its file; valid files in the
 same batches still decode. A smaller run through a real server is in
-``tests/e2e/test_decoder_fuzz.py``."""
+``tests/e2e/test_served_decoder_fuzz.py``."""
 
 from __future__ import annotations
 
