@@ -185,6 +185,7 @@ def stream_batches(
         start.start_batch,
         start_sample=start.start_sample,
         order_world_size=start.order_world_size,
+        stride=start.stride,
     )
     # The callback runs however the call ends, even while this generator is suspended in a
     # yield that grpc will never resume (a client killed mid-epoch).

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 _POLL_S: Final = 0.25
 """How often a waiting stream re-checks that its client is still there."""
 _MAX_PLANS: Final = 2
+_MAX_STRIDE: Final = 1 << 16
+"""More replicas than any pool has; bounds a hostile StreamStart.stride."""
 
 
 class Bell(Protocol):
@@ -94,6 +96,8 @@ class Stream:
     delivered: dict[int, int] = field(default_factory=dict)
     """Inline streams: batch index -> DELIVERED slot, until acked."""
     closed: bool = False
+    stride: int = 1
+    """Every ``stride``-th batch from ``start``: a client striping over replicas."""
 
 
 class Session:
@@ -261,6 +265,7 @@ class Session:
         start_sample: int = 0,
         order_world_size: int = 0,
         held_leases: Collection[int] | None = None,
+        stride: int = 1,
     ) -> Stream:
         """Start streaming ``epoch`` at ``start_batch``, ending any previous stream.
 
@@ -272,9 +277,13 @@ class Session:
                 session's.
             held_leases: For an shm stream, the leases the client still holds; every other
                 delivered slot becomes free. None for an inline stream.
+            stride: Serve batches ``start_batch``, ``start_batch + stride``, ... only (a
+                client striping one session's batches over replicas); 0 means 1.
         """
         if epoch < 0:
             raise InvalidArgument(f"epoch={epoch} must be >= 0")
+        if not 0 <= stride <= _MAX_STRIDE:
+            raise InvalidArgument(f"stride={stride} must be between 0 and {_MAX_STRIDE}")
         plan = self.plan(epoch, start_sample, order_world_size)  # checks both
         if not 0 <= start_batch <= plan.num_batches:
             raise InvalidArgument(
@@ -297,7 +306,14 @@ class Session:
                 still_held = set(held_leases)
                 for lease in [x for x in self._leases if x not in still_held]:
                     self._book.free(self._leases.pop(lease), SlotState.LEASED)
-            stream = Stream(epoch, start_batch, plan, start_batch, leased=held_leases is not None)
+            stream = Stream(
+                epoch,
+                start_batch,
+                plan,
+                start_batch,
+                leased=held_leases is not None,
+                stride=max(stride, 1),
+            )
             self._stream = stream
             self.last_used = time.monotonic()
         metrics.STREAMS.inc()
@@ -363,7 +379,7 @@ class Session:
             DataLoss: a sample failed under on_error="raise", the epoch's errors passed
                 max_error_fraction, or a batch kept killing workers.
         """
-        for k in range(stream.start, stream.plan.num_batches):
+        for k in range(stream.start, stream.plan.num_batches, stream.stride):
             with self._cond:
                 while True:
                     if stream.closed or self.closed or not client_active():
@@ -399,7 +415,7 @@ class Session:
             k, slot = stream.next_submit, self._book.take()
             task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
             stream.working[k] = (slot, self._pool.submit(task))
-            stream.next_submit += 1
+            stream.next_submit += stream.stride
 
     def _result(
         self, stream: Stream, future: Future[BatchResult], client_active: Callable[[], bool]
@@ -416,7 +432,7 @@ class Session:
     def _ready(self, stream: Stream, result: BatchResult, lease: int) -> ReadyBatch:
         failures = result.failures
         if failures:
-            self._account_errors(stream.epoch, result)
+            self._account_errors(stream.epoch, result, stream.stride)
         views = []
         for f in self.layout:
             shape = result.shapes[f.name]
@@ -434,7 +450,7 @@ class Session:
             lease,
         )
 
-    def _account_errors(self, epoch: int, result: BatchResult) -> None:
+    def _account_errors(self, epoch: int, result: BatchResult, stride: int = 1) -> None:
         for failure in result.failures:
             metrics.SAMPLE_ERRORS.labels(dataset=self.options.dataset, kind=failure.kind).inc()
             logger.warning(
@@ -460,7 +476,8 @@ class Session:
         with self._cond:
             count = self._errors_by_epoch.get(epoch, 0) + len(result.failures)
             self._errors_by_epoch[epoch] = count
-        limit = self.options.max_error_fraction * self.num_samples
+        # A striped stream serves 1/stride of the epoch and sees that share of its errors.
+        limit = self.options.max_error_fraction * self.num_samples / stride
         if count > limit:
             raise DataLoss(
                 f"{count} samples of epoch {epoch} failed, more than max_error_fraction="
