@@ -13,11 +13,11 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Final
 
-from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
+from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle
 from batchd._device import Batch, resolve_device
@@ -33,6 +33,7 @@ from batchd._state import STATE_FORMAT, Cursor, SavedPosition, check_state
 from batchd._stats import LoopClock
 from batchd._status import disagreement
 from batchd._stream import BatchStream, ReceivedBatch
+from batchd._striping import connect
 from batchd._version import __version__
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
@@ -51,7 +52,8 @@ class Loader(LoaderInfo):
 
     Args:
         target: The server, ``unix:///path/grpc.sock`` or ``host:port``; default
-            ``$BATCHD_TARGET``.
+            ``$BATCHD_TARGET``. A list of replicas, or ``dns:///NAME:PORT`` naming several,
+            share each epoch's batches (batch k from replica k mod R: ``batchd._striping``).
         dataset: The dataset's name in the server's catalog.
         split: The split to read.
         batch_size: Samples per batch, 1 to 65536.
@@ -121,7 +123,7 @@ class Loader(LoaderInfo):
 
     def __init__(
         self,
-        target: str | None = None,
+        target: str | Sequence[str] | None = None,
         *,
         dataset: str,
         split: str = "train",
@@ -168,8 +170,9 @@ class Loader(LoaderInfo):
             reconnect_timeout_s=reconnect_timeout_s,
         )
         self._device = resolve_device(device)
-        self._conn = Connection(resolve_target(target), ChannelSecurity.resolve(auth_token, tls_ca))
-        self._finalizer = weakref.finalize(self, self._conn.close)
+        # One server, or replicas to stripe batches over (then _conn is their primary).
+        self._conn, self._stripes = connect(target, ChannelSecurity.resolve(auth_token, tls_ca))
+        self._finalizer = weakref.finalize(self, (self._stripes or self._conn).close)
         self._closed = False
         self._iteration: object | None = None
         self._lost: SessionHandle | None = None
@@ -185,7 +188,10 @@ class Loader(LoaderInfo):
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
         or replaced (``"replace"``)."""
         try:
-            self._conn.replace_session(self._open_session())
+            if self._stripes is None:
+                self._conn.replace_session(self._open_session())
+            else:
+                self._stripes.open(self)
         except BaseException:
             self._finalizer()
             raise
@@ -197,11 +203,12 @@ class Loader(LoaderInfo):
         version: str | None = None,
         snapshot: str | None = None,
         *,
+        conn: Connection | None = None,
         wait_for_ready: bool = False,
         timeout_s: float | None = None,
     ) -> SessionHandle:
         options = self._options
-        return self._conn.open_session(
+        return (conn or self._conn).open_session(
             options.to_request(version=version, snapshot=snapshot),
             transport=options.transport,
             timeout_s=options.timeout_s if timeout_s is None else timeout_s,
@@ -230,7 +237,7 @@ class Loader(LoaderInfo):
 
     def _abandon(self) -> None:
         self._iteration = None
-        self._conn.abandon_stream()
+        (self._stripes or self._conn).abandon_stream()
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -285,6 +292,8 @@ class Loader(LoaderInfo):
         self._abandon()
         token = object()
         self._iteration = token
+        if self._stripes is not None:
+            return self._stripes.iterate(self, token, _SUPERSEDED)
         return self._iterate(token)
 
     def _iterate(self, token: object) -> Iterator[Batch]:
