@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from batchd._striping import Replicas, replicas_of
+from batchd._channel import ChannelSecurity
+from batchd._striping import Replicas, Stripes, replicas_of
 from batchd.errors import InvalidArgument
 
 
@@ -71,3 +72,24 @@ def test_a_list_of_replicas_is_striped_and_mistakes_are_refused_by_name() -> Non
         replicas_of("dns:///pool", resolver=_resolver("1.2.3.4", "1.2.3.5"))
     with pytest.raises(InvalidArgument, match=r"names a DNS server \(8\.8\.8\.8\)"):
         replicas_of("dns://8.8.8.8/pool:50051", resolver=_resolver("1.2.3.4", "1.2.3.5"))
+
+
+def test_resolving_again_adds_new_replicas_and_forgets_vanished_dropped_ones() -> None:
+    """A pool that scaled out is striped over from then on; an address the name no longer
+    has is forgotten once it is out of the stripes (a live one stays until it fails)."""
+    answers = [("10.0.0.1", "10.0.0.2")]
+    stripes = Stripes(
+        replicas_of("dns:///pool:1", resolver=_resolver(*answers[0])),  # type: ignore[arg-type]
+        ChannelSecurity(),
+        resolver=lambda *a, **k: _resolver(*answers[-1])(*a, **k),
+    )
+    try:
+        stripes._live = [stripes._replicas[0]]  # 10.0.0.2 is out of the stripes
+        answers.append(("10.0.0.1", "10.0.0.3"))
+        stripes._resolve_again()
+        assert [r.conn.target for r in stripes._replicas] == ["10.0.0.1:1", "10.0.0.3:1"]
+        answers.append(("10.0.0.3",))
+        stripes._resolve_again()
+        assert [r.conn.target for r in stripes._replicas] == ["10.0.0.1:1", "10.0.0.3:1"]
+    finally:
+        stripes.close()

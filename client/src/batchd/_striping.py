@@ -42,7 +42,7 @@ from batchd._state import Cursor
 from batchd._stats import LoopClock
 from batchd._status import disagreement
 from batchd._stream import BatchStream
-from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from batchd.errors import BatchdError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 __all__ = ["Replicas", "StripedLoader", "Stripes", "connect", "replicas_of"]
 
@@ -198,8 +198,11 @@ class Stripes:
     ``len()``, ``state_dict()`` and the rest; the others are kept on its snapshot.
     """
 
-    def __init__(self, replicas: Replicas, security: ChannelSecurity) -> None:
+    def __init__(
+        self, replicas: Replicas, security: ChannelSecurity, resolver: Resolver = socket.getaddrinfo
+    ) -> None:
         self._source = replicas
+        self._resolver = resolver
         self._security = security
         self._replicas = [_Replica(self._connect(a)) for a in replicas.addresses]
         self._live: list[_Replica] = []
@@ -275,9 +278,7 @@ class Stripes:
             old.close(conn.stub, conn.target, quiet=True)
         if reference is None:
             self._reference = session.reply
-        if replica not in self._live:
-            self._live.append(replica)
-            self._live.sort(key=self._replicas.index)
+        self._admit(replica)
         replica.retry_after_s = _RETRY_FIRST_S
         if loader._conn.session is None or all(r.conn is not loader._conn for r in self._live):
             loader._conn, loader._lost = conn, None
@@ -308,32 +309,50 @@ class Stripes:
         primary = loader._session()
         self._reference = primary.reply
         now = time.monotonic()
-        source = self._source
-        if source.dns_host is not None and now - self._resolved_at >= _RESOLVE_EVERY_S:
+        if self._source.dns_host is not None and now - self._resolved_at >= _RESOLVE_EVERY_S:
             self._resolved_at = now
-            try:
-                found = _addresses(source.dns_host, source.dns_port, socket.getaddrinfo)
-            except OSError as e:
-                logger.info("batchd: resolving %s again failed: %s", source.dns_host, e)
-                found = []
-            known = {r.conn.target for r in self._replicas}
-            for address in found:
-                if address not in known:
-                    logger.info("batchd: %s has a new replica %s", source.dns_host, address)
-                    self._replicas.append(_Replica(self._connect(address)))
+            self._resolve_again()
         for replica in self._replicas:
             session = replica.conn.session
-            stale = session is not None and (
-                session.reply.snapshot != primary.reply.snapshot
-                or session.reply.version != primary.reply.version
-            )
-            if not stale and (replica in self._live or replica.retry_at > now):
+            if session is not None and (session.reply.snapshot, session.reply.version) == (
+                primary.reply.snapshot,
+                primary.reply.version,
+            ):
+                self._admit(replica)  # the primary, after Loader._session() reopened it
+                continue
+            if session is None and replica.retry_at > now:
                 continue
             try:
                 self._open_on(loader, replica, timeout_s=_RETRY_TIMEOUT_S)
-            except Unavailable as e:
-                logger.debug("batchd: replica %r still unreachable: %s", replica.conn.target, e)
+            except BatchdError as e:
+                # A replica that cannot join costs this iteration nothing but its share.
+                level = logging.DEBUG if isinstance(e, Unavailable) else logging.WARNING
+                logger.log(level, "batchd: replica %r left out: %s", replica.conn.target, e)
                 self._drop(loader, replica)
+
+    def _resolve_again(self) -> None:
+        """Add the DNS name's new addresses; forget dropped ones it no longer has."""
+        host, port = self._source.dns_host, self._source.dns_port
+        assert host is not None
+        try:
+            found = _addresses(host, port, self._resolver)
+        except OSError as e:
+            logger.info("batchd: resolving %s again failed (%s); keeping its replicas", host, e)
+            return
+        for replica in list(self._replicas):
+            if replica.conn.target not in found and replica not in self._live:
+                self._replicas.remove(replica)
+                replica.conn.close()
+        known = {r.conn.target for r in self._replicas}
+        for address in found:
+            if address not in known:
+                logger.info("batchd: %s has a new replica %s", host, address)
+                self._replicas.append(_Replica(self._connect(address)))
+
+    def _admit(self, replica: _Replica) -> None:
+        if replica not in self._live:
+            self._live.append(replica)
+            self._live.sort(key=self._replicas.index)
 
     def _reopen_any(self, loader: StripedLoader, left_s: float) -> None:
         """One try on every replica; Unavailable when none took a session."""
@@ -450,7 +469,7 @@ class Stripes:
         try:
             self._open_on(loader, replica, timeout_s=_RETRY_TIMEOUT_S)
             logger.info("batchd: replica %r took a new session (%s)", conn.target, cause)
-        except Unavailable as e:
+        except BatchdError as e:
             self._drop(loader, replica)
             logger.debug("batchd: replica %r failed (%s), and again: %s", conn.target, cause, e)
             logger.warning(
@@ -501,7 +520,7 @@ class Stripes:
                     if tries >= _MAX_RECOVERIES:
                         raise Unavailable(f"its streams failed {tries} times in a row: {e}")
                     self._open_on(loader, replica, timeout_s=_RETRY_TIMEOUT_S)
-                except Unavailable as again:
+                except BatchdError as again:
                     logger.warning("batchd: dropping replica %r: %s", replica.conn.target, again)
                     self._drop(loader, replica)
 
