@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from batchd import errors
 from batchd._catalog import Catalog, DatasetInfo, SplitInfo
 from batchd._loader import Loader
+from batchd._mix import Mix, Source
 from batchd._specs import Array, Custom, Image, Tokens
 from batchd._version import __version__
 
@@ -25,6 +26,8 @@ __all__ = [
     "Image",
     "IterableDataset",
     "Loader",
+    "Mix",
+    "Source",
     "SplitInfo",
     "Tokens",
     "__version__",

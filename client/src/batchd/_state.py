@@ -102,6 +102,13 @@ def check_state(
     missing = [key for key in _REQUIRED[fmt] if key not in state]
     if missing:
         raise InvalidArgument(f"state is missing {', '.join(missing)}; pass a state_dict()")
+    # Not required: states from before mixing have no "mix", which means none.
+    if state.get("mix") != mine.get("mix"):
+        raise InvalidArgument(
+            f"state mix={state.get('mix')!r} does not match this Loader's mix="
+            f"{mine.get('mix')!r}; create the Loader with the same sources (names, splits, "
+            "versions, weights and stop) to resume"
+        )
     keys = [*_COMPATIBLE_KEYS, *(["version"] if pinned_version is not None else [])]
     for key in keys:
         if state[key] != mine[key]:
