@@ -111,7 +111,8 @@ class Loader(LoaderInfo):
 
     Iterating yields one ``dict`` per batch, ``field name → tensor`` (NumPy arrays when torch
     is not installed): every field of the pipeline plus ``sample_id`` and ``label`` (int64),
-    first dimension the batch's rows. Epochs: :meth:`set_epoch` as with
+    and ``source`` (int64, an index into :attr:`sources`) over a mix, first dimension the
+    batch's rows. Epochs: :meth:`set_epoch` as with
     ``DistributedSampler``; if it is never called, each new iteration after a finished one
     moves to the next epoch by itself, so a forgotten ``set_epoch`` cannot repeat the order.
     Iterating again after stopping early (``break``) continues the epoch where it stopped.

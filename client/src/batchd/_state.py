@@ -6,6 +6,10 @@ ranks of the saving job served together (``batchd._epoch``). It is the same on e
 world size, so a state saved by N ranks resumes on M: the rest of the epoch is planned from
 ``consumed`` for the M new ranks.
 
+A Loader over a mix (``batchd.Mix``) saves its sources, weights and stop under ``"mix"``
+(None without a mix, and missing in states from before mixing, which means the same); they
+must match to resume. Its ``snapshot`` is the mix's token, pinning every source.
+
 Formats: 2 (this one); 1 (batchd before elastic resume: a per-rank ``next_batch``, read as
 ``consumed = next_batch * batch_size * world_size``). Others are refused with a message that
 names them and the batchd that wrote them.
