@@ -10,9 +10,11 @@ import json
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
@@ -23,6 +25,7 @@ from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd_server.api import RunningServer
 from batchd_server.catalog import migrate
 from batchd_server.catalog.db import make_engine
+from batchd_server.catalog.ingest import ingest_manifest
 
 from serving import RECORD_FLOATS, record_dataset, serve
 
@@ -33,8 +36,9 @@ MIX = {"big": 0.75, "small": 0.25}
 
 @pytest.fixture(scope="module")
 def catalog(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    """A Postgres catalog with "big" (3,000 records), "small" (1,000) and "tiny" (20, the
-    one at index 3 missing its file), for the whole module."""
+    """A Postgres catalog with "big" (3,000 records), "small" (1,000), "tiny" (20, the one
+    at index 3 missing its file) and "npys" (30 .npy files of the records' shape), for the
+    whole module."""
     name = f"batchd_mix_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
@@ -46,12 +50,29 @@ def catalog(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         record_dataset(engine, root / "big", n=BIG, name="big")
         record_dataset(engine, root / "small", n=SMALL, name="small")
         record_dataset(engine, root / "tiny", n=20, name="tiny", bad={3: "missing"})
+        _npy_dataset(engine, root / "npys", n=30)
         yield engine
     finally:
         engine.dispose()
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def _npy_value(j: int) -> np.ndarray:
+    return (500_000 + j * 100 + np.arange(RECORD_FLOATS)).astype(np.float32)
+
+
+def _npy_dataset(engine: Engine, root: Path, *, n: int) -> None:
+    """``n`` .npy files ``n0000.npy``, ... holding ``_npy_value(j)``: the records' fields,
+    stored otherwise."""
+    root.mkdir(parents=True)
+    for j in range(n):
+        np.save(root / f"n{j:04d}.npy", _npy_value(j))
+    manifest = root.parent / "npys.jsonl"
+    lines = [json.dumps({"path": f"n{j:04d}.npy", "split": "train"}) for j in range(n)]
+    manifest.write_text("\n".join(lines) + "\n")
+    ingest_manifest(engine, dataset="npys", root=root, manifest=manifest)
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +292,8 @@ def test_a_mix_takes_no_dataset_split_version_or_weighted_sampling(server: Runni
             _mix_loader(server, **clash)
     with pytest.raises(errors.InvalidArgument, match="cannot be used with a mix"):
         _mix_loader(server, sampling="weighted")
+    with pytest.raises(errors.InvalidArgument, match="is not a pipeline spec"):
+        batchd.Source("big", pipeline="raw")  # type: ignore[arg-type]
     with pytest.raises(errors.InvalidArgument, match=r"must be a batchd\.Mix"):
         batchd.Loader(server.address, sources={"big": 1}, batch_size=4)  # type: ignore[arg-type]
 
@@ -349,3 +372,56 @@ def test_a_mix_snapshot_pins_every_source_for_another_loader(server: RunningServ
     with _mix_loader(server, snapshot=snapshot) as b:
         assert b.snapshot == snapshot
         assert _batches(b) == whole
+
+
+def test_a_source_with_its_own_pipeline_decodes_with_it_into_the_same_fields(
+    server: RunningServer, catalog: Engine
+) -> None:
+    """Raw records mixed with the same arrays stored as .npy files (a source's own
+    ``Array(raw=False)``): every row holds its own sample's values."""
+    mix = batchd.Mix(
+        [
+            ("big", 1.0),
+            (batchd.Source("npys", pipeline=batchd.Array((RECORD_FLOATS,), "float32")), 1.0),
+        ]
+    )
+    with catalog.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT s.id, d.name, s.path FROM samples s JOIN datasets d "
+                "ON d.id = s.dataset_id WHERE d.name IN ('big', 'npys') ORDER BY s.id"
+            )
+        ).all()
+    big_ids = [int(i) for i, name, _ in rows if name == "big"]
+    expected = {i: big_ids.index(i) * 1000 + np.arange(RECORD_FLOATS) for i in big_ids}
+    expected |= {int(i): _npy_value(int(p[1:5])) for i, name, p in rows if name == "npys"}
+    with _mix_loader(server, mix, batch_size=8) as loader:
+        batches = list(loader)
+    sources = Counter(int(s) for b in batches for s in b["source"])
+    assert sources == {0: 31, 1: 30}, "npys runs out first; big's item due with it comes first"
+    for batch in batches:
+        for sample_id, array in zip(batch["sample_id"].tolist(), batch["array"], strict=True):
+            assert np.array_equal(array.numpy(), expected[sample_id]), sample_id
+
+
+def test_a_source_pipeline_with_other_fields_or_other_padding_is_refused(
+    server: RunningServer,
+) -> None:
+    """A source's own pipeline must give the session's fields, and a whole-batch pipeline
+    (tokens) must be the session's own."""
+    narrow = batchd.Source("npys", pipeline=batchd.Array((16,), "float32"))
+    with pytest.raises(
+        errors.InvalidArgument,
+        match=r"mix source 'npys:train' decodes to array float32 \[16\], the session's "
+        r"pipeline to array float32 \[32\]",
+    ):
+        _mix_loader(server, batchd.Mix([("big", 1.0), (narrow, 1.0)]))
+    padded = batchd.Source("npys", pipeline=batchd.Tokens(max_len=8, pad_id=1))
+    with pytest.raises(errors.InvalidArgument, match="finishes the whole batch"):
+        batchd.Loader(
+            server.address,
+            sources=batchd.Mix([("big", 1.0), (padded, 1.0)]),
+            batch_size=4,
+            pipeline=batchd.Tokens(max_len=8),
+            device="cpu",
+        )

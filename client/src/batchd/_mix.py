@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._specs import PipelineSpec, pipeline_or_default
 from batchd.errors import InvalidArgument
 
 __all__ = ["MAX_MIX_SOURCES", "MAX_STOP", "Mix", "Source"]
@@ -31,7 +32,10 @@ class Source:
 
     A string stands for a Source too: ``"name"`` is ``Source("name")`` and ``"name:split"`` is
     ``Source("name", "split")`` (the split follows the last colon). Use a Source for a
-    dataset whose name holds a colon, or to pin a ``version``.
+    dataset whose name holds a colon, to pin a ``version``, or to decode this source with a
+    ``pipeline`` of its own (other augmentations, or the same arrays stored otherwise): it
+    must give the same batch fields (names, dtypes, shapes) as the Loader's pipeline, and a
+    pipeline that works on the whole batch (``Tokens``, ``Custom``) must be the Loader's own.
 
     Raises:
         InvalidArgument: an empty or non-string name.
@@ -41,6 +45,8 @@ class Source:
     split: str = "train"
     version: str | None = None
     """The dataset version; default the newest."""
+    pipeline: PipelineSpec | None = None
+    """This source's pipeline; default the Loader's."""
 
     def __post_init__(self) -> None:
         for what, text in (("dataset", self.dataset), ("split", self.split)):
@@ -50,6 +56,8 @@ class Source:
             raise InvalidArgument(
                 f"a mix source's version={self.version!r} must be a non-empty string or None"
             )
+        if self.pipeline is not None:
+            pipeline_or_default(self.pipeline)  # a spec, or InvalidArgument
 
     @classmethod
     def parse(cls, text: str) -> Source:
@@ -91,9 +99,9 @@ class Mix:
             sample of any source repeats within an epoch. An int N: every epoch has N samples
             (all ranks together), and a source that runs out starts over in a new order.
 
-    Every source goes through the Loader's pipeline, so their samples must decode alike.
-    Sampling is ``"uniform"`` within each source, shuffled per (seed, epoch, source) when the
-    Loader shuffles.
+    Every source goes through the Loader's pipeline unless its :class:`Source` brings one
+    with the same fields. Sampling is ``"uniform"`` within each source, shuffled per (seed,
+    epoch, source) when the Loader shuffles.
 
     Raises:
         InvalidArgument: no source, a bad name or weight, a source listed twice, or a bad
@@ -166,15 +174,16 @@ class Mix:
         return self._stop
 
     def _to_proto(self) -> loader_pb2.Mix:
-        return loader_pb2.Mix(
-            sources=[
-                loader_pb2.MixSource(
-                    dataset=s.dataset, version=s.version or "", split=s.split, weight=w
-                )
-                for s, w in zip(self._sources, self._weights, strict=True)
-            ],
-            stop_samples=0 if self._stop == "first" else int(self._stop),
-        )
+        sources = []
+        for s, w in zip(self._sources, self._weights, strict=True):
+            source = loader_pb2.MixSource(
+                dataset=s.dataset, version=s.version or "", split=s.split, weight=w
+            )
+            if s.pipeline is not None:
+                source.pipeline.CopyFrom(s.pipeline._to_proto())
+            sources.append(source)
+        stop = 0 if self._stop == "first" else int(self._stop)
+        return loader_pb2.Mix(sources=sources, stop_samples=stop)
 
     def _state(self) -> dict[str, Any]:
         """What a saved state records of the mix: plain values, compared on resume."""

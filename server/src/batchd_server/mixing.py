@@ -38,9 +38,9 @@ import binascii
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -92,6 +92,9 @@ class MixSourceOptions:
     version: str | None = None
     split: str = "train"
     weight: float
+    pipeline_kind: str | None = None
+    """The source's own pipeline (``build_pipeline``'s kind); None: the session's."""
+    pipeline_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         weight = self.weight

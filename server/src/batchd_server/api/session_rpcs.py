@@ -138,12 +138,15 @@ def _mix(request: pb.OpenSessionRequest) -> MixOptions:
         check_name("dataset", source.dataset)
         check_name("version", source.version, required=False)
         check_name("split", source.split, required=False)
+        kind, options = _pipeline(source.pipeline) if source.HasField("pipeline") else (None, {})
         sources.append(
             MixSourceOptions(
                 dataset=source.dataset,
                 version=source.version or None,
                 split=source.split or "train",
                 weight=source.weight,
+                pipeline_kind=kind,
+                pipeline_options=options,
             )
         )
     return MixOptions(sources=tuple(sources), stop_samples=request.mix.stop_samples)

@@ -20,7 +20,11 @@ from batchd_server.limits import MAX_SLOT_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.session import Session
-from batchd_server.sessions.sources import acquire_sources, release_sources
+from batchd_server.sessions.sources import (
+    acquire_sources,
+    check_source_pipelines,
+    release_sources,
+)
 from batchd_server.shm.segments import ShmRegistry, format_bytes
 from batchd_server.workers.pool import WorkerPool
 
@@ -92,6 +96,7 @@ class SessionManager:
 
     def _open(self, options: SessionOptions) -> Session:
         pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
+        check_source_pipelines(options, pipeline)
         layout, slot_bytes = slot_layout(
             pipeline.fields(), options.sampler.batch_size, mixed=options.mix is not None
         )

@@ -169,8 +169,19 @@ class Session:
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
             sources=tuple(
-                MixSourceSpec(entry.segment.name, entry.arrays.dataset.root, int(start))
-                for entry, start in zip(sources, source_starts(self.source_rows), strict=False)
+                MixSourceSpec(
+                    entry.segment.name,
+                    entry.arrays.dataset.root,
+                    int(start),
+                    source.pipeline_kind or "",
+                    source.pipeline_options,
+                )
+                for entry, start, source in zip(
+                    sources,
+                    source_starts(self.source_rows),
+                    mix.sources if mix is not None else (),
+                    strict=False,
+                )
             ),
         )
         self._cond = threading.Condition()

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from batchd_server.catalog_cache import CatalogCache, CatalogEntry
 from batchd_server.errors import InvalidArgument
 from batchd_server.mixing import mix_token, parse_mix_token
+from batchd_server.pipelines.base import Pipeline
+from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions
 
-__all__ = ["acquire_sources", "release_sources", "snapshot_token"]
+__all__ = ["acquire_sources", "check_source_pipelines", "release_sources", "snapshot_token"]
 
 
 def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[CatalogEntry, ...]:
@@ -61,3 +65,49 @@ def snapshot_token(options: SessionOptions, entries: tuple[CatalogEntry, ...]) -
     if options.mix is None:
         return entries[0].arrays.snapshot.token()
     return mix_token([(e.arrays.dataset.version, e.arrays.snapshot.token()) for e in entries])
+
+
+def check_source_pipelines(options: SessionOptions, pipeline: Pipeline) -> None:
+    """Refuse a mix whose sources would not make one kind of batch: a source's own pipeline
+    must fill the same fields (names, dtypes, one sample's shape) as the session's
+    ``pipeline``, and one that finishes the whole batch (tokens' padding to the longest, a
+    custom decoder) must be the session's own, since one ``finish`` runs per batch.
+
+    Raises:
+        InvalidArgument: which source, and how its fields differ.
+        InvalidArgument, NotFound: a source's pipeline cannot be built (as ``build_pipeline``).
+    """
+    if options.mix is None:
+        return
+    wanted = _schema(pipeline)
+    session_pipeline = (options.pipeline_kind, options.pipeline_options)
+    for source in options.mix.sources:
+        if source.pipeline_kind is None:
+            continue
+        own = build_pipeline(source.pipeline_kind, source.pipeline_options)
+        schema = _schema(own)
+        if schema != wanted:
+            raise InvalidArgument(
+                f"mix source {source.name!r} decodes to {_describe(schema)}, the session's "
+                f"pipeline to {_describe(wanted)}; every source of a mix must decode to the "
+                "same fields (names, dtypes, shapes): change the source's pipeline, or leave "
+                "it out to use the session's"
+            )
+        works_on_batch = type(own).finish is not Pipeline.finish
+        if works_on_batch and (source.pipeline_kind, source.pipeline_options) != session_pipeline:
+            raise InvalidArgument(
+                f"mix source {source.name!r} has a {source.pipeline_kind} pipeline of its own, "
+                "but that pipeline finishes the whole batch (padding, a custom decoder's "
+                "collation), which one pipeline does for all sources; give every source the "
+                "session's pipeline"
+            )
+
+
+def _schema(pipeline: Pipeline) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(f.name, f.dtype.newbyteorder("<").str, tuple(f.shape)) for f in pipeline.fields()]
+
+
+def _describe(schema: list[tuple[str, str, tuple[int, ...]]]) -> str:
+    return ", ".join(
+        f"{name} {np.dtype(dtype).name} {list(shape)}" for name, dtype, shape in schema
+    )

@@ -5,9 +5,11 @@ A mixed session's task positions are global over its sources concatenated in ord
 source. :class:`MixedContext` is a :class:`SessionContext` that holds every source's catalog
 arrays and files and, for each run of rows of one source, points the context at that source
 and fills the run's rows with the context's own code (one vectorised read for byte-range
-records, else sample by sample). The pipeline and the ring are the session's, shared by
-all sources. A replacement under ``on_error="replace"`` is drawn from the bad sample's own
-source. Each row's source index goes into the batch's ``source`` field.
+records, else sample by sample). The ring is the session's; each source decodes with the
+session's pipeline or its own (same fields: ``sessions/sources.check_source_pipelines``),
+and the session's pipeline finishes the batch. A replacement under ``on_error="replace"``
+is drawn from the bad sample's own source. Each row's source index goes into the batch's
+``source`` field.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from batchd_server.pipelines.base import Pipeline
 from batchd_server.pipelines.files import SampleFiles
+from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment
 from batchd_server.workers.task import (
@@ -55,6 +59,7 @@ class _Source:
     files: SampleFiles
     attachment: Attachment | None
     """None for the first source, whose mapping the base context owns."""
+    pipeline: Pipeline
 
 
 class MixedContext(SessionContext):
@@ -70,8 +75,14 @@ class MixedContext(SessionContext):
             0,
         ), "the spec's own catalog is the first source"
         super().__init__(spec)
+        self._session_pipeline = self.pipeline
         self._sources = [
-            _Source({name: getattr(self, name) for name in _COLUMNS}, self.files, None)
+            _Source(
+                {name: getattr(self, name) for name in _COLUMNS},
+                self.files,
+                None,
+                self._pipeline_of(first.pipeline_kind, first.pipeline_options),
+            )
         ]
         try:
             for source in spec.sources[1:]:
@@ -85,18 +96,23 @@ class MixedContext(SessionContext):
                     attachment.close()
                     raise
                 columns = {name: arrays[name] for name in _COLUMNS}
-                self._sources.append(_Source(columns, files, attachment))
+                pipeline = self._pipeline_of(source.pipeline_kind, source.pipeline_options)
+                self._sources.append(_Source(columns, files, attachment, pipeline))
         except BaseException:
             self.close()
             raise
         self._starts = np.array([s.start for s in spec.sources], np.int64)
 
+    def _pipeline_of(self, kind: str, options: dict[str, Any]) -> Pipeline:
+        return build_pipeline(kind, options) if kind else self._session_pipeline
+
     def _use(self, index: int) -> None:
-        """Point the context's catalog arrays and files at source ``index``."""
+        """Point the context's catalog arrays, files and pipeline at source ``index``."""
         source = self._sources[index]
         for name, column in source.columns.items():
             setattr(self, name, column)
         self.files = source.files
+        self.pipeline = source.pipeline
 
     def run(self, task: BatchTask) -> BatchResult:
         started_at = time.monotonic()
@@ -131,7 +147,7 @@ class MixedContext(SessionContext):
         finish_start = time.perf_counter()
         ours = ("sample_id", "label", "source")
         pipeline_block = {k: v for k, v in block.items() if k not in ours}
-        shapes = self.pipeline.finish(pipeline_block, rows)
+        shapes = self._session_pipeline.finish(pipeline_block, rows)
         shapes.update((name, (rows,)) for name in ours)
         del block, pipeline_block, view  # no view of the ring may outlive the task
         times = StageTimes(
@@ -146,6 +162,7 @@ class MixedContext(SessionContext):
         sources = getattr(self, "_sources", [])
         if sources:
             self._use(0)
+            self.pipeline = self._session_pipeline
         for source in sources[1:]:
             source.columns.clear()
             source.files.close()

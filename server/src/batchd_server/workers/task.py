@@ -61,6 +61,9 @@ class MixSourceSpec:
     root: str
     start: int
     """The source's first position: a task's positions are global over the sources."""
+    pipeline_kind: str = ""
+    """The source's own pipeline; "" decodes it with the session's."""
+    pipeline_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

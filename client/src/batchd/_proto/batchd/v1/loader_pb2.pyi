@@ -194,20 +194,22 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, str]] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., prefetch: _Optional[int] = ..., snapshot: _Optional[str] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_error_fraction: _Optional[float] = ..., mix: _Optional[_Union[Mix, _Mapping]] = ...) -> None: ...
 
 class MixSource(_message.Message):
-    __slots__ = ("dataset", "version", "split", "weight", "rows", "epoch_samples")
+    __slots__ = ("dataset", "version", "split", "weight", "rows", "epoch_samples", "pipeline")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     version: str
     split: str
     weight: float
     rows: int
     epoch_samples: int
-    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., weight: _Optional[float] = ..., rows: _Optional[int] = ..., epoch_samples: _Optional[int] = ...) -> None: ...
+    pipeline: Pipeline
+    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., weight: _Optional[float] = ..., rows: _Optional[int] = ..., epoch_samples: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
 
 class Mix(_message.Message):
     __slots__ = ("sources", "stop_samples")
