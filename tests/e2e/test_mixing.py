@@ -37,8 +37,8 @@ MIX = {"big": 0.75, "small": 0.25}
 @pytest.fixture(scope="module")
 def catalog(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """A Postgres catalog with "big" (3,000 records), "small" (1,000), "tiny" (20, the one
-    at index 3 missing its file) and "npys" (30 .npy files of the records' shape), for the
-    whole module."""
+    at index 3 missing its file), "npys" (30 .npy files of the records' shape) and
+    "unverified" (4 records, none verified), for the whole module."""
     name = f"batchd_mix_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
@@ -51,6 +51,14 @@ def catalog(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         record_dataset(engine, root / "small", n=SMALL, name="small")
         record_dataset(engine, root / "tiny", n=20, name="tiny", bad={3: "missing"})
         _npy_dataset(engine, root / "npys", n=30)
+        record_dataset(engine, root / "unverified", n=4, name="unverified")
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE samples SET is_verified = false WHERE dataset_id = "
+                    "(SELECT id FROM datasets WHERE name = 'unverified')"
+                )
+            )
         yield engine
     finally:
         engine.dispose()
@@ -259,9 +267,17 @@ def test_a_bad_sample_of_one_source_is_skipped_and_the_rest_keep_their_source(
     assert Counter(name for _, name in served) == {"tiny": 19, "small:train": 20}
 
 
-def test_a_mix_with_an_unknown_dataset_is_refused_naming_it(server: RunningServer) -> None:
+def test_a_mix_with_an_unknown_or_empty_source_is_refused_naming_it(
+    server: RunningServer,
+) -> None:
     with pytest.raises(errors.NotFound, match="nosuch"):
         _mix_loader(server, batchd.Mix({"big": 1, "nosuch": 1}))
+    with pytest.raises(errors.NotFound, match="val"):
+        _mix_loader(server, batchd.Mix({"big": 1, "small:val": 1}))
+    with pytest.raises(
+        errors.FailedPrecondition, match="mix source 'unverified:train' has no verified samples"
+    ):
+        _mix_loader(server, batchd.Mix({"big": 1, "unverified": 1}))
 
 
 @pytest.mark.parametrize(

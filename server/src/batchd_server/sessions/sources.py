@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from batchd_server.catalog_cache import CatalogCache, CatalogEntry
-from batchd_server.errors import InvalidArgument
+from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.mixing import mix_token, parse_mix_token
 from batchd_server.pipelines.base import Pipeline
 from batchd_server.pipelines.registry import build_pipeline
@@ -27,6 +27,7 @@ def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[Catal
     Raises:
         InvalidArgument: a mix's snapshot is not one of this mix, or pins another version
             than a source asks for.
+        FailedPrecondition: a mix's source has no verified samples.
         NotFound, SnapshotMismatch, ResourceExhausted, Unavailable: as ``CatalogCache.acquire``.
     """
     mix = options.mix
@@ -47,7 +48,13 @@ def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[Catal
                         "mix, or none"
                     )
                 version = pinned_version
-            entries.append(cache.acquire(source.dataset, version, source.split, snapshot))
+            entry = cache.acquire(source.dataset, version, source.split, snapshot)
+            entries.append(entry)
+            if len(entry.arrays) == 0:
+                raise FailedPrecondition(
+                    f"mix source {source.name!r} has no verified samples; ingest or verify "
+                    "samples of that split, or leave it out of the mix"
+                )
     except BaseException:
         release_sources(cache, entries)
         raise
