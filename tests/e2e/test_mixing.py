@@ -182,11 +182,14 @@ def test_a_mid_epoch_state_dict_resumes_the_mix_exactly(server: RunningServer) -
 def test_two_ranks_serve_each_sample_of_each_source_exactly_once(
     server: RunningServer, dataset_of: dict[int, str]
 ) -> None:
-    """Ranks 0 and 1 of a 2-rank job: disjoint, and together every sample of the epoch."""
+    """Ranks 0 and 1 of a 2-rank job: disjoint, and together every sample of the epoch; on
+    each, every batch is 3:1 (within 2 samples)."""
     per_rank = []
     for rank in (0, 1):
         with _mix_loader(server, rank=rank, world_size=2) as loader:
-            per_rank.append(_ids(_batches(loader)))
+            batches = _batches(loader)
+        assert all(abs(sources.count(0) - 0.75 * BATCH) < 2 for _, sources in batches)
+        per_rank.append(_ids(batches))
     assert not set(per_rank[0]) & set(per_rank[1])
     served = per_rank[0] + per_rank[1]
     assert len(served) == len(set(served)) == BIG + SMALL

@@ -156,9 +156,9 @@ def test_plans_deal_the_order_and_resume_from_any_global_cursor(
     k: int,
     resume_world: int,
 ) -> None:
-    """Ranks' batches are the order dealt as for one split, each batch grouped by source;
-    after k global batches, any world size serves exactly the rest of the order (padding
-    aside)."""
+    """Rank r's batch k is the r-th run of global batch k (padded as for one split), grouped
+    by source and within S + 1 samples of each source's share; after k global batches, any
+    world size serves exactly the rest of the order (padding aside)."""
     sizes, mix = m["sizes"], m["mix"]
     options = SamplerOptions(
         batch_size=batch_size,
@@ -169,6 +169,10 @@ def test_plans_deal_the_order_and_resume_from_any_global_cursor(
     )
     order = _order(m)
     padded = rest_of_order(order, options)
+    per_rank = padded.size // world_size
+    whole_batches = per_rank // batch_size
+    global_batch = batch_size * world_size
+    shares = np.array(mix.units) / sum(mix.units)
     starts = source_starts(sizes)
     plans = [
         plan_mix_epoch(sizes, mix, dataclasses.replace(options, rank=r), m["epoch"])
@@ -181,8 +185,18 @@ def test_plans_deal_the_order_and_resume_from_any_global_cursor(
             batch = plan.batch(b)
             grouped = np.searchsorted(starts[1:], batch, side="right")
             assert (np.diff(grouped) >= 0).all(), "a batch's rows are grouped by source"
-            dealt = padded[rank::world_size][b * batch_size : (b + 1) * batch_size]
+            if b < whole_batches:
+                first = b * global_batch + rank * batch_size
+                dealt = padded[first : first + batch_size]
+            else:
+                short = per_rank - whole_batches * batch_size
+                first = whole_batches * global_batch + rank * short
+                dealt = padded[first : first + short]
             assert Counter(batch.tolist()) == Counter(dealt.tolist())
+            if (b + 1) * global_batch <= order.size:  # no padding in it
+                counts = np.bincount(grouped, minlength=len(sizes))
+                bound = 2 if len(sizes) == 2 else len(sizes) + 1
+                assert (np.abs(counts - shares * batch.size) < bound).all(), (counts, shares)
             if b < whole:
                 before += batch.tolist()
     consumed = whole * batch_size * world_size

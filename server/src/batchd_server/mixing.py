@@ -25,10 +25,15 @@ served at most once and the first source to run out is served whole. ``stop_samp
 L = N, and a source that runs out begins its next pass (a new order of its rows).
 
 Positions are global over the sources concatenated in order: source s's row r is position
-``starts[s] + r``. The order is then dealt to the ranks (``sampling.rest_of_order`` and
-``sampling.deal``) like a single split's, so padding, ``drop_last`` and elastic resume from
-a global cursor work unchanged. Within each batch the rows are grouped by source (a stable
-sort), so that a worker decodes each source's rows together.
+``starts[s] + r``. The rest of an epoch (from a global cursor) is truncated or padded like a
+single split's (``sampling.rest_of_order``), so ``drop_last``, padding and elastic resume
+work unchanged, but it is dealt to the ranks in blocks (``deal_blocks``): rank r's batch k
+is the r-th run of ``batch_size`` entries of global batch k, not every ``world_size``-th
+entry, which would alias with the round robin's period (at 3:1 over 2 ranks, one rank would
+get every sample of the smaller source). A contiguous run keeps the weights, so every
+rank's every batch is within (S + 1) samples of its shares (within 2 for two sources).
+Within each batch the rows are grouped by source (a stable sort), so that a worker decodes
+each source's rows together.
 """
 
 from __future__ import annotations
@@ -50,7 +55,6 @@ from batchd_server.sampling import (
     MIX_PASS_TAG,
     EpochPlan,
     SamplerOptions,
-    deal,
     num_batches,
     rest_of_order,
 )
@@ -61,6 +65,7 @@ __all__ = [
     "SHARE_RESOLUTION",
     "MixOptions",
     "MixSourceOptions",
+    "deal_blocks",
     "group_by_source",
     "mix_counts",
     "mix_token",
@@ -253,8 +258,24 @@ def plan_mix_epoch(
         stop_samples=mix.stop_samples,
     )
     rest = rest_of_order(order, options, start=start)
-    plan = deal(rest, options, num_batches(order.size, options, start=start))
+    plan = deal_blocks(rest, options, num_batches(order.size, options, start=start))
     return group_by_source(plan, source_starts(sizes))
+
+
+def deal_blocks(rest: Int64Array, options: SamplerOptions, batches: int) -> EpochPlan:
+    """Rank ``options.rank``'s plan of ``batches`` batches from ``rest`` (a multiple of
+    ``world_size`` entries, as ``rest_of_order`` returns it): its batch k is the rank's run of
+    global batch k (``batch_size`` entries each; the short last global batch is split into
+    equal runs)."""
+    world, size, rank = options.world_size, options.batch_size, options.rank
+    assert rest.size % world == 0, "the rest is padded or truncated for the world size"
+    per_rank = rest.size // world
+    whole = per_rank // size
+    head = rest[: whole * size * world].reshape(whole, world, size)[:, rank, :].reshape(-1)
+    tail = rest[whole * size * world :]
+    short = tail.size // world
+    positions = np.concatenate([head, tail[rank * short : (rank + 1) * short]])
+    return EpochPlan(positions, size, batches)
 
 
 def group_by_source(plan: EpochPlan, starts: Int64Array) -> EpochPlan:
