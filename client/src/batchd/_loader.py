@@ -24,6 +24,7 @@ from batchd._device import Batch, resolve_device
 from batchd._epoch import rest_of_epoch
 from batchd._inline import InlineStream
 from batchd._loader_info import LoaderInfo
+from batchd._mix import Mix
 from batchd._options import MAX_BATCH_SIZE, LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S, retry_until
@@ -53,6 +54,9 @@ class Loader(LoaderInfo):
         target: The server, ``unix:///path/grpc.sock`` or ``host:port``; default
             ``$BATCHD_TARGET``.
         dataset: The dataset's name in the server's catalog.
+        sources: Instead of ``dataset``: a :class:`batchd.Mix` of several splits, each batch
+            drawn by weight; batches then have a ``source`` field indexing
+            :attr:`sources` (see the README's "Mixing datasets").
         split: The split to read.
         batch_size: Samples per batch, 1 to 65536.
         shuffle: A new order each epoch, from (seed, epoch); else id order.
@@ -107,7 +111,8 @@ class Loader(LoaderInfo):
 
     Iterating yields one ``dict`` per batch, ``field name → tensor`` (NumPy arrays when torch
     is not installed): every field of the pipeline plus ``sample_id`` and ``label`` (int64),
-    first dimension the batch's rows. Epochs: :meth:`set_epoch` as with
+    and ``source`` (int64, an index into :attr:`sources`) over a mix, first dimension the
+    batch's rows. Epochs: :meth:`set_epoch` as with
     ``DistributedSampler``; if it is never called, each new iteration after a finished one
     moves to the next epoch by itself, so a forgotten ``set_epoch`` cannot repeat the order.
     Iterating again after stopping early (``break``) continues the epoch where it stopped.
@@ -123,7 +128,8 @@ class Loader(LoaderInfo):
         self,
         target: str | None = None,
         *,
-        dataset: str,
+        dataset: str | None = None,
+        sources: Mix | None = None,
         split: str = "train",
         batch_size: int,
         shuffle: bool = True,
@@ -166,6 +172,7 @@ class Loader(LoaderInfo):
             max_error_fraction=max_error_fraction,
             timeout_s=timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
+            sources=sources,
         )
         self._device = resolve_device(device)
         self._conn = Connection(resolve_target(target), ChannelSecurity.resolve(auth_token, tls_ca))
@@ -486,6 +493,7 @@ class Loader(LoaderInfo):
             "shuffle": options.shuffle,
             "drop_last": options.drop_last,
             "sampling": options.sampling,
+            "mix": options.mix_state(),
             "epoch": cursor.epoch,
             "consumed": cursor.start + cursor.next_batch * global_batch,
             "order_world_size": cursor.order_world_size or options.world_size,

@@ -20,6 +20,11 @@ from batchd_server.limits import MAX_SLOT_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.session import Session
+from batchd_server.sessions.sources import (
+    acquire_sources,
+    check_source_pipelines,
+    release_sources,
+)
 from batchd_server.shm.segments import ShmRegistry, format_bytes
 from batchd_server.workers.pool import WorkerPool
 
@@ -91,23 +96,26 @@ class SessionManager:
 
     def _open(self, options: SessionOptions) -> Session:
         pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
-        layout, slot_bytes = slot_layout(pipeline.fields(), options.sampler.batch_size)
+        check_source_pipelines(options, pipeline)
+        layout, slot_bytes = slot_layout(
+            pipeline.fields(), options.sampler.batch_size, mixed=options.mix is not None
+        )
         if slot_bytes > MAX_SLOT_BYTES:
             raise InvalidArgument(
                 f"one batch would take {format_bytes(slot_bytes)}, more than the "
                 f"{format_bytes(MAX_SLOT_BYTES)} a slot may hold; lower batch_size"
             )
-        entry = self._catalog.acquire(
-            options.dataset, options.version, options.split, options.snapshot
-        )
+        entries = acquire_sources(self._catalog, options)
+        entry = entries[0]
         try:
-            root = entry.arrays.dataset.root
-            self._check_data_root(options.dataset, root)
-            if not os.path.isdir(root):
-                raise FailedPrecondition(
-                    f"dataset {options.dataset!r} has root {root!r}, which is not a directory "
-                    "on the server; mount the data there or re-ingest with the right --root"
-                )
+            for source in entries:
+                name, root = source.arrays.dataset.name, source.arrays.dataset.root
+                self._check_data_root(name, root)
+                if not os.path.isdir(root):
+                    raise FailedPrecondition(
+                        f"dataset {name!r} has root {root!r}, which is not a directory on the "
+                        "server; mount the data there or re-ingest with the right --root"
+                    )
             slots = ring_slots(options.prefetch, slot_bytes)
             ring_bytes = slot_offset(slots, slot_bytes)
             purpose = (
@@ -116,7 +124,7 @@ class SessionManager:
             )
             ring = self._catalog.create_segment("ring", ring_bytes, purpose=purpose)
         except BaseException:
-            self._catalog.release(entry)
+            release_sources(self._catalog, entries)
             raise
         token = secrets.token_bytes(16)
         ring.buf[: len(token)] = token
@@ -132,6 +140,7 @@ class SessionManager:
                 token=token,
                 pool=self._pool,
                 record_errors=self._record_errors,
+                sources=entries if options.mix is not None else (),
             )
             if session.num_batches == 0:
                 raise FailedPrecondition(
@@ -141,7 +150,7 @@ class SessionManager:
                 )
         except BaseException:
             self._registry.release(ring)
-            self._catalog.release(entry)
+            release_sources(self._catalog, entries)
             raise
         with self._lock:
             self._sessions[session_id] = session
@@ -196,7 +205,7 @@ class SessionManager:
             wait_futures(busy, timeout=_CLOSE_WAIT_S)
         self._pool.forget_session(session_id)
         self._registry.release(session.ring)
-        self._catalog.release(session.catalog)
+        release_sources(self._catalog, session.catalogs)
         logger.info("session %s %s; its ring is freed", session_id, reason)
         return True
 
@@ -230,7 +239,7 @@ class SessionManager:
         for session in sessions:
             self._pool.forget_session(session.id)
             self._registry.release(session.ring)
-            self._catalog.release(session.catalog)
+            release_sources(self._catalog, session.catalogs)
         if sessions:
             logger.info("closed %d session(s) at server shutdown", len(sessions))
         self._reaper.join(min(5.0, timeout_s))
