@@ -1,10 +1,11 @@
 """The parts behind overload protection, without a server: the limit settings (flags and
 BATCHD_* variables), the call counter with its per-client limit, and the worker pool's
-round-robin queue."""
+round-robin queue; and the chaos harness's accounting, which the soak test relies on."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from batchd_server.api.admission import Admission
 from batchd_server.config import ServerConfig
 from batchd_server.errors import ResourceExhausted
 from batchd_server.workers.fair_queue import FairQueue
+
+from chaos_harness import tally
 
 URL = "sqlite:///x.db"
 
@@ -131,3 +134,29 @@ def test_fair_queue_serves_sessions_in_turn_and_each_in_order() -> None:
     queue.append(("A", 9))
     queue.clear()
     assert len(queue) == 0 and list(queue) == []
+
+
+def test_the_chaos_tally_counts_lost_duplicated_and_resumed_epochs(tmp_path: Path) -> None:
+    """A client log with a complete epoch written by two processes, a complete epoch with a
+    sample twice, one missing and a foreign id, an epoch cut short and a line cut by a
+    kill: two epochs counted, one resumed, two lost, two duplicated."""
+
+    def line(ids: list[int], epoch: int, next_batch: int, pid: int) -> str:
+        state = {"epoch": epoch, "next_batch": next_batch, "num_batches": 3}
+        return json.dumps({"ids": ids, "state": state, "pid": pid}) + "\n"
+
+    log = tmp_path / "client-0.jsonl"
+    log.write_text(
+        line([0, 1], 0, 1, 1)
+        + line([2, 3], 0, 2, 1)
+        + line([4, 5], 1, 0, 2)  # the epoch's last batch: the state points at the next
+        + line([0, 1], 1, 1, 2)
+        + line([2, 2], 1, 2, 2)
+        + line([4, 9], 2, 0, 2)
+        + line([0, 1], 2, 1, 2)  # epoch 2 is cut short by the end of the run
+        + '{"ids": [1'
+    )
+    result = tally([log, tmp_path / "never-written.jsonl"], set(range(6)))
+    assert (result.epochs, result.samples, result.resumed) == (2, 12, 1)
+    assert (result.lost, result.duplicated) == (2, 2)
+    assert not result.problems
