@@ -153,10 +153,11 @@ def _mix(request: pb.OpenSessionRequest) -> MixOptions:
 
 
 def open_session(
-    sessions: SessionManager, request: pb.OpenSessionRequest
+    sessions: SessionManager, request: pb.OpenSessionRequest, client: str = ""
 ) -> pb.OpenSessionResponse:
+    """Open the session ``request`` asks for, on behalf of ``client`` (its quotas)."""
     options = session_options(request)
-    session = sessions.open(options)
+    session = sessions.open(options, client)
     ring = session.ring
     return pb.OpenSessionResponse(
         session_id=session.id,
@@ -226,7 +227,10 @@ def stream_batches(
     requests: Iterator[pb.StreamBatchesRequest],
     context: grpc.ServicerContext,
 ) -> Iterator[pb.StreamBatchesResponse]:
-    first = next(requests, None)
+    try:
+        first = next(requests, None)
+    except grpc.RpcError:  # cancelled, or the client went away, before its first message
+        return
     if first is None or first.WhichOneof("kind") != "start":
         raise InvalidArgument("StreamBatches must begin with a StreamStart message")
     start = first.start
