@@ -24,6 +24,7 @@ from batchd._device import Batch, resolve_device
 from batchd._epoch import rest_of_epoch
 from batchd._inline import InlineStream
 from batchd._loader_info import LoaderInfo
+from batchd._mix import Mix
 from batchd._options import MAX_BATCH_SIZE, LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S, retry_until
@@ -52,9 +53,11 @@ class Loader(LoaderInfo):
 
     Args:
         target: The server, ``unix:///path/grpc.sock`` or ``host:port``; default
-            ``$BATCHD_TARGET``. A list of replicas, or ``dns:///NAME:PORT`` naming several,
-            share each epoch's batches (batch k from replica k mod R: ``batchd._striping``).
+            ``$BATCHD_TARGET``; a list, or a ``dns:///`` name, stripes over replicas.
         dataset: The dataset's name in the server's catalog.
+        sources: Instead of ``dataset``: a :class:`batchd.Mix` of several splits, each batch
+            drawn by weight; batches then have a ``source`` field indexing
+            :attr:`sources` (see the README's "Mixing datasets").
         split: The split to read.
         batch_size: Samples per batch, 1 to 65536.
         shuffle: A new order each epoch, from (seed, epoch); else id order.
@@ -109,7 +112,8 @@ class Loader(LoaderInfo):
 
     Iterating yields one ``dict`` per batch, ``field name → tensor`` (NumPy arrays when torch
     is not installed): every field of the pipeline plus ``sample_id`` and ``label`` (int64),
-    first dimension the batch's rows. Epochs: :meth:`set_epoch` as with
+    and ``source`` (int64, an index into :attr:`sources`) over a mix, first dimension the
+    batch's rows. Epochs: :meth:`set_epoch` as with
     ``DistributedSampler``; if it is never called, each new iteration after a finished one
     moves to the next epoch by itself, so a forgotten ``set_epoch`` cannot repeat the order.
     Iterating again after stopping early (``break``) continues the epoch where it stopped.
@@ -125,7 +129,8 @@ class Loader(LoaderInfo):
         self,
         target: str | Sequence[str] | None = None,
         *,
-        dataset: str,
+        dataset: str | None = None,
+        sources: Mix | None = None,
         split: str = "train",
         batch_size: int,
         shuffle: bool = True,
@@ -168,9 +173,9 @@ class Loader(LoaderInfo):
             max_error_fraction=max_error_fraction,
             timeout_s=timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
+            sources=sources,
         )
         self._device = resolve_device(device)
-        # One server, or replicas to stripe batches over (then _conn is their primary).
         self._conn, self._stripes = connect(target, ChannelSecurity.resolve(auth_token, tls_ca))
         self._finalizer = weakref.finalize(self, (self._stripes or self._conn).close)
         self._closed = False
@@ -292,9 +297,8 @@ class Loader(LoaderInfo):
         self._abandon()
         token = object()
         self._iteration = token
-        if self._stripes is not None:
-            return self._stripes.iterate(self, token, _SUPERSEDED)
-        return self._iterate(token)
+        many = self._stripes  # the replicas to stripe over (batchd._striping), or None
+        return self._iterate(token) if many is None else many.iterate(self, token, _SUPERSEDED)
 
     def _iterate(self, token: object) -> Iterator[Batch]:
         if self._iteration is not token:
@@ -495,6 +499,7 @@ class Loader(LoaderInfo):
             "shuffle": options.shuffle,
             "drop_last": options.drop_last,
             "sampling": options.sampling,
+            "mix": options.mix_state(),
             "epoch": cursor.epoch,
             "consumed": cursor.start + cursor.next_batch * global_batch,
             "order_world_size": cursor.order_world_size or options.world_size,

@@ -24,11 +24,18 @@ from batchd._ring import HEADER_BYTES, slot_offset
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
+from batchd_server.mixing import mix_counts, plan_mix_epoch, source_starts
 from batchd_server.sampling import EpochPlan, plan_epoch
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
-from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField
+from batchd_server.workers.task import (
+    BatchResult,
+    BatchTask,
+    MixSourceSpec,
+    SessionSpec,
+    SlotField,
+)
 
 __all__ = ["Bell", "FieldView", "ReadyBatch", "Session", "Stream", "SubmitsTasks"]
 
@@ -115,10 +122,19 @@ class Session:
         token: bytes,
         pool: SubmitsTasks,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
+        sources: tuple[CatalogEntry, ...] = (),
     ) -> None:
+        """``catalog`` is the split's entry; for a mix (``options.mix``), ``sources`` are
+        every source's entries, in the mix's order, and ``catalog`` is the first."""
         self.id = session_id
         self.options = options
         self.catalog = catalog
+        self.catalogs = sources or (catalog,)
+        """Every entry the session holds (the manager releases them all)."""
+        assert (options.mix is None) == (not sources), "sources come with a mix"
+        assert self.catalogs[0] is catalog, "a mix's first source is the catalog"
+        self.source_rows = tuple(len(entry.arrays) for entry in self.catalogs)
+        """Rows of each source in its snapshot."""
         self.ring = ring
         self.layout = layout
         self.slot_bytes = slot_bytes
@@ -126,10 +142,18 @@ class Session:
         self._pool = pool
         self._record_errors = record_errors
         arrays = catalog.arrays
-        self.num_rows = len(arrays)
-        """Rows of the split in the catalog snapshot (before padding or dropping)."""
+        mix = options.mix
+        self.source_samples = (
+            (len(arrays),)
+            if mix is None
+            else mix_counts(self.source_rows, mix.units, mix.stop_samples)
+        )
+        """Samples of each source in one epoch (all ranks): the rows, or a mix's counts."""
+        self.num_rows = sum(self.source_samples)
+        """Rows of the split in the catalog snapshot (before padding or dropping); a mix's
+        samples per epoch."""
         sampler = options.sampler
-        probe = plan_epoch(self.num_rows, sampler, 0, **self._sampling_columns())
+        probe = self._make_plan(0, 0, sampler.world_size)
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
         self._plans: dict[tuple[int, int, int], EpochPlan] = {(0, 0, sampler.world_size): probe}
@@ -148,6 +172,21 @@ class Session:
             on_error=options.on_error,
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
+            sources=tuple(
+                MixSourceSpec(
+                    entry.segment.name,
+                    entry.arrays.dataset.root,
+                    int(start),
+                    source.pipeline_kind or "",
+                    source.pipeline_options,
+                )
+                for entry, start, source in zip(
+                    sources,
+                    source_starts(self.source_rows),
+                    mix.sources if mix is not None else (),
+                    strict=False,
+                )
+            ),
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
@@ -176,6 +215,19 @@ class Session:
             "lengths": arrays.lengths if mode == "bucketed" else None,
         }
 
+    def _make_plan(self, epoch: int, start: int, order_world_size: int) -> EpochPlan:
+        sampler = self.options.sampler
+        if self.options.mix is not None:
+            return plan_mix_epoch(self.source_rows, self.options.mix, sampler, epoch, start=start)
+        return plan_epoch(
+            self.num_rows,
+            sampler,
+            epoch,
+            start=start,
+            order_world_size=order_world_size,
+            **self._sampling_columns(),
+        )
+
     def plan(self, epoch: int, start: int = 0, order_world_size: int = 0) -> EpochPlan:
         """This rank's plan of ``epoch`` from global entry ``start`` on (an elastic resume;
         see ``sampling``), the order built for ``order_world_size`` (0: the session's)."""
@@ -184,14 +236,7 @@ class Session:
         with self._cond:
             plan = self._plans.get(key)
         if plan is None:
-            plan = plan_epoch(
-                self.num_rows,
-                sampler,
-                epoch,
-                start=start,
-                order_world_size=key[2],
-                **self._sampling_columns(),
-            )
+            plan = self._make_plan(epoch, start, key[2])
             with self._cond:
                 while len(self._plans) >= _MAX_PLANS:
                     self._plans.pop(next(iter(self._plans)))

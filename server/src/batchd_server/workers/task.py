@@ -27,6 +27,7 @@ from batchd_server.shm.segments import Attachment, attach
 __all__ = [
     "BatchResult",
     "BatchTask",
+    "MixSourceSpec",
     "SampleFailure",
     "SessionContext",
     "SessionSpec",
@@ -53,6 +54,19 @@ class SlotField:
 
 
 @dataclass(frozen=True)
+class MixSourceSpec:
+    """One source of a mixed session, as a worker opens it (``workers/mixed.py``)."""
+
+    catalog_segment: str
+    root: str
+    start: int
+    """The source's first position: a task's positions are global over the sources."""
+    pipeline_kind: str = ""
+    """The source's own pipeline; "" decodes it with the session's."""
+    pipeline_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class SessionSpec:
     """What a worker needs to know about a session; sent with every task (a few hundred bytes)."""
 
@@ -71,6 +85,9 @@ class SessionSpec:
     shm_dir: str = "/dev/shm"
     dataset: str = ""
     """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
+    sources: tuple[MixSourceSpec, ...] = ()
+    """A mix's sources, in order (the first is ``catalog_segment`` and ``root``); empty for a
+    session on one split."""
 
 
 @dataclass(frozen=True)

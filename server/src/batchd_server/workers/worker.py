@@ -77,7 +77,8 @@ def worker_main(
 
     configure_logging(log_level, log_format)
 
-    from batchd_server.workers.task import SessionContext, run_batch
+    from batchd_server.workers.mixed import run_task
+    from batchd_server.workers.task import SessionContext
 
     contexts: dict[str, SessionContext] = {}
     conn.send(("ready",))
@@ -97,7 +98,7 @@ def worker_main(
                 continue
             _, task_id, task = message
             try:
-                result: object = run_batch(contexts, task)
+                result: object = run_task(contexts, task)
             except Exception as e:  # a bug: report it, stay alive for the next task
                 result = WorkerError(type(e).__name__, str(e), traceback.format_exc())
             conn.send((task_id, result))
