@@ -8,11 +8,14 @@
 The Loader is made in ``train_dataloader()``, after Lightning started DDP (``--devices 2``
 runs two CPU ranks over gloo), so its rank and world size come from ``torch.distributed``.
 Lightning gets it as it is (``--form loader``) or wrapped for code that wants a
-``DataLoader``: ``StatefulDataLoader(batchd.IterableDataset(loader), batch_size=None)``
-(``--form stateful``, torchdata). Both have ``state_dict``/``load_state_dict``, so every
-checkpoint holds the loader's position and a resumed run continues at exactly the next batch.
-A plain ``torch.utils.data.DataLoader`` has no state: Lightning saves nothing for it (and
-warns that it is "not resumable"), so do not use one.
+``DataLoader``: ``batchd.DataLoader(loader)`` (``--form dataloader``, a
+``torch.utils.data.DataLoader`` subclass) or torchdata's
+``StatefulDataLoader(batchd.IterableDataset(loader), batch_size=None)`` (``--form
+stateful``). All three have ``state_dict``/``load_state_dict``, so every checkpoint holds the
+loader's position and a resumed run continues at exactly the next batch. A plain
+``torch.utils.data.DataLoader(batchd.IterableDataset(loader), batch_size=None)`` has no
+state: Lightning saves nothing for it (and warns that it is "not resumable"), and a resumed
+run starts the epoch over, so do not use one.
 
 ``--record DIR`` writes the sample ids of every step, one JSON line per step, to
 ``DIR/rank-<r>.jsonl`` (the tests read them to check that nothing repeats or goes missing).
@@ -82,6 +85,8 @@ class BatchdData(pl.LightningDataModule):
         )
         if args.form == "loader":
             return self.loader
+        if args.form == "dataloader":
+            return batchd.DataLoader(self.loader)
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(batchd.IterableDataset(self.loader), batch_size=None)
@@ -100,7 +105,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--size", type=int, default=64, help="image side after crop")
     parser.add_argument("--devices", type=int, default=1, help="CPU ranks (DDP over gloo)")
-    parser.add_argument("--form", choices=("loader", "stateful"), default="loader")
+    parser.add_argument("--form", choices=("loader", "dataloader", "stateful"), default="loader")
     parser.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"))
     parser.add_argument("--every-n-steps", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--stop-after-steps", type=int, default=-1, help="stop early (a crash)")

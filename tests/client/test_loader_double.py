@@ -195,6 +195,25 @@ def test_iterable_dataset_serves_the_loader_through_a_dataloader(double: Any) ->
     assert result.returncode == 0 and result.stdout.strip() == "refused", result.stderr
 
 
+def test_batchd_dataloader_is_a_torch_dataloader_with_the_loaders_state(double: Any) -> None:
+    """batchd.DataLoader(loader) yields the Loader's batches, and its state_dict, saved
+    after 2 batches, makes another one yield exactly the rest."""
+    _, address = double
+    with _loader(address, shuffle=False) as loader:
+        data = batchd.DataLoader(loader)
+        assert isinstance(data, torch.utils.data.DataLoader) and data.batch_size is None
+        assert len(data) == 4 and data.loader is loader
+        whole = sample_ids(data)
+        it = iter(data)
+        next(it), next(it)
+        state = data.state_dict()
+    assert state["consumed"] == 6
+    with _loader(address, shuffle=False) as loader:
+        data = batchd.DataLoader(batchd.IterableDataset(loader))
+        data.load_state_dict(state)
+        assert sample_ids(data) == whole[2:]
+
+
 FORKED_WORKER = """
 import sys, torch, batchd
 loader = batchd.Loader(sys.argv[1], dataset="synthetic", batch_size=3, device="cpu")
@@ -222,12 +241,13 @@ with batchd.Loader(sys.argv[1], dataset="synthetic", batch_size=3, shuffle=False
     batches = list(loader)
 assert all(type(a) is numpy.ndarray for b in batches for a in b.values()), batches
 assert [b["sample_id"].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
-try:
-    batchd.IterableDataset(loader)
-except batchd.errors.FailedPrecondition as e:
-    assert "needs torch" in str(e)
-else:
-    raise AssertionError("IterableDataset without torch")
+for wrapper in (batchd.IterableDataset, batchd.DataLoader):
+    try:
+        wrapper(loader)
+    except batchd.errors.FailedPrecondition as e:
+        assert "needs torch" in str(e)
+    else:
+        raise AssertionError(f"{wrapper.__name__} without torch")
 print("ok", loader.device)
 """
 

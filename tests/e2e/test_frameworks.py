@@ -125,6 +125,10 @@ def _fit(server: RunningServer, form: str, root: Path, resume: Path | None) -> l
         data: Any = loader
         if form == "StatefulDataLoader":
             data = StatefulDataLoader(batchd.IterableDataset(loader), batch_size=None)
+        elif form == "batchd.DataLoader":
+            data = batchd.DataLoader(loader)
+        elif form == "torch DataLoader":
+            data = torch.utils.data.DataLoader(batchd.IterableDataset(loader), batch_size=None)
         checkpoints = pl.callbacks.ModelCheckpoint(
             dirpath=root, filename="{step}", every_n_train_steps=2, save_top_k=-1
         )
@@ -142,15 +146,31 @@ def _fit(server: RunningServer, form: str, root: Path, resume: Path | None) -> l
     return seen
 
 
-@pytest.mark.parametrize("form", ["Loader", "StatefulDataLoader"])
+@pytest.mark.parametrize("form", ["Loader", "batchd.DataLoader", "StatefulDataLoader"])
 def test_lightning_resumes_a_mid_epoch_checkpoint_exactly(
     server: RunningServer, tmp_path: Path, form: str
 ) -> None:
-    """Lightning fed the Loader, or it wrapped in a StatefulDataLoader, resumes step 2 exactly."""
+    """Lightning fed the Loader, or it wrapped in batchd.DataLoader or a StatefulDataLoader,
+    resumes step 2 exactly: the resumed run's batches are the rest of the uninterrupted
+    run's, both epochs."""
     whole = _fit(server, form, tmp_path / "run", None)
     assert len(whole) == 2 * N_RECORDS // 8
     rest = _fit(server, form, tmp_path / "resumed", tmp_path / "run" / "step=2.ckpt")
     assert rest == whole[2:]
+
+
+def test_a_plain_torch_dataloader_is_not_resumable_and_lightning_says_so(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    """What the README warns of: a plain DataLoader around the dataset has no state, so the
+    checkpoint holds no data position; Lightning warns, and the resumed epoch starts over."""
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    form = "torch DataLoader"
+    whole = _fit(server, form, tmp_path / "run", None)
+    with pytest.warns(PossibleUserWarning, match="not resumable"):
+        rest = _fit(server, form, tmp_path / "resumed", tmp_path / "run" / "step=2.ckpt")
+    assert rest[0] == whole[0] != whole[2], "the resumed epoch starts over"
 
 
 def test_a_state_saved_on_rank_0_resumes_every_rank(server: RunningServer) -> None:
@@ -208,14 +228,16 @@ def _example_args(record: Path, ckpt: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("form", ["dataloader", "stateful"])
 def test_lightning_example_on_two_ranks_resumes_each_epoch_exactly_once(
-    server: RunningServer, catalog: Engine, tmp_path: Path
+    server: RunningServer, catalog: Engine, tmp_path: Path, form: str
 ) -> None:
-    """examples/lightning_train.py, DDP on 2 CPU ranks: stop at step 3, resume, no repeats."""
+    """examples/lightning_train.py, DDP on 2 CPU ranks, the Loader wrapped in batchd.DataLoader
+    or a StatefulDataLoader: stop at step 3, resume, no repeats."""
     record, ckpt = tmp_path / "record", tmp_path / "ckpt"
     record.mkdir()
     script = [sys.executable, str(EXAMPLES / "lightning_train.py"), "--devices=2"]
-    script.append("--form=stateful")
+    script.append(f"--form={form}")
     args = _example_args(record, ckpt)
     _run([*script, *args, "--every-n-steps=3", "--stop-after-steps=3"], server, tmp_path)
     _run([*script, *args, f"--resume={ckpt / 'step=3.ckpt'}"], server, tmp_path)

@@ -114,6 +114,26 @@ def test_symlinks_inside_the_root_are_followed(root: Path, files: SampleFiles) -
     assert bytes(files.read("alias_dir/b.bin", 1, 3)) == b"rav"
 
 
+def test_files_in_a_directory_already_read_stay_confined(root: Path, files: SampleFiles) -> None:
+    """After a directory's first file, its next files open through the remembered directory:
+    a symlink file in it is still followed only inside the root, a file that vanished is
+    missing, and the directory swapped for a symlink out of the root is refused."""
+    assert bytes(files.read("cls/b.bin")) == b"bravo!"  # cls/ is now known
+    (root / "cls" / "inside.bin").symlink_to(root / "a.bin")
+    (root / "cls" / "leak.txt").symlink_to(root.parent / "secret.txt")
+    (root / "cls" / "gone.bin").write_bytes(b"x")
+    assert bytes(files.read("cls/inside.bin")) == b"alpha"
+    assert kind_of(files, "cls/leak.txt") == "unsafe_path"
+    (root / "cls" / "gone.bin").unlink()
+    assert kind_of(files, "cls/gone.bin") == "missing"
+    outside = root.parent / "outside"
+    outside.mkdir()
+    (outside / "b.bin").write_bytes(b"not yours")
+    shutil.rmtree(root / "cls")
+    (root / "cls").symlink_to(outside)
+    assert kind_of(files, "cls/b.bin") == "unsafe_path"
+
+
 def test_a_symlink_loop_is_refused(root: Path, files: SampleFiles) -> None:
     """A loop never hangs or crashes the reader."""
     (root / "loop1").symlink_to("loop2")

@@ -6,6 +6,10 @@ and key come from ``$BATCHD_TLS_CLIENT_CERT`` and ``$BATCHD_TLS_CLIENT_KEY``. Th
 rides on every call as ``authorization: Bearer ...`` metadata, added by an interceptor
 (gRPC's own call credentials are silently dropped on a plaintext channel). Over a unix
 socket the socket file's mode is what guards the server; TLS does not apply.
+
+Every call also says who is calling: :data:`CLIENT_ID_KEY` metadata with ``<hostname>/<pid>``
+(:func:`client_id`). The server counts its per-client limits and quotas by it (with the
+transport's address), so one process's loaders cannot take what other processes need.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from batchd.errors import BatchdError, InvalidArgument, Unavailable
 
 __all__ = [
     "AUTH_TOKEN_ENV",
+    "CLIENT_ID_KEY",
     "TLS_CA_ENV",
     "ChannelSecurity",
+    "client_id",
     "explain_unreachable",
     "open_channel",
 ]
@@ -33,6 +39,8 @@ AUTH_TOKEN_ENV: Final = "BATCHD_AUTH_TOKEN"
 TLS_CA_ENV: Final = "BATCHD_TLS_CA"
 TLS_CLIENT_CERT_ENV: Final = "BATCHD_TLS_CLIENT_CERT"
 TLS_CLIENT_KEY_ENV: Final = "BATCHD_TLS_CLIENT_KEY"
+CLIENT_ID_KEY: Final = "batchd-client"
+"""Call metadata: who is calling, for the server's per-client limits (see :func:`client_id`)."""
 _PROBE_TIMEOUT_S: Final = 2.0
 _Next = Callable[..., Any]
 
@@ -100,19 +108,24 @@ class ChannelSecurity:
         return self.tls_ca is not None
 
 
-class _BearerToken(
+def client_id() -> str:
+    """This process as the server counts it: ``<hostname>/<pid>``."""
+    return f"{socket.gethostname()}/{os.getpid()}"
+
+
+class _Metadata(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds ``authorization: Bearer <token>`` to every call."""
+    """Adds ``entries`` (the client's id; ``authorization: Bearer <token>``) to every call."""
 
-    def __init__(self, token: str) -> None:
-        self._entry = ("authorization", f"Bearer {token}")
+    def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
+        self._entries = tuple(entries)
 
     def _details(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), self._entry]
+        metadata = [*(details.metadata or ()), *self._entries]
         return details._replace(metadata=metadata)
 
     def intercept_unary_unary(self, continuation: _Next, details: Any, request: Any) -> Any:
@@ -141,9 +154,10 @@ def open_channel(
         channel = grpc.secure_channel(target, credentials, options=list(options))
     else:
         channel = grpc.insecure_channel(target, options=list(options))
+    entries = [(CLIENT_ID_KEY, client_id())]
     if security.auth_token is not None:
-        channel = grpc.intercept_channel(channel, _BearerToken(security.auth_token))
-    return channel
+        entries.append(("authorization", f"Bearer {security.auth_token}"))
+    return grpc.intercept_channel(channel, _Metadata(entries))
 
 
 def _host_port(target: str) -> tuple[str, int] | None:

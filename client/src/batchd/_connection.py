@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -95,10 +96,15 @@ class SessionHandle:
 class Connection:
     """A Loader's channel to ``target``, its session and its live stream."""
 
-    def __init__(self, target: str, security: ChannelSecurity | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        security: ChannelSecurity | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         self.target = target
         self.security = security or ChannelSecurity()
-        self.channel = open_channel(target, self.security, _CHANNEL_OPTIONS)
+        self.channel = open_channel(target, self.security, [*_CHANNEL_OPTIONS, *channel_options])
         self.stub = loader_pb2_grpc.LoaderStub(self.channel)
         self.session: SessionHandle | None = None
         self.stream: BatchStream | None = None

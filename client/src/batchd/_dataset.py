@@ -1,9 +1,18 @@
-"""``batchd.IterableDataset``: a Loader for frameworks that insist on a ``DataLoader``.
+"""``batchd.IterableDataset`` and ``batchd.DataLoader``: a Loader for code that insists on
+torch's ``Dataset`` or ``DataLoader``.
 
-Wrap the Loader and hand it to ``DataLoader(ds, batch_size=None, num_workers=0)``: the
-batches are already made (``batch_size=None`` turns off the DataLoader's own batching) and
-already decoded by the server's workers. DataLoader workers would each run the whole
-Loader, i.e. serve every sample once per worker, so iterating inside one is refused.
+The batches are already made and already decoded by the server's workers, so the wrapping
+DataLoader must not batch again (``batch_size=None``) nor run workers of its own: DataLoader
+workers would each run the whole Loader, i.e. serve every sample once per worker, so
+iterating inside one is refused.
+
+Resuming is the part that differs between wrappers. A framework saves the position of the
+object it was given, and only if that object has ``state_dict``/``load_state_dict``
+(Lightning checks for both, torchdata's ``StatefulDataLoader`` asks its dataset). A plain
+``torch.utils.data.DataLoader`` has neither, so a checkpoint taken mid-epoch holds no data
+position and the resumed run starts the epoch over (Lightning says so in a "not resumable"
+warning, and then sees fewer batches than the epoch has left). ``batchd.DataLoader`` is
+that ``DataLoader`` with the Loader's ``state_dict``/``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from batchd._device import Batch
 from batchd._loader import Loader
 from batchd.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["IterableDataset"]
+__all__ = ["DataLoader", "IterableDataset"]
 
 _T = TypeVar("_T")
 
@@ -26,18 +35,22 @@ _IN_WORKER = (
 )
 
 if TYPE_CHECKING:
+    from torch.utils.data import DataLoader as _TorchLoader
     from torch.utils.data import IterableDataset as _Base
 else:
     try:
+        from torch.utils.data import DataLoader as _TorchLoader
         from torch.utils.data import IterableDataset as _Base
     except ImportError:  # torch is optional for the client
 
         class _Base(Generic[_T]):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 raise FailedPrecondition(
-                    "batchd.IterableDataset needs torch, which is not installed; install "
-                    "batchd[torch], or iterate the batchd.Loader itself"
+                    f"batchd.{type(self).__name__} needs torch, which is not installed; "
+                    "install batchd[torch], or iterate the batchd.Loader itself"
                 )
+
+        _TorchLoader = _Base
 
 
 class IterableDataset(_Base[Batch]):
@@ -46,8 +59,12 @@ class IterableDataset(_Base[Batch]):
     Args:
         loader: The Loader to iterate; the dataset does not close it.
 
-    Use ``DataLoader(ds, batch_size=None, num_workers=0)``. ``len(ds)`` is ``len(loader)``;
-    ``set_epoch``, ``state_dict`` and ``load_state_dict`` are the Loader's.
+    Wrap it in :class:`batchd.DataLoader` (resumable under Lightning and anything that
+    checkpoints the dataloader) or torchdata's ``StatefulDataLoader(ds, batch_size=None)``
+    (which saves its dataset's state). A plain ``torch.utils.data.DataLoader(ds,
+    batch_size=None)`` iterates it too, but has no state: a mid-epoch checkpoint of it
+    restarts the epoch. ``len(ds)`` is ``len(loader)``; ``set_epoch``, ``state_dict`` and
+    ``load_state_dict`` are the Loader's.
     """
 
     def __init__(self, loader: Loader) -> None:
@@ -73,4 +90,53 @@ class IterableDataset(_Base[Batch]):
         return self.loader.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+
+class DataLoader(_TorchLoader[Batch]):
+    """A ``torch.utils.data.DataLoader`` of a :class:`batchd.Loader`'s batches that resumes.
+
+    Args:
+        loader: The :class:`batchd.Loader` (or a :class:`batchd.IterableDataset` of one);
+            the DataLoader does not close it.
+        collate_fn: Applied to each batch (a dict of tensors); default as torch's with
+            ``batch_size=None``: NumPy arrays become tensors, tensors stay as they are.
+        pin_memory: Copy each batch into pinned memory (torch's option; the Loader's
+            ``device="cuda"`` already delivers through pinned buffers).
+
+    It is ``DataLoader(batchd.IterableDataset(loader), batch_size=None, num_workers=0)``
+    with :meth:`state_dict` and :meth:`load_state_dict` of the Loader, so Lightning (which
+    checkpoints a dataloader only if it has both) and any loop that saves its dataloader
+    resume a mid-epoch checkpoint at exactly the next batch. Use it where a framework wants
+    a ``torch.utils.data.DataLoader``; the README says which form suits which framework.
+    """
+
+    def __init__(
+        self,
+        loader: Loader | IterableDataset,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+    ) -> None:
+        dataset = loader if isinstance(loader, IterableDataset) else IterableDataset(loader)
+        super().__init__(
+            dataset, batch_size=None, num_workers=0, collate_fn=collate_fn, pin_memory=pin_memory
+        )
+
+    @property
+    def loader(self) -> Loader:
+        """The wrapped Loader."""
+        dataset = self.dataset
+        assert isinstance(dataset, IterableDataset), "built from a batchd Loader"
+        return dataset.loader
+
+    def set_epoch(self, epoch: int) -> None:
+        """The Loader's ``set_epoch``."""
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Loader's :meth:`~batchd.Loader.state_dict`: where the next batch comes from."""
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The Loader's :meth:`~batchd.Loader.load_state_dict`."""
         self.loader.load_state_dict(state)

@@ -13,17 +13,18 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Final
 
-from batchd._catalog import DEFAULT_TIMEOUT_S, resolve_target
+from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle
 from batchd._device import Batch, resolve_device
 from batchd._epoch import rest_of_epoch
 from batchd._inline import InlineStream
 from batchd._loader_info import LoaderInfo
+from batchd._mix import Mix
 from batchd._options import MAX_BATCH_SIZE, LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S, retry_until
@@ -33,6 +34,7 @@ from batchd._state import STATE_FORMAT, Cursor, SavedPosition, check_state
 from batchd._stats import LoopClock
 from batchd._status import disagreement
 from batchd._stream import BatchStream, ReceivedBatch
+from batchd._striping import connect
 from batchd._version import __version__
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
@@ -51,8 +53,11 @@ class Loader(LoaderInfo):
 
     Args:
         target: The server, ``unix:///path/grpc.sock`` or ``host:port``; default
-            ``$BATCHD_TARGET``.
+            ``$BATCHD_TARGET``; a list, or a ``dns:///`` name, stripes over replicas.
         dataset: The dataset's name in the server's catalog.
+        sources: Instead of ``dataset``: a :class:`batchd.Mix` of several splits, each batch
+            drawn by weight; batches then have a ``source`` field indexing
+            :attr:`sources` (see the README's "Mixing datasets").
         split: The split to read.
         batch_size: Samples per batch, 1 to 65536.
         shuffle: A new order each epoch, from (seed, epoch); else id order.
@@ -107,7 +112,8 @@ class Loader(LoaderInfo):
 
     Iterating yields one ``dict`` per batch, ``field name → tensor`` (NumPy arrays when torch
     is not installed): every field of the pipeline plus ``sample_id`` and ``label`` (int64),
-    first dimension the batch's rows. Epochs: :meth:`set_epoch` as with
+    and ``source`` (int64, an index into :attr:`sources`) over a mix, first dimension the
+    batch's rows. Epochs: :meth:`set_epoch` as with
     ``DistributedSampler``; if it is never called, each new iteration after a finished one
     moves to the next epoch by itself, so a forgotten ``set_epoch`` cannot repeat the order.
     Iterating again after stopping early (``break``) continues the epoch where it stopped.
@@ -121,9 +127,10 @@ class Loader(LoaderInfo):
 
     def __init__(
         self,
-        target: str | None = None,
+        target: str | Sequence[str] | None = None,
         *,
-        dataset: str,
+        dataset: str | None = None,
+        sources: Mix | None = None,
         split: str = "train",
         batch_size: int,
         shuffle: bool = True,
@@ -166,10 +173,11 @@ class Loader(LoaderInfo):
             max_error_fraction=max_error_fraction,
             timeout_s=timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
+            sources=sources,
         )
         self._device = resolve_device(device)
-        self._conn = Connection(resolve_target(target), ChannelSecurity.resolve(auth_token, tls_ca))
-        self._finalizer = weakref.finalize(self, self._conn.close)
+        self._conn, self._stripes = connect(target, ChannelSecurity.resolve(auth_token, tls_ca))
+        self._finalizer = weakref.finalize(self, (self._stripes or self._conn).close)
         self._closed = False
         self._iteration: object | None = None
         self._lost: SessionHandle | None = None
@@ -185,7 +193,10 @@ class Loader(LoaderInfo):
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
         or replaced (``"replace"``)."""
         try:
-            self._conn.replace_session(self._open_session())
+            if self._stripes is None:
+                self._conn.replace_session(self._open_session())
+            else:
+                self._stripes.open(self)
         except BaseException:
             self._finalizer()
             raise
@@ -197,11 +208,12 @@ class Loader(LoaderInfo):
         version: str | None = None,
         snapshot: str | None = None,
         *,
+        conn: Connection | None = None,
         wait_for_ready: bool = False,
         timeout_s: float | None = None,
     ) -> SessionHandle:
         options = self._options
-        return self._conn.open_session(
+        return (conn or self._conn).open_session(
             options.to_request(version=version, snapshot=snapshot),
             transport=options.transport,
             timeout_s=options.timeout_s if timeout_s is None else timeout_s,
@@ -230,7 +242,7 @@ class Loader(LoaderInfo):
 
     def _abandon(self) -> None:
         self._iteration = None
-        self._conn.abandon_stream()
+        (self._stripes or self._conn).abandon_stream()
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -285,7 +297,8 @@ class Loader(LoaderInfo):
         self._abandon()
         token = object()
         self._iteration = token
-        return self._iterate(token)
+        many = self._stripes  # the replicas to stripe over (batchd._striping), or None
+        return self._iterate(token) if many is None else many.iterate(self, token, _SUPERSEDED)
 
     def _iterate(self, token: object) -> Iterator[Batch]:
         if self._iteration is not token:
@@ -486,6 +499,7 @@ class Loader(LoaderInfo):
             "shuffle": options.shuffle,
             "drop_last": options.drop_last,
             "sampling": options.sampling,
+            "mix": options.mix_state(),
             "epoch": cursor.epoch,
             "consumed": cursor.start + cursor.next_batch * global_batch,
             "order_world_size": cursor.order_world_size or options.world_size,

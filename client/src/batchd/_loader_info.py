@@ -70,8 +70,32 @@ class LoaderInfo(Closeable):
 
     @property
     def version(self) -> str:
-        """The dataset version served."""
+        """The dataset version served ("" for a mix: see :attr:`mix_sources`)."""
         return self._session().reply.version
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """A mix's source names in order, as the batches' ``source`` field numbers them
+        (``loader.sources[batch["source"][i]]``); ``()`` without a mix."""
+        mix = self._options.sources
+        return () if mix is None else mix.names
+
+    @property
+    def mix_sources(self) -> list[dict[str, Any]]:
+        """A mix's sources as the server resolved them, in order: ``dataset``, ``version``,
+        ``split``, ``weight``, ``rows`` (in the snapshot served) and ``epoch_samples`` (in one
+        epoch, all ranks together); ``[]`` without a mix."""
+        return [
+            {
+                "dataset": s.dataset,
+                "version": s.version,
+                "split": s.split,
+                "weight": s.weight,
+                "rows": int(s.rows),
+                "epoch_samples": int(s.epoch_samples),
+            }
+            for s in self._session().reply.sources
+        ]
 
     @property
     def num_samples(self) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S
+from batchd._mix import Mix
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._specs import (
@@ -32,13 +33,16 @@ class LoaderOptions:
     """What a :class:`batchd.Loader` asks the server for; see its docstring for each field.
 
     ``rank`` and ``world_size`` are resolved when built (given, else ``torch.distributed``,
-    else ``$RANK``/``$WORLD_SIZE``), and ``pipeline`` defaults to ``batchd.Image()``.
+    else ``$RANK``/``$WORLD_SIZE``), and ``pipeline`` defaults to ``batchd.Image()``. Either
+    ``dataset`` (with ``split``, ``version``) or ``sources`` (a :class:`batchd.Mix`) is given;
+    with a mix, ``dataset`` becomes the mix's ``repr`` (for messages and saved states) and
+    ``split`` is empty.
 
     Raises:
         InvalidArgument: (when built) a bad value, named with its valid range.
     """
 
-    dataset: str
+    dataset: str | None = None
     split: str = "train"
     batch_size: int
     shuffle: bool = True
@@ -57,10 +61,18 @@ class LoaderOptions:
     max_error_fraction: float = 0.01
     timeout_s: float = DEFAULT_TIMEOUT_S
     reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
+    sources: Mix | None = None
 
     def __post_init__(self) -> None:
+        if self.sources is not None:
+            self._check_mix(self.sources)
+        elif self.dataset is None:
+            raise InvalidArgument(
+                "a Loader needs dataset='name' (one split) or sources=batchd.Mix({...}) "
+                "(several, by weight)"
+            )
         for name, text in (("dataset", self.dataset), ("split", self.split)):
-            if not isinstance(text, str) or not text.strip():
+            if self.sources is None and (not isinstance(text, str) or not text.strip()):
                 raise InvalidArgument(f"{name}={text!r} must be a non-empty string")
         for name, optional in (("version", self.version), ("snapshot", self.snapshot)):
             if optional is not None and not isinstance(optional, str):
@@ -95,16 +107,47 @@ class LoaderOptions:
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
 
+    def _check_mix(self, mix: object) -> None:
+        if not isinstance(mix, Mix):
+            raise InvalidArgument(
+                f"sources={mix!r} must be a batchd.Mix, e.g. sources=batchd.Mix({{'a': 0.7, "
+                "'b': 0.3}})"
+            )
+        clashes = [
+            f"{name}={value!r}"
+            for name, value, default in (
+                ("dataset", self.dataset, None),
+                ("split", self.split, "train"),
+                ("version", self.version, None),
+            )
+            if value != default
+        ]
+        if clashes:
+            raise InvalidArgument(
+                f"a Loader over a mix takes no {', '.join(clashes)}: name each source's split "
+                "in the Mix ('name:split') and its version with batchd.Source(name, split, "
+                "version)"
+            )
+        if self.sampling != "uniform":
+            raise InvalidArgument(
+                f"sampling={self.sampling!r} cannot be used with a mix: the mix's weights "
+                "decide how samples are drawn; leave sampling='uniform'"
+            )
+        self._set("dataset", repr(mix))
+        self._set("split", "")
+
     def to_request(
         self, *, version: str | None = None, snapshot: str | None = None
     ) -> loader_pb2.OpenSessionRequest:
         """The OpenSession request, on ``version`` and ``snapshot`` when given (a reopen),
         else the options' own."""
         assert self.pipeline is not None and self.rank is not None  # set in __post_init__
-        return loader_pb2.OpenSessionRequest(
-            dataset=self.dataset,
-            version=version or self.version or "",
-            split=self.split,
+        assert self.dataset is not None  # set in __post_init__
+        mix = self.sources
+        request = loader_pb2.OpenSessionRequest(
+            dataset=self.dataset if mix is None else "",
+            version=(version or self.version or "") if mix is None else "",
+            split=self.split if mix is None else "",
             batch_size=self.batch_size,
             shuffle=self.shuffle,
             seed=self.seed,
@@ -118,3 +161,11 @@ class LoaderOptions:
             on_error=on_error_to_proto(self.on_error),
             max_error_fraction=self.max_error_fraction,
         )
+        if mix is not None:
+            # A mix's versions are its sources'; a reopen's snapshot token pins them all.
+            request.mix.CopyFrom(mix._to_proto())
+        return request
+
+    def mix_state(self) -> dict[str, object] | None:
+        """What a saved state records of the mix (None without one)."""
+        return None if self.sources is None else self.sources._state()

@@ -6,6 +6,10 @@ ranks of the saving job served together (``batchd._epoch``). It is the same on e
 world size, so a state saved by N ranks resumes on M: the rest of the epoch is planned from
 ``consumed`` for the M new ranks.
 
+A Loader over a mix (``batchd.Mix``) saves its sources, weights and stop under ``"mix"``
+(None without a mix, and missing in states from before mixing, which means the same); they
+must match to resume. Its ``snapshot`` is the mix's token, pinning every source.
+
 Formats: 2 (this one); 1 (batchd before elastic resume: a per-rank ``next_batch``, read as
 ``consumed = next_batch * batch_size * world_size``). Others are refused with a message that
 names them and the batchd that wrote them.
@@ -102,6 +106,13 @@ def check_state(
     missing = [key for key in _REQUIRED[fmt] if key not in state]
     if missing:
         raise InvalidArgument(f"state is missing {', '.join(missing)}; pass a state_dict()")
+    # Not required: states from before mixing have no "mix", which means none.
+    if state.get("mix") != mine.get("mix"):
+        raise InvalidArgument(
+            f"state mix={state.get('mix')!r} does not match this Loader's mix="
+            f"{mine.get('mix')!r}; create the Loader with the same sources (names, splits, "
+            "versions, weights and stop) to resume"
+        )
     keys = [*_COMPATIBLE_KEYS, *(["version"] if pinned_version is not None else [])]
     for key in keys:
         if state[key] != mine[key]:

@@ -225,6 +225,48 @@ def _security_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-sessions",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="open sessions at most ($BATCHD_MAX_SESSIONS; default 256)",
+    )
+    p.add_argument(
+        "--max-concurrent-rpcs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="gRPC calls served at once, an open inline stream being one; an eighth (1 to 8) "
+        "is kept for CloseSession and health checks ($BATCHD_MAX_CONCURRENT_RPCS; default 128)",
+    )
+    p.add_argument(
+        "--client-max-calls",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="gRPC calls one client may have running at once ($BATCHD_CLIENT_MAX_CALLS; "
+        "default 32)",
+    )
+    p.add_argument(
+        "--client-max-sessions",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="open sessions one client may hold ($BATCHD_CLIENT_MAX_SESSIONS; default 64)",
+    )
+    p.add_argument(
+        "--client-shm-quota",
+        dest="client_shm_quota_bytes",
+        type=_byte_size,
+        default=None,
+        metavar="BYTES",
+        help="ring memory one client's sessions may hold together ($BATCHD_CLIENT_SHM_QUOTA; "
+        "default half of --shm-budget)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Global options work before or after the subcommand; SUPPRESS keeps a subcommand's
     # unset copy from overwriting a value given before it.
@@ -336,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="heartbeat on an idle doorbell stream this often, so clients notice a silent "
         "server within a few intervals (default 5; 0: none)",
     )
+    _limit_args(p)
     _security_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -478,6 +521,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "log_format",
                     "task_timeout_s",
                     "heartbeat_interval_s",
+                    "max_sessions",
+                    "max_concurrent_rpcs",
+                    "client_max_calls",
+                    "client_max_sessions",
+                    "client_shm_quota_bytes",
                 )
             },
             **{

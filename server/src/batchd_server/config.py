@@ -20,6 +20,7 @@ __all__ = [
     "default_database_url",
     "parse_bool",
     "parse_bytes",
+    "reserved_rpcs",
     "split_host_port",
 ]
 
@@ -119,6 +120,12 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean; write 1 or 0")
 
 
+def reserved_rpcs(max_concurrent_rpcs: int) -> int:
+    """Of ``max_concurrent_rpcs`` calls, those kept for CloseSession and health checks: an
+    eighth, at least 1 and at most 8."""
+    return max(1, min(8, max_concurrent_rpcs // 8))
+
+
 def _parse_paths(text: str) -> tuple[Path, ...]:
     return tuple(Path(p) for p in text.split(os.pathsep) if p)
 
@@ -144,6 +151,16 @@ class ServerConfig:
     """``HOST:PORT`` to serve Prometheus metrics on (``0.0.0.0:9400`` for every interface)."""
     max_sessions: int = 256
     """Open sessions at most; more is RESOURCE_EXHAUSTED."""
+    max_concurrent_rpcs: int = 128
+    """gRPC calls served at once, each on a thread of its own (an open inline stream holds
+    one for its whole life); more is RESOURCE_EXHAUSTED at once. A few are kept for
+    CloseSession and health checks (``reserved_rpcs``), which the other calls never take."""
+    client_max_calls: int = 32
+    """gRPC calls one client may have running at once (its streams count for their life)."""
+    client_max_sessions: int = 64
+    """Open sessions one client may hold."""
+    client_shm_quota_bytes: int | None = None
+    """Ring bytes one client's sessions may hold together; None: half of ``shm_budget_bytes``."""
     shm_dir: Path = Path("/dev/shm")
     """Where shared-memory segments live (Linux's shm_open directory)."""
     min_free_shm_bytes: int = DEFAULT_MIN_FREE_SHM_BYTES
@@ -202,6 +219,23 @@ class ServerConfig:
             )
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions={self.max_sessions} must be >= 1")
+        if self.max_concurrent_rpcs < 2:
+            raise ValueError(
+                f"max_concurrent_rpcs={self.max_concurrent_rpcs} must be >= 2: one for "
+                "CloseSession and health checks, one for the rest (--max-concurrent-rpcs, "
+                "BATCHD_MAX_CONCURRENT_RPCS)"
+            )
+        for name, flag in (
+            ("client_max_calls", "--client-max-calls, BATCHD_CLIENT_MAX_CALLS"),
+            ("client_max_sessions", "--client-max-sessions, BATCHD_CLIENT_MAX_SESSIONS"),
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 ({flag})")
+        if self.client_shm_quota_bytes is not None and self.client_shm_quota_bytes < 1 << 20:
+            raise ValueError(
+                f"client_shm_quota_bytes={self.client_shm_quota_bytes} must be at least 1 MiB "
+                "(--client-shm-quota, BATCHD_CLIENT_SHM_QUOTA)"
+            )
         if self.metrics_listen is not None:
             split_host_port(self.metrics_listen, "metrics_listen (--metrics-listen)")
         if self.min_free_shm_bytes < 0:
@@ -246,6 +280,18 @@ class ServerConfig:
                 "server's own --tls-cert and --tls-key"
             )
 
+    @property
+    def reserved_rpcs(self) -> int:
+        """Of ``max_concurrent_rpcs``, the calls kept for CloseSession and health checks."""
+        return reserved_rpcs(self.max_concurrent_rpcs)
+
+    @property
+    def client_shm_quota(self) -> int:
+        """``client_shm_quota_bytes``, or half of ``shm_budget_bytes`` when unset."""
+        if self.client_shm_quota_bytes is not None:
+            return self.client_shm_quota_bytes
+        return self.shm_budget_bytes // 2
+
     def metrics_address(self) -> tuple[str, int] | None:
         """Where to serve ``/metrics``: ``metrics_listen``, else ``metrics_port`` on the host
         of ``listen`` (127.0.0.1 when that is a unix socket); None for no endpoint."""
@@ -270,7 +316,9 @@ class ServerConfig:
         ``BATCHD_CATALOG_TIMEOUT_S``, ``BATCHD_LOG_FORMAT``, ``BATCHD_TLS_CERT``,
         ``BATCHD_TLS_KEY``, ``BATCHD_TLS_CLIENT_CA``, ``BATCHD_AUTH_TOKEN_FILE``,
         ``BATCHD_INSECURE`` (1 or 0), ``BATCHD_DATA_ROOTS`` (directories separated by ``:``),
-        ``BATCHD_TASK_TIMEOUT_S``, ``BATCHD_HEARTBEAT_INTERVAL_S``.
+        ``BATCHD_TASK_TIMEOUT_S``, ``BATCHD_HEARTBEAT_INTERVAL_S``,
+        ``BATCHD_MAX_CONCURRENT_RPCS``, ``BATCHD_CLIENT_MAX_CALLS``,
+        ``BATCHD_CLIENT_MAX_SESSIONS``, ``BATCHD_CLIENT_SHM_QUOTA`` (bytes).
 
         Raises:
             ValueError: a variable does not parse; the message names it.
@@ -301,6 +349,10 @@ class ServerConfig:
             "data_roots": ("BATCHD_DATA_ROOTS", _parse_paths),
             "task_timeout_s": ("BATCHD_TASK_TIMEOUT_S", float),
             "heartbeat_interval_s": ("BATCHD_HEARTBEAT_INTERVAL_S", float),
+            "max_concurrent_rpcs": ("BATCHD_MAX_CONCURRENT_RPCS", int),
+            "client_max_calls": ("BATCHD_CLIENT_MAX_CALLS", int),
+            "client_max_sessions": ("BATCHD_CLIENT_MAX_SESSIONS", int),
+            "client_shm_quota_bytes": ("BATCHD_CLIENT_SHM_QUOTA", parse_bytes),
         }
         for name, (var, parse) in parsers.items():
             text = env.get(var)

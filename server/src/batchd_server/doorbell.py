@@ -119,6 +119,7 @@ class ServerBell:
                 start_sample=start.start_sample,
                 order_world_size=start.order_world_size,
                 held_leases=start.held_leases,
+                stride=start.stride,
             )
             with self._lock:
                 cancelled = seq in self._cancelled

@@ -43,12 +43,15 @@ from batchd._ring import ceil_div
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 
 __all__ = [
+    "MIX_PASS_TAG",
     "SAMPLING_MODES",
     "EpochPlan",
     "SamplerOptions",
+    "deal",
     "epoch_order",
     "num_batches",
     "plan_epoch",
+    "rest_of_order",
     "samples_per_rank",
 ]
 
@@ -68,6 +71,8 @@ _MAX_EPOCH: Final = (1 << 63) - 1  # epochs travel as int64
 _SHUFFLE_TAG: Final = 1
 _DRAW_TAG: Final = 2
 _BATCH_ORDER_TAG: Final = 3
+MIX_PASS_TAG: Final = 4
+"""A weighted mix's per-source orders (``batchd_server.mixing``)."""
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -222,6 +227,18 @@ def epoch_order(
         assert options.mode == "bucketed", "SamplerOptions checks the mode"
         lengths_column = _lengths_column(lengths, n)
         order = _bucketed_order(lengths_column, options, epoch, order_world_size)
+    return _rest_of_order(order, total, start)
+
+
+def rest_of_order(order: Int64Array, options: SamplerOptions, *, start: int = 0) -> Int64Array:
+    """A whole epoch's global ``order`` (of any length >= 1, e.g. a weighted mix's) from
+    entry ``start`` on, truncated or padded for ``options.world_size`` as ``epoch_order``
+    does to the orders it builds."""
+    total = samples_per_rank(order.size, options, start=start) * options.world_size
+    return _rest_of_order(order, total, start)
+
+
+def _rest_of_order(order: Int64Array, total: int, start: int) -> Int64Array:
     rest = order[start:]
     if total <= rest.size:
         return rest[:total]
@@ -254,9 +271,15 @@ def plan_epoch(
         labels=labels,
         lengths=lengths,
     )
+    return deal(order, options, num_batches(n, options, start=start))
+
+
+def deal(order: Int64Array, options: SamplerOptions, batches: int) -> EpochPlan:
+    """Rank ``options.rank``'s plan of ``batches`` batches: every ``world_size``-th entry of
+    ``order`` (the rest of an epoch, as ``epoch_order`` or ``rest_of_order`` returned it)."""
     # A contiguous copy, so the plan neither strides through nor keeps the whole order.
     positions = np.ascontiguousarray(order[options.rank :: options.world_size])
-    return EpochPlan(positions, options.batch_size, num_batches(n, options, start=start))
+    return EpochPlan(positions, options.batch_size, batches)
 
 
 def _uniform_order(n: int, options: SamplerOptions, epoch: int) -> Int64Array:

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd_server import metrics
+from batchd_server.api.admission import Admission, AdmissionInterceptor
 from batchd_server.api.health import LOADER_SERVICE, HealthService
 from batchd_server.api.security import (
     TokenInterceptor,
@@ -39,7 +40,7 @@ from batchd_server.api.servicer import LoaderServicer
 from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, ping
 from batchd_server.catalog.sample_errors import SampleErrorWriter
 from batchd_server.catalog_cache import CatalogCache
-from batchd_server.config import ServerConfig
+from batchd_server.config import ServerConfig, reserved_rpcs
 from batchd_server.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.health import HealthMonitor
@@ -51,12 +52,9 @@ from batchd_server.workers.pool import WorkerPool
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
     from sqlalchemy.engine import Engine
 
-__all__ = ["DEFAULT_MAX_WORKERS", "ListenAddress", "RunningServer", "build_server"]
+__all__ = ["ListenAddress", "RunningServer", "build_server"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_WORKERS = 64
-"""RPC threads. Each open stream holds one for its whole life (grpc's sync server)."""
 
 _KEEPALIVE_OPTIONS = [
     # Notice a trainer whose machine vanished (no FIN, no RST) within about a minute, so
@@ -126,11 +124,14 @@ class RunningServer(Closeable):
         address: str,
         port: int | None,
         parts: _Parts,
+        admission: Admission,
     ) -> None:
         self._server = server
         self._executor = executor
         self._engine = engine
         self._parts = parts
+        self.admission = admission
+        """The calls in progress, in all and per client (see ``api/admission.py``)."""
         self.address = address
         """The target a client passes (``unix:///path`` or ``host:port``, port resolved)."""
         self.port = port
@@ -374,6 +375,8 @@ def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) ->
         registry=registry,
         lease_timeout_s=config.lease_timeout_s,
         max_sessions=config.max_sessions,
+        client_max_sessions=config.client_max_sessions,
+        client_shm_quota_bytes=config.client_shm_quota,
         record_errors=sample_errors.submit,
         doorbell=bell_path.name,
         data_roots=config.data_roots,
@@ -419,7 +422,7 @@ def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) ->
 
 
 def build_server(
-    config: ServerConfig, listen: str | None = None, *, max_workers: int = DEFAULT_MAX_WORKERS
+    config: ServerConfig, listen: str | None = None, *, max_workers: int | None = None
 ) -> RunningServer:
     """Start the Loader service on ``listen`` over the catalog at ``config.database_url``.
 
@@ -432,15 +435,18 @@ def build_server(
         listen: ``unix:///path/to/grpc.sock``, ``unix:relative.sock`` or ``host:port``
             (``host:0`` binds a free port; :attr:`RunningServer.address` has it);
             None means ``config.listen``.
-        max_workers: Threads serving RPCs; each open stream holds one.
+        max_workers: Calls served at once, each on a thread of its own (an open inline
+            stream holds one); None means ``config.max_concurrent_rpcs``. A few are kept for
+            CloseSession and health checks (``config.reserved_rpcs``).
 
     Raises:
         InvalidArgument: ``listen`` or ``max_workers`` is malformed.
         FailedPrecondition: the address is taken (by a live server on that unix socket, or
             any process on that TCP port) or cannot be bound; the message says which.
     """
-    if max_workers < 1:
-        raise InvalidArgument(f"max_workers={max_workers} must be >= 1")
+    max_workers = config.max_concurrent_rpcs if max_workers is None else max_workers
+    if max_workers < 2:
+        raise InvalidArgument(f"max_workers={max_workers} must be >= 2")
     listen = config.listen if listen is None else listen
     where = ListenAddress.parse(listen)
     if where.unix_path is not None:
@@ -463,12 +469,22 @@ def build_server(
     except BaseException:
         engine.dispose()
         raise
+    # One thread per call gRPC lets in, so a call never waits in the executor's queue;
+    # gRPC refuses the rest. CloseSession and health checks always find a thread: the other
+    # calls never hold the reserve (api/admission.py).
     executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="batchd-rpc")
+    admission = Admission(
+        max_calls=max_workers - reserved_rpcs(max_workers),
+        client_max_calls=config.client_max_calls,
+    )
+    interceptors: list[grpc.ServerInterceptor] = [AdmissionInterceptor(admission)]
+    if token is not None:
+        interceptors.insert(0, TokenInterceptor(token))  # a refused call takes no place
     server = grpc.server(
         executor,
         options=[("grpc.so_reuseport", 0), *_KEEPALIVE_OPTIONS],
-        maximum_concurrent_rpcs=None,
-        interceptors=[] if token is None else [TokenInterceptor(token)],
+        maximum_concurrent_rpcs=max_workers,
+        interceptors=interceptors,
     )
     servicer = LoaderServicer(engine, parts.sessions, draining=lambda: parts.monitor.draining)
     loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
@@ -500,4 +516,4 @@ def build_server(
     else:
         address, port = f"{where.host}:{bound}", bound
     logger.info("batchd-server listening on %s", address)
-    return RunningServer(server, executor, engine, address, port, parts)
+    return RunningServer(server, executor, engine, address, port, parts, admission)

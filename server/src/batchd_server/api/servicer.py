@@ -9,6 +9,7 @@ import grpc
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd_server.api import session_rpcs
+from batchd_server.api.admission import client_identity
 from batchd_server.api.status import map_errors
 from batchd_server.catalog import queries
 from batchd_server.catalog.queries import DatasetSummary
@@ -85,7 +86,7 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
                 "another replica, or after the restart (a Loader resumes with "
                 "load_state_dict(old.state_dict()))"
             )
-        return session_rpcs.open_session(self._sessions, request)
+        return session_rpcs.open_session(self._sessions, request, client_identity(context))
 
     @map_errors
     def StreamBatches(

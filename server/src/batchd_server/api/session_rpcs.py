@@ -17,8 +17,10 @@ from batchd_server import metrics
 from batchd_server.batch_messages import inline_messages
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.limits import check_name
+from batchd_server.mixing import MixOptions, MixSourceOptions
 from batchd_server.sampling import SamplerOptions
 from batchd_server.sessions import Session, SessionManager, SessionOptions, Stream
+from batchd_server.sessions.sources import snapshot_token
 
 __all__ = ["open_session", "session_options", "stream_batches"]
 
@@ -99,13 +101,20 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         mode=_SAMPLING[request.sampling],
     )
     kind, options = _pipeline(request.pipeline)
-    check_name("dataset", request.dataset)
-    check_name("version", request.version, required=False)
-    check_name("split", request.split, required=False)
+    mix = _mix(request) if request.HasField("mix") else None
+    if mix is None:
+        check_name("dataset", request.dataset)
+        check_name("version", request.version, required=False)
+        check_name("split", request.split, required=False)
+    elif sampler.mode != "uniform":
+        raise InvalidArgument(
+            f"sampling={sampler.mode!r} cannot be used with a mix: the mix's weights decide how "
+            "samples are drawn; use sampling 'uniform'"
+        )
     return SessionOptions(
-        dataset=request.dataset,
+        dataset=request.dataset if mix is None else mix.label,
         version=request.version or None,
-        split=request.split or "train",
+        split=(request.split or "train") if mix is None else "",
         sampler=sampler,
         pipeline_kind=kind,
         pipeline_options=options,
@@ -113,14 +122,42 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         snapshot=request.snapshot or None,
         on_error=_ON_ERROR[request.on_error],
         max_error_fraction=request.max_error_fraction or 0.01,
+        mix=mix,
     )
 
 
+def _mix(request: pb.OpenSessionRequest) -> MixOptions:
+    """``request.mix`` as validated options."""
+    if request.dataset or request.version or request.split:
+        raise InvalidArgument(
+            "OpenSession got a mix and a dataset, version or split besides; a mixed session "
+            "names its splits in the mix's sources only"
+        )
+    sources = []
+    for source in request.mix.sources:
+        check_name("dataset", source.dataset)
+        check_name("version", source.version, required=False)
+        check_name("split", source.split, required=False)
+        kind, options = _pipeline(source.pipeline) if source.HasField("pipeline") else (None, {})
+        sources.append(
+            MixSourceOptions(
+                dataset=source.dataset,
+                version=source.version or None,
+                split=source.split or "train",
+                weight=source.weight,
+                pipeline_kind=kind,
+                pipeline_options=options,
+            )
+        )
+    return MixOptions(sources=tuple(sources), stop_samples=request.mix.stop_samples)
+
+
 def open_session(
-    sessions: SessionManager, request: pb.OpenSessionRequest
+    sessions: SessionManager, request: pb.OpenSessionRequest, client: str = ""
 ) -> pb.OpenSessionResponse:
+    """Open the session ``request`` asks for, on behalf of ``client`` (its quotas)."""
     options = session_options(request)
-    session = sessions.open(options)
+    session = sessions.open(options, client)
     ring = session.ring
     return pb.OpenSessionResponse(
         session_id=session.id,
@@ -128,7 +165,7 @@ def open_session(
         num_samples=session.num_samples,
         num_rows=session.num_rows,
         fields=[pb.FieldSchema(name=f.name, dtype=f.dtype, shape=f.shape) for f in session.layout],
-        snapshot=session.catalog.arrays.snapshot.token(),
+        snapshot=snapshot_token(options, session.catalogs),
         ring=pb.RingLayout(
             shm_name=ring.name,
             segment_bytes=ring.nbytes,
@@ -139,10 +176,30 @@ def open_session(
             doorbell=sessions.doorbell,
         ),
         lease_timeout_s=sessions.lease_timeout_s,
-        version=session.catalog.arrays.dataset.version,
+        version=session.catalog.arrays.dataset.version if options.mix is None else "",
         split=options.split,
         prefetch=options.prefetch,
+        sources=_mix_sources(session),
     )
+
+
+def _mix_sources(session: Session) -> list[pb.MixSource]:
+    mix = session.options.mix
+    if mix is None:
+        return []
+    return [
+        pb.MixSource(
+            dataset=source.dataset,
+            version=entry.arrays.dataset.version,
+            split=source.split,
+            weight=source.weight,
+            rows=rows,
+            epoch_samples=samples,
+        )
+        for source, entry, rows, samples in zip(
+            mix.sources, session.catalogs, session.source_rows, session.source_samples, strict=True
+        )
+    ]
 
 
 def _read_acks(
@@ -170,7 +227,10 @@ def stream_batches(
     requests: Iterator[pb.StreamBatchesRequest],
     context: grpc.ServicerContext,
 ) -> Iterator[pb.StreamBatchesResponse]:
-    first = next(requests, None)
+    try:
+        first = next(requests, None)
+    except grpc.RpcError:  # cancelled, or the client went away, before its first message
+        return
     if first is None or first.WhichOneof("kind") != "start":
         raise InvalidArgument("StreamBatches must begin with a StreamStart message")
     start = first.start
@@ -185,6 +245,7 @@ def stream_batches(
         start.start_batch,
         start_sample=start.start_sample,
         order_world_size=start.order_world_size,
+        stride=start.stride,
     )
     # The callback runs however the call ends, even while this generator is suspended in a
     # yield that grpc will never resume (a client killed mid-epoch).

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -20,8 +21,14 @@ from batchd_server.limits import MAX_SLOT_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.session import Session
+from batchd_server.sessions.sources import (
+    acquire_sources,
+    check_source_pipelines,
+    release_sources,
+)
 from batchd_server.shm.segments import ShmRegistry, format_bytes
 from batchd_server.workers.pool import WorkerPool
+from batchd_server.workers.task import SlotField
 
 __all__ = ["SessionManager"]
 
@@ -29,6 +36,24 @@ logger = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S: Final = 60.0
 """How long closing a session waits for workers still writing into its ring."""
+
+
+@dataclass
+class _Usage:
+    """One client's share: its sessions (open or opening) and their rings' bytes."""
+
+    sessions: int = 0
+    ring_bytes: int = 0
+
+    def add(self, ring_bytes: int) -> None:
+        self.sessions += 1
+        self.ring_bytes += ring_bytes
+
+    def remove(self, ring_bytes: int) -> bool:
+        """Take one session off; True when none is left."""
+        self.sessions -= 1
+        self.ring_bytes -= ring_bytes
+        return self.sessions <= 0
 
 
 class SessionManager:
@@ -42,6 +67,8 @@ class SessionManager:
         registry: ShmRegistry,
         lease_timeout_s: float,
         max_sessions: int,
+        client_max_sessions: int | None = None,
+        client_shm_quota_bytes: int | None = None,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         doorbell: str = "",
         data_roots: tuple[Path, ...] = (),
@@ -51,6 +78,12 @@ class SessionManager:
         self._registry = registry
         self.lease_timeout_s = lease_timeout_s
         self._max_sessions = max_sessions
+        self._client_max_sessions = client_max_sessions or max_sessions
+        self._client_shm_quota = client_shm_quota_bytes or registry.budget_bytes
+        self._usage: dict[str, _Usage] = {}
+        """Per client: its sessions (open or opening) and their ring bytes."""
+        self._owners: dict[str, tuple[str, int]] = {}
+        """Session id -> (client, ring bytes) of every open session."""
         self._record_errors = record_errors
         self._sessions: dict[str, Session] = {}
         self._opening = 0
@@ -66,57 +99,107 @@ class SessionManager:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, options: SessionOptions) -> Session:
-        """Open a session.
+    def open(self, options: SessionOptions, client: str = "") -> Session:
+        """Open a session for ``client`` (an identity from ``api/admission.py``; its sessions
+        and ring bytes count against the per-client quotas).
 
         Raises:
             InvalidArgument, NotFound, FailedPrecondition, SnapshotMismatch,
             ResourceExhausted: as the message says.
         """
-        # The check and the reservation are one step, so that opens racing each other cannot
-        # pass the limit together.
-        with self._lock:
-            if len(self._sessions) + self._opening >= self._max_sessions:
-                raise ResourceExhausted(
-                    f"the server has {len(self._sessions)} open sessions and "
-                    f"{self._opening} opening, its limit (BATCHD_MAX_SESSIONS); close loaders "
-                    "you no longer use"
-                )
-            self._opening += 1
-        try:
-            return self._open(options)
-        finally:
-            with self._lock:
-                self._opening -= 1
-
-    def _open(self, options: SessionOptions) -> Session:
         pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
-        layout, slot_bytes = slot_layout(pipeline.fields(), options.sampler.batch_size)
+        check_source_pipelines(options, pipeline)
+        layout, slot_bytes = slot_layout(
+            pipeline.fields(), options.sampler.batch_size, mixed=options.mix is not None
+        )
         if slot_bytes > MAX_SLOT_BYTES:
             raise InvalidArgument(
                 f"one batch would take {format_bytes(slot_bytes)}, more than the "
                 f"{format_bytes(MAX_SLOT_BYTES)} a slot may hold; lower batch_size"
             )
-        entry = self._catalog.acquire(
-            options.dataset, options.version, options.split, options.snapshot
-        )
+        slots = ring_slots(options.prefetch, slot_bytes)
+        ring_bytes = slot_offset(slots, slot_bytes)
+        # The checks and the reservation are one step, so that opens racing each other cannot
+        # pass a limit together.
+        with self._lock:
+            self._check_limits(client, ring_bytes)
+            self._opening += 1
+            self._usage.setdefault(client, _Usage()).add(ring_bytes)
         try:
-            root = entry.arrays.dataset.root
-            self._check_data_root(options.dataset, root)
-            if not os.path.isdir(root):
-                raise FailedPrecondition(
-                    f"dataset {options.dataset!r} has root {root!r}, which is not a directory "
-                    "on the server; mount the data there or re-ingest with the right --root"
-                )
-            slots = ring_slots(options.prefetch, slot_bytes)
-            ring_bytes = slot_offset(slots, slot_bytes)
+            return self._open(options, client, layout, slot_bytes, slots)
+        except BaseException:
+            with self._lock:
+                self._drop_usage(client, ring_bytes)
+            raise
+        finally:
+            with self._lock:
+                self._opening -= 1
+
+    def _check_limits(self, client: str, ring_bytes: int) -> None:
+        """Refuse an open past the server's or the client's limits (caller holds the lock)."""
+        if len(self._sessions) + self._opening >= self._max_sessions:
+            raise ResourceExhausted(
+                f"the server has {len(self._sessions)} open sessions and "
+                f"{self._opening} opening, its limit (--max-sessions, BATCHD_MAX_SESSIONS="
+                f"{self._max_sessions}); close loaders you no longer use, or raise it"
+            )
+        usage = self._usage.get(client, _Usage())
+        if usage.sessions >= self._client_max_sessions:
+            raise ResourceExhausted(
+                f"client {client!r} holds {usage.sessions} sessions (open or opening), its "
+                f"limit (--client-max-sessions, BATCHD_CLIENT_MAX_SESSIONS="
+                f"{self._client_max_sessions}); close loaders this process no longer uses, "
+                "or raise the limit"
+            )
+        if usage.ring_bytes + ring_bytes > self._client_shm_quota:
+            raise ResourceExhausted(
+                f"client {client!r} holds {format_bytes(usage.ring_bytes)} of rings in "
+                f"{usage.sessions} sessions and this one needs {format_bytes(ring_bytes)} "
+                f"more, over its quota of {format_bytes(self._client_shm_quota)} "
+                "(--client-shm-quota, BATCHD_CLIENT_SHM_QUOTA; default half of --shm-budget); "
+                "close loaders this process no longer uses, lower prefetch or batch_size, or "
+                "raise the quota"
+            )
+
+    def _drop_usage(self, client: str, ring_bytes: int) -> None:
+        """Give back one session's share of ``client``'s quota (caller holds the lock)."""
+        usage = self._usage.get(client)
+        if usage is not None and usage.remove(ring_bytes):
+            del self._usage[client]
+
+    def usage(self, client: str) -> tuple[int, int]:
+        """``client``'s sessions (open or opening) and the ring bytes they hold."""
+        with self._lock:
+            usage = self._usage.get(client, _Usage())
+            return usage.sessions, usage.ring_bytes
+
+    def _open(
+        self,
+        options: SessionOptions,
+        client: str,
+        layout: tuple[SlotField, ...],
+        slot_bytes: int,
+        slots: int,
+    ) -> Session:
+        ring_bytes = slot_offset(slots, slot_bytes)
+        entries = acquire_sources(self._catalog, options)
+        entry = entries[0]
+        try:
+            for source in entries:
+                name, root = source.arrays.dataset.name, source.arrays.dataset.root
+                self._check_data_root(name, root)
+                if not os.path.isdir(root):
+                    raise FailedPrecondition(
+                        f"dataset {name!r} has root {root!r}, which is not a directory on the "
+                        "server; mount the data there or re-ingest with the right --root"
+                    )
             purpose = (
                 f"{slots} slots of {format_bytes(slot_bytes)} for batch_size="
                 f"{options.sampler.batch_size} of {options.dataset!r}"
             )
             ring = self._catalog.create_segment("ring", ring_bytes, purpose=purpose)
         except BaseException:
-            self._catalog.release(entry)
+            release_sources(self._catalog, entries)
             raise
         token = secrets.token_bytes(16)
         ring.buf[: len(token)] = token
@@ -132,6 +215,7 @@ class SessionManager:
                 token=token,
                 pool=self._pool,
                 record_errors=self._record_errors,
+                sources=entries if options.mix is not None else (),
             )
             if session.num_batches == 0:
                 raise FailedPrecondition(
@@ -141,14 +225,16 @@ class SessionManager:
                 )
         except BaseException:
             self._registry.release(ring)
-            self._catalog.release(entry)
+            release_sources(self._catalog, entries)
             raise
         with self._lock:
             self._sessions[session_id] = session
+            self._owners[session_id] = (client, ring_bytes)
             metrics.SESSIONS.set(len(self._sessions))
         logger.info(
-            "session %s opened: %s/%s split %s, %d batches of %d on rank %d/%d, ring %s",
+            "session %s opened for %s: %s/%s split %s, %d batches of %d on rank %d/%d, ring %s",
             session_id,
+            client or "an unnamed client",
             options.dataset,
             entry.arrays.dataset.version,
             options.split,
@@ -189,6 +275,9 @@ class SessionManager:
         with self._lock:
             session = self._sessions.pop(session_id, None)
             metrics.SESSIONS.set(len(self._sessions))
+            owner = self._owners.pop(session_id, None)
+            if owner is not None:
+                self._drop_usage(*owner)
         if session is None:
             return False
         busy = session.close()
@@ -196,7 +285,7 @@ class SessionManager:
             wait_futures(busy, timeout=_CLOSE_WAIT_S)
         self._pool.forget_session(session_id)
         self._registry.release(session.ring)
-        self._catalog.release(session.catalog)
+        release_sources(self._catalog, session.catalogs)
         logger.info("session %s %s; its ring is freed", session_id, reason)
         return True
 
@@ -223,6 +312,8 @@ class SessionManager:
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
+            self._owners.clear()
+            self._usage.clear()
             metrics.SESSIONS.set(0)
         busy = [future for session in sessions for future in session.close()]
         if busy:
@@ -230,7 +321,7 @@ class SessionManager:
         for session in sessions:
             self._pool.forget_session(session.id)
             self._registry.release(session.ring)
-            self._catalog.release(session.catalog)
+            release_sources(self._catalog, session.catalogs)
         if sessions:
             logger.info("closed %d session(s) at server shutdown", len(sessions))
         self._reaper.join(min(5.0, timeout_s))

@@ -11,6 +11,7 @@ from batchd._ring import pack, slot_size
 from batchd._specs import ON_ERROR_CHOICES
 from batchd_server.errors import InvalidArgument
 from batchd_server.limits import MAX_PREFETCH
+from batchd_server.mixing import MixOptions
 from batchd_server.pipelines.base import FieldSpec
 from batchd_server.sampling import SamplerOptions
 from batchd_server.workers.task import SlotField
@@ -41,6 +42,9 @@ class SessionOptions:
     snapshot: str | None = None
     on_error: str = "skip"
     max_error_fraction: float = 0.01
+    mix: MixOptions | None = None
+    """A weighted mix of splits; ``dataset`` is then the mix's label and ``split`` empty,
+    and ``snapshot`` a mix's token."""
 
     def __post_init__(self) -> None:
         if not self.dataset:
@@ -71,17 +75,18 @@ def ring_slots(prefetch: int, slot_bytes: int) -> int:
     return prefetch + _LOOP_SLOTS + min(_EXTRA_SLOTS_MAX, _EXTRA_SLOTS_BYTES // slot_bytes)
 
 
-def slot_layout(fields: list[FieldSpec], batch_size: int) -> tuple[tuple[SlotField, ...], int]:
-    """Place every field (plus ``sample_id`` and ``label``) in a slot, as ``batchd._ring``
-    lays slots out; return the fields' places and the slot's size."""
-    every = [
-        *fields,
-        FieldSpec("sample_id", np.dtype("<i8"), ()),
-        FieldSpec("label", np.dtype("<i8"), ()),
-    ]
+def slot_layout(
+    fields: list[FieldSpec], batch_size: int, *, mixed: bool = False
+) -> tuple[tuple[SlotField, ...], int]:
+    """Place every field (plus ``sample_id`` and ``label``, and ``source`` in a mix) in a slot,
+    as ``batchd._ring`` lays slots out; return the fields' places and the slot's size."""
+    ours = ["sample_id", "label", *(["source"] if mixed else [])]
+    every = [*fields, *(FieldSpec(name, np.dtype("<i8"), ()) for name in ours)]
     names = [f.name for f in every]
     if len(set(names)) != len(names):
-        raise InvalidArgument(f"the pipeline's fields {names[:-2]} clash with sample_id or label")
+        raise InvalidArgument(
+            f"the pipeline's fields {names[: len(fields)]} clash with {' or '.join(ours)}"
+        )
     capacities = [batch_size * f.sample_bytes() for f in every]
     offsets, fields_bytes = pack(capacities)
     placed = tuple(

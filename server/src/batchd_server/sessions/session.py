@@ -24,12 +24,19 @@ from batchd._ring import HEADER_BYTES, slot_offset
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
+from batchd_server.mixing import mix_counts, plan_mix_epoch, source_starts
 from batchd_server.sampling import EpochPlan, plan_epoch
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
 from batchd_server.workers.deadline import HungBatch
-from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField
+from batchd_server.workers.task import (
+    BatchResult,
+    BatchTask,
+    MixSourceSpec,
+    SessionSpec,
+    SlotField,
+)
 
 __all__ = ["Bell", "FieldView", "ReadyBatch", "Session", "Stream", "SubmitsTasks"]
 
@@ -38,6 +45,8 @@ logger = logging.getLogger(__name__)
 _POLL_S: Final = 0.25
 """How often a waiting stream re-checks that its client is still there."""
 _MAX_PLANS: Final = 2
+_MAX_STRIDE: Final = 1 << 16
+"""More replicas than any pool has; bounds a hostile StreamStart.stride."""
 
 
 class Bell(Protocol):
@@ -95,6 +104,8 @@ class Stream:
     delivered: dict[int, int] = field(default_factory=dict)
     """Inline streams: batch index -> DELIVERED slot, until acked."""
     closed: bool = False
+    stride: int = 1
+    """Every ``stride``-th batch from ``start``: a client striping over replicas."""
 
 
 class Session:
@@ -112,10 +123,19 @@ class Session:
         token: bytes,
         pool: SubmitsTasks,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
+        sources: tuple[CatalogEntry, ...] = (),
     ) -> None:
+        """``catalog`` is the split's entry; for a mix (``options.mix``), ``sources`` are
+        every source's entries, in the mix's order, and ``catalog`` is the first."""
         self.id = session_id
         self.options = options
         self.catalog = catalog
+        self.catalogs = sources or (catalog,)
+        """Every entry the session holds (the manager releases them all)."""
+        assert (options.mix is None) == (not sources), "sources come with a mix"
+        assert self.catalogs[0] is catalog, "a mix's first source is the catalog"
+        self.source_rows = tuple(len(entry.arrays) for entry in self.catalogs)
+        """Rows of each source in its snapshot."""
         self.ring = ring
         self.layout = layout
         self.slot_bytes = slot_bytes
@@ -123,10 +143,18 @@ class Session:
         self._pool = pool
         self._record_errors = record_errors
         arrays = catalog.arrays
-        self.num_rows = len(arrays)
-        """Rows of the split in the catalog snapshot (before padding or dropping)."""
+        mix = options.mix
+        self.source_samples = (
+            (len(arrays),)
+            if mix is None
+            else mix_counts(self.source_rows, mix.units, mix.stop_samples)
+        )
+        """Samples of each source in one epoch (all ranks): the rows, or a mix's counts."""
+        self.num_rows = sum(self.source_samples)
+        """Rows of the split in the catalog snapshot (before padding or dropping); a mix's
+        samples per epoch."""
         sampler = options.sampler
-        probe = plan_epoch(self.num_rows, sampler, 0, **self._sampling_columns())
+        probe = self._make_plan(0, 0, sampler.world_size)
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
         self._plans: dict[tuple[int, int, int], EpochPlan] = {(0, 0, sampler.world_size): probe}
@@ -145,6 +173,21 @@ class Session:
             on_error=options.on_error,
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
+            sources=tuple(
+                MixSourceSpec(
+                    entry.segment.name,
+                    entry.arrays.dataset.root,
+                    int(start),
+                    source.pipeline_kind or "",
+                    source.pipeline_options,
+                )
+                for entry, start, source in zip(
+                    sources,
+                    source_starts(self.source_rows),
+                    mix.sources if mix is not None else (),
+                    strict=False,
+                )
+            ),
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
@@ -173,6 +216,19 @@ class Session:
             "lengths": arrays.lengths if mode == "bucketed" else None,
         }
 
+    def _make_plan(self, epoch: int, start: int, order_world_size: int) -> EpochPlan:
+        sampler = self.options.sampler
+        if self.options.mix is not None:
+            return plan_mix_epoch(self.source_rows, self.options.mix, sampler, epoch, start=start)
+        return plan_epoch(
+            self.num_rows,
+            sampler,
+            epoch,
+            start=start,
+            order_world_size=order_world_size,
+            **self._sampling_columns(),
+        )
+
     def plan(self, epoch: int, start: int = 0, order_world_size: int = 0) -> EpochPlan:
         """This rank's plan of ``epoch`` from global entry ``start`` on (an elastic resume;
         see ``sampling``), the order built for ``order_world_size`` (0: the session's)."""
@@ -181,14 +237,7 @@ class Session:
         with self._cond:
             plan = self._plans.get(key)
         if plan is None:
-            plan = plan_epoch(
-                self.num_rows,
-                sampler,
-                epoch,
-                start=start,
-                order_world_size=key[2],
-                **self._sampling_columns(),
-            )
+            plan = self._make_plan(epoch, start, key[2])
             with self._cond:
                 while len(self._plans) >= _MAX_PLANS:
                     self._plans.pop(next(iter(self._plans)))
@@ -262,6 +311,7 @@ class Session:
         start_sample: int = 0,
         order_world_size: int = 0,
         held_leases: Collection[int] | None = None,
+        stride: int = 1,
     ) -> Stream:
         """Start streaming ``epoch`` at ``start_batch``, ending any previous stream.
 
@@ -273,9 +323,13 @@ class Session:
                 session's.
             held_leases: For an shm stream, the leases the client still holds; every other
                 delivered slot becomes free. None for an inline stream.
+            stride: Serve batches ``start_batch``, ``start_batch + stride``, ... only (a
+                client striping one session's batches over replicas); 0 means 1.
         """
         if epoch < 0:
             raise InvalidArgument(f"epoch={epoch} must be >= 0")
+        if not 0 <= stride <= _MAX_STRIDE:
+            raise InvalidArgument(f"stride={stride} must be between 0 and {_MAX_STRIDE}")
         plan = self.plan(epoch, start_sample, order_world_size)  # checks both
         if not 0 <= start_batch <= plan.num_batches:
             raise InvalidArgument(
@@ -298,7 +352,14 @@ class Session:
                 still_held = set(held_leases)
                 for lease in [x for x in self._leases if x not in still_held]:
                     self._book.free(self._leases.pop(lease), SlotState.LEASED)
-            stream = Stream(epoch, start_batch, plan, start_batch, leased=held_leases is not None)
+            stream = Stream(
+                epoch,
+                start_batch,
+                plan,
+                start_batch,
+                leased=held_leases is not None,
+                stride=max(stride, 1),
+            )
             self._stream = stream
             self.last_used = time.monotonic()
         metrics.STREAMS.inc()
@@ -364,7 +425,7 @@ class Session:
             DataLoss: a sample failed under on_error="raise", the epoch's errors passed
                 max_error_fraction, or a batch kept killing workers.
         """
-        for k in range(stream.start, stream.plan.num_batches):
+        for k in range(stream.start, stream.plan.num_batches, stream.stride):
             with self._cond:
                 while True:
                     if stream.closed or self.closed or not client_active():
@@ -405,7 +466,7 @@ class Session:
                 self._book.free(slot, SlotState.WORKING)
                 raise
             stream.working[k] = (slot, future)
-            stream.next_submit += 1
+            stream.next_submit += stream.stride
 
     def _result(
         self, stream: Stream, future: Future[BatchResult], client_active: Callable[[], bool]
@@ -419,14 +480,21 @@ class Session:
             except CancelledError:  # the stream ended meanwhile and cancelled the task
                 return None
             except HungBatch as e:
-                arrays = self.catalog.arrays
-                named = "; ".join(f"sample {arrays.ids[p]} ({arrays.path(p)})" for p in e.positions)
+                named = "; ".join(self._describe_position(p) for p in e.positions)
                 raise DataLoss(f"{e}. Samples it hung on: {named or 'none known'}") from e
+
+    def _describe_position(self, position: int) -> str:
+        """``sample <id> (<path>)`` of a task position (over a mix's sources in order)."""
+        starts = source_starts(self.source_rows)
+        index = int(np.searchsorted(starts, position, side="right")) - 1
+        arrays = self.catalogs[index].arrays
+        local = position - int(starts[index])
+        return f"sample {arrays.ids[local]} ({arrays.path(local)})"
 
     def _ready(self, stream: Stream, result: BatchResult, lease: int) -> ReadyBatch:
         failures = result.failures
         if failures:
-            self._account_errors(stream.epoch, result)
+            self._account_errors(stream.epoch, result, stream.stride)
         views = []
         for f in self.layout:
             shape = result.shapes[f.name]
@@ -444,7 +512,7 @@ class Session:
             lease,
         )
 
-    def _account_errors(self, epoch: int, result: BatchResult) -> None:
+    def _account_errors(self, epoch: int, result: BatchResult, stride: int = 1) -> None:
         for failure in result.failures:
             metrics.SAMPLE_ERRORS.labels(dataset=self.options.dataset, kind=failure.kind).inc()
             logger.warning(
@@ -470,7 +538,8 @@ class Session:
         with self._cond:
             count = self._errors_by_epoch.get(epoch, 0) + len(result.failures)
             self._errors_by_epoch[epoch] = count
-        limit = self.options.max_error_fraction * self.num_samples
+        # A striped stream serves 1/stride of the epoch and sees that share of its errors.
+        limit = self.options.max_error_fraction * self.num_samples / stride
         if count > limit:
             raise DataLoss(
                 f"{count} samples of epoch {epoch} failed, more than max_error_fraction="

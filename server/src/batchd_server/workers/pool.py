@@ -42,6 +42,7 @@ from typing import Any
 from batchd_server.errors import DataLoss, FailedPrecondition, Unavailable
 from batchd_server.logs import current_log_format
 from batchd_server.workers.deadline import BATCH_STEP, HungBatch, after_timeout
+from batchd_server.workers.fair_queue import FairQueue
 from batchd_server.workers.respawn import RespawnPolicy
 from batchd_server.workers.task import BatchResult, BatchTask
 from batchd_server.workers.worker import WorkerError, worker_main
@@ -131,7 +132,10 @@ class WorkerPool:
         take a while to go)."""
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
-        self._queue: collections.deque[_Pending] = collections.deque()
+        # Round-robin across sessions (fair_queue.py), so no session waits behind another's
+        # whole ring.
+        self._queue: FairQueue[_Pending] = FairQueue(lambda p: p.task.spec.session_id)
+        self._dispatched: collections.deque[tuple[str, int]] = collections.deque(maxlen=4096)
         self._forget: list[str] = []
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -246,6 +250,12 @@ class WorkerPool:
         """Tasks handed to workers and not answered yet."""
         with self._lock:
             return sum(len(w.outstanding) for w in self._workers)
+
+    def dispatched(self) -> list[tuple[str, int]]:
+        """(session id, batch index) of the latest tasks handed to workers, oldest first
+        (at most 4096): the order the pool served its sessions in."""
+        with self._lock:
+            return list(self._dispatched)
 
     def pids(self) -> list[int]:
         """The workers' process ids (for tests and diagnostics)."""
@@ -371,6 +381,7 @@ class WorkerPool:
             if not worker.outstanding:
                 worker.busy_since = time.monotonic()
             worker.outstanding[pending.task_id] = pending
+            self._dispatched.append((pending.task.spec.session_id, pending.task.batch_index))
             if not _send(worker, ("task", pending.task_id, pending.task)):
                 return  # dead: the sentinel will fire and the task will be redone
 

@@ -27,6 +27,7 @@ from batchd_server.shm.segments import Attachment, attach
 __all__ = [
     "BatchResult",
     "BatchTask",
+    "MixSourceSpec",
     "SampleFailure",
     "SessionContext",
     "SessionSpec",
@@ -53,6 +54,19 @@ class SlotField:
 
 
 @dataclass(frozen=True)
+class MixSourceSpec:
+    """One source of a mixed session, as a worker opens it (``workers/mixed.py``)."""
+
+    catalog_segment: str
+    root: str
+    start: int
+    """The source's first position: a task's positions are global over the sources."""
+    pipeline_kind: str = ""
+    """The source's own pipeline; "" decodes it with the session's."""
+    pipeline_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class SessionSpec:
     """What a worker needs to know about a session; sent with every task (a few hundred bytes)."""
 
@@ -71,6 +85,9 @@ class SessionSpec:
     shm_dir: str = "/dev/shm"
     dataset: str = ""
     """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
+    sources: tuple[MixSourceSpec, ...] = ()
+    """A mix's sources, in order (the first is ``catalog_segment`` and ``root``); empty for a
+    session on one split."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,8 @@ class SessionContext:
         the whole batch. The worker points this into memory its pool reads when the task
         overruns its deadline (``workers/deadline.py``)."""
         self._hung: frozenset[int] = frozenset()
+        self._offset = 0
+        """The task position of this context's catalog row 0 (a mix's source's start)."""
 
     def slot_block(self, slot: int) -> Block:
         """Every field of ``slot`` as a ``(batch_size, *shape)`` array over the ring."""
@@ -270,7 +289,7 @@ class SessionContext:
         return [k.decode("utf-8", "replace") for k in seen], files
 
     def _decode_one(self, position: int, epoch: int, row: Block) -> None:
-        self.where[0] = position
+        self.where[0] = self._offset + position
         sample_id = int(self.ids[position])
         info = SampleInfo(
             sample_id=sample_id,
@@ -280,7 +299,7 @@ class SessionContext:
             seed=self.spec.seed,
             epoch=epoch,
         )
-        if position in self._hung:
+        if self._offset + position in self._hung:
             raise BadSample(
                 "timeout",
                 f"{info.path}: reading or decoding it hung past the server's task deadline "

@@ -158,7 +158,7 @@ class Pipeline(_message.Message):
     def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction")
+    __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class OpenSessionRequest(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     MAX_ERROR_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    MIX_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     version: str
     split: str
@@ -189,7 +190,34 @@ class OpenSessionRequest(_message.Message):
     snapshot: str
     on_error: OnError
     max_error_fraction: float
-    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, str]] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., prefetch: _Optional[int] = ..., snapshot: _Optional[str] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_error_fraction: _Optional[float] = ...) -> None: ...
+    mix: Mix
+    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, str]] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., prefetch: _Optional[int] = ..., snapshot: _Optional[str] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_error_fraction: _Optional[float] = ..., mix: _Optional[_Union[Mix, _Mapping]] = ...) -> None: ...
+
+class MixSource(_message.Message):
+    __slots__ = ("dataset", "version", "split", "weight", "rows", "epoch_samples", "pipeline")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    version: str
+    split: str
+    weight: float
+    rows: int
+    epoch_samples: int
+    pipeline: Pipeline
+    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., weight: _Optional[float] = ..., rows: _Optional[int] = ..., epoch_samples: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
+
+class Mix(_message.Message):
+    __slots__ = ("sources", "stop_samples")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    STOP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[MixSource]
+    stop_samples: int
+    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., stop_samples: _Optional[int] = ...) -> None: ...
 
 class FieldSchema(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -228,7 +256,7 @@ class DoorbellHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows")
+    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows", "sources")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +268,7 @@ class OpenSessionResponse(_message.Message):
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_batches: int
     num_samples: int
@@ -251,10 +280,11 @@ class OpenSessionResponse(_message.Message):
     split: str
     prefetch: int
     num_rows: int
-    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[MixSource]
+    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ...) -> None: ...
 
 class StreamStart(_message.Message):
-    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size", "heartbeat", "accept_first")
+    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size", "stride", "heartbeat", "accept_first")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +293,7 @@ class StreamStart(_message.Message):
     HELD_LEASES_FIELD_NUMBER: _ClassVar[int]
     START_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     ORDER_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIRST_FIELD_NUMBER: _ClassVar[int]
     session_id: str
@@ -273,9 +304,10 @@ class StreamStart(_message.Message):
     held_leases: _containers.RepeatedScalarFieldContainer[int]
     start_sample: int
     order_world_size: int
+    stride: int
     heartbeat: bool
     accept_first: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ..., start_sample: _Optional[int] = ..., order_world_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., accept_first: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ..., start_sample: _Optional[int] = ..., order_world_size: _Optional[int] = ..., stride: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., accept_first: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batch_indices", "wait_s", "leases", "batch_wait_s", "batch_step_s")

