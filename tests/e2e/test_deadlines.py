@@ -40,18 +40,20 @@ from batchd_server.pipelines.base import FieldSpec, Pipeline
 
 
 class Hang(Pipeline):
-    '''Raw float32 records, like Array((32,), raw=True); one whose first value is `stuck_at`
-    blocks its worker for good, as a read from a stalled mount would.'''
+    '''Raw float32 records, like Array((32,), raw=True); one whose first value is `stuck_at`,
+    or whose sample id is `stuck_id`, blocks its worker for good, as a read from a stalled
+    mount would.'''
 
-    def __init__(self, stuck_at):
+    def __init__(self, stuck_at=None, stuck_id=None):
         self.stuck_at = stuck_at
+        self.stuck_id = stuck_id
 
     def fields(self):
         return [FieldSpec("array", np.dtype("<f4"), (32,))]
 
     def decode_into(self, data, sample, row):
         values = np.frombuffer(data, "<f4")
-        if values[0] == self.stuck_at:
+        if values[0] == self.stuck_at or sample.sample_id == self.stuck_id:
             threading.Event().wait()
         row["array"][...] = values
 """
@@ -133,6 +135,45 @@ def test_a_hanging_decode_is_killed_retried_and_reported_naming_its_sample(
             assert sorted(i for b in loader for i in b["sample_id"].tolist()) == ids
         assert srv.pool.alive == 2 and srv.pool.crash_loop is None
     # serve() has checked that no worker process and no segment outlived the server.
+
+
+def test_a_hang_in_a_mixed_sessions_second_source_names_that_sources_sample(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a mix, workers report positions over the sources concatenated: the sample given up
+    after two deadlines is the second source's record 17, not the first source's record 17
+    in the same batch (one batch holds the whole epoch), and DataLoss names it."""
+    install_decoders(tmp_path / "site", HANG_DECODER, {"hang": "Hang"})
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    record_dataset(engine, tmp_path / "a", n=20, name="a")
+    record_dataset(engine, tmp_path / "b", n=30, name="b")
+    with engine.connect() as conn:
+        b_ids = conn.execute(
+            sa.text(
+                "SELECT s.id FROM samples s JOIN datasets d ON d.id = s.dataset_id "
+                "WHERE d.name = 'b' ORDER BY s.id"
+            )
+        ).scalars()
+        stuck_id = list(b_ids)[STUCK]
+    url = engine.url.render_as_string(hide_password=False)
+    timeouts_before = _task_timeouts()
+    with serve(url, tmp_path, workers=2, task_timeout_s=3.0) as srv:
+        with (
+            batchd.Loader(
+                srv.address,
+                sources=batchd.Mix({"a": 2.0, "b": 3.0}),
+                batch_size=50,
+                shuffle=False,
+                on_error="raise",
+                pipeline=batchd.Custom("hang", stuck_id=stuck_id),
+            ) as loader,
+            pytest.raises(errors.DataLoss) as raised,
+        ):
+            for _ in loader:
+                pass
+        assert f"sample {stuck_id} (shard-000.bin) failed: timeout" in str(raised.value)
+        assert _task_timeouts() - timeouts_before == 2
+        _wait_until(lambda: srv.pool.alive == 2, 30, "both workers to be alive again")
 
 
 # -- a silent server ---------------------------------------------------------------------
