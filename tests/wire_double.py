@@ -193,7 +193,10 @@ class WireDouble(loader_pb2_grpc.LoaderServicer):
                 yield from inline_chunks(msg, buffer.tobytes(), 40)
             while self._take_ack(acks, free, slot_of):
                 pass
-            ended = "complete" if not slot_of else f"unacked {sorted(slot_of)}"
+            # Every batch went out; a client that cancels now (a break after the first batch
+            # of a short epoch) still ended early, not with batches unacked.
+            if context.is_active():
+                ended = "complete" if not slot_of else f"unacked {sorted(slot_of)}"
         finally:
             self.stream_ends.put(ended)
 
