@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ import batchd
 from batchd._channel import CLIENT_ID_KEY
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._proto.batchd.v1 import loader_pb2_grpc
+from batchd_server import metrics
 from batchd_server.api import RunningServer
 from batchd_server.catalog import migrate
 from batchd_server.catalog.db import make_engine
@@ -89,12 +91,14 @@ def test_concurrent_opens_at_the_limit_never_pass_it(url: str, tmp_path: Path) -
     """32 OpenSession calls at once against max_sessions=4 open exactly 4, and 24 calls of
     one client against client_max_sessions=3 open exactly 3; the rest are RESOURCE_EXHAUSTED
     naming the limit."""
+    before = _refused()
     with serve(url, tmp_path, max_sessions=4, client_max_sessions=3) as srv:
         channel, stub = _stub(srv)
         with channel:
             _close(stub, _open(stub, "warm-up").session_id)  # the split is loaded once
             opened, refused = _open_together(stub, [f"client-{i}" for i in range(32)])
             assert len(opened) == 4 and len(srv.sessions) == 4
+            assert _refused("max_sessions", before) == 28
             assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
             assert all("--max-sessions" in (e.details() or "") for e in refused)
             for session_id in opened:
@@ -107,6 +111,7 @@ def test_concurrent_opens_at_the_limit_never_pass_it(url: str, tmp_path: Path) -
             message = refused[0].details() or ""
             assert "'unix one-client' holds 3 sessions" in message
             assert "--client-max-sessions" in message and "BATCHD_CLIENT_MAX_SESSIONS" in message
+            assert _refused("client_max_sessions", before) == 21
             for session_id in opened:
                 _close(stub, session_id)
             assert srv.sessions.usage("unix one-client") == (0, 0)
@@ -117,6 +122,7 @@ def test_one_client_cannot_take_the_whole_shm_budget(url: str, tmp_path: Path) -
     the quota and how to raise it; another client still opens, and a closed session frees
     its share."""
     budget = 64 << 20
+    before = _refused()
     with serve(url, tmp_path, shm_budget_bytes=budget) as srv:
         channel, stub = _stub(srv)
         with channel:
@@ -125,6 +131,7 @@ def test_one_client_cannot_take_the_whole_shm_budget(url: str, tmp_path: Path) -
                 while len(hog) < 100:  # 8 slots of 64 KiB: about 0.5 MiB a ring
                     hog.append(_open(stub, "hog", batch_size=512, prefetch=6).session_id)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert _refused("client_shm_quota", before) == 1
             message = refused.value.details() or ""
             assert "client 'unix hog' holds" in message and "quota of 32.0 MiB" in message
             assert "--client-shm-quota" in message and "BATCHD_CLIENT_SHM_QUOTA" in message
@@ -137,6 +144,23 @@ def test_one_client_cannot_take_the_whole_shm_budget(url: str, tmp_path: Path) -
             for session_id in [*hog, other]:
                 _close(stub, session_id)
             assert srv.sessions.usage("unix hog") == (0, 0)
+
+
+def _refused(limit: str = "", before: dict[str, float] | None = None) -> Any:
+    """``batchd_refused_total`` by limit now, or the refusals of ``limit`` since ``before``."""
+    now = {k: v for k, v in _refused_samples()}
+    if before is None:
+        return now
+    return now.get(limit, 0.0) - before.get(limit, 0.0)
+
+
+def _refused_samples() -> list[tuple[str, float]]:
+    return [
+        (sample.labels["limit"], sample.value)
+        for family in metrics.REFUSED.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    ]
 
 
 def _fair_windows(order: list[str], window: int = 50) -> float:

@@ -139,6 +139,14 @@ WORKER_TIMEOUTS = Counter(
     "Decode workers killed because a task ran past --task-timeout-s.",
     registry=REGISTRY,
 )
+REFUSED = Counter(
+    "batchd_refused",
+    "Calls and session opens refused with RESOURCE_EXHAUSTED, by the limit they hit "
+    "(max_concurrent_rpcs, client_max_calls, max_sessions, client_max_sessions, "
+    "client_shm_quota).",
+    ["limit"],
+    registry=REGISTRY,
+)
 WORKERS_CRASH_LOOP = Gauge(
     "batchd_workers_crash_loop",
     "1 while decode workers keep dying before they are ready (a crash loop), else 0.",

@@ -36,6 +36,7 @@ import grpc
 
 from batchd._channel import CLIENT_ID_KEY
 from batchd._status import ERROR_CLASS_KEY
+from batchd_server import metrics
 from batchd_server.errors import ResourceExhausted
 
 __all__ = [
@@ -130,6 +131,7 @@ class Admission:
         """
         with self._lock:
             if self._total >= self.max_calls:
+                metrics.REFUSED.labels("max_concurrent_rpcs").inc()
                 raise ResourceExhausted(
                     f"the server is serving {self._total} calls, its limit (--max-concurrent-"
                     "rpcs, BATCHD_MAX_CONCURRENT_RPCS, less the places kept for CloseSession "
@@ -139,6 +141,7 @@ class Admission:
                 )
             mine = self._by_client[client]
             if mine >= self.client_max_calls:
+                metrics.REFUSED.labels("client_max_calls").inc()
                 raise ResourceExhausted(
                     f"client {client!r} has {mine} calls in progress (an open inline stream "
                     "is one for its whole life), its limit (--client-max-calls, "

@@ -138,6 +138,7 @@ class SessionManager:
     def _check_limits(self, client: str, ring_bytes: int) -> None:
         """Refuse an open past the server's or the client's limits (caller holds the lock)."""
         if len(self._sessions) + self._opening >= self._max_sessions:
+            metrics.REFUSED.labels("max_sessions").inc()
             raise ResourceExhausted(
                 f"the server has {len(self._sessions)} open sessions and "
                 f"{self._opening} opening, its limit (--max-sessions, BATCHD_MAX_SESSIONS="
@@ -145,6 +146,7 @@ class SessionManager:
             )
         usage = self._usage.get(client, _Usage())
         if usage.sessions >= self._client_max_sessions:
+            metrics.REFUSED.labels("client_max_sessions").inc()
             raise ResourceExhausted(
                 f"client {client!r} holds {usage.sessions} sessions (open or opening), its "
                 f"limit (--client-max-sessions, BATCHD_CLIENT_MAX_SESSIONS="
@@ -152,6 +154,7 @@ class SessionManager:
                 "or raise the limit"
             )
         if usage.ring_bytes + ring_bytes > self._client_shm_quota:
+            metrics.REFUSED.labels("client_shm_quota").inc()
             raise ResourceExhausted(
                 f"client {client!r} holds {format_bytes(usage.ring_bytes)} of rings in "
                 f"{usage.sessions} sessions and this one needs {format_bytes(ring_bytes)} "
