@@ -78,15 +78,32 @@ def catalog_url(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(fixture)
 
 
-@pytest.fixture
-def engine(catalog_url: str) -> Iterator[Engine]:
-    """An engine on a catalog migrated to head, once per backend."""
-    eng = make_engine(catalog_url)
+def _migrated(url: str) -> Iterator[Engine]:
+    eng = make_engine(url)
     migrate.upgrade(eng)
     try:
         yield eng
     finally:
         eng.dispose()
+
+
+@pytest.fixture
+def engine(catalog_url: str) -> Iterator[Engine]:
+    """An engine on a catalog migrated to head, once per backend."""
+    yield from _migrated(catalog_url)
+
+
+@pytest.fixture
+def sqlite_engine(sqlite_url: str) -> Iterator[Engine]:
+    """The embedded catalog, migrated: for tests whose subject does not depend on the
+    catalog's backend (they override ``engine`` with it)."""
+    yield from _migrated(sqlite_url)
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[Engine]:
+    """A migrated Postgres catalog, for tests that need the real server only."""
+    yield from _migrated(pg_url)
 
 
 def _cuda_available() -> bool:

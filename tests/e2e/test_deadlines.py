@@ -10,8 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,8 @@ from batchd import errors
 from batchd._inline import InlineStream
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd_server import metrics
-from batchd_server.catalog import migrate
-from batchd_server.catalog.db import make_engine
 
+from chaos_harness import wait_until
 from serving import RECORD_FLOATS, batchd_segments, install_decoders, record_dataset, serve
 
 HANG_DECODER = """
@@ -62,23 +60,10 @@ STUCK = 17
 
 
 @pytest.fixture
-def engine(sqlite_url: str) -> Iterator[Engine]:
+def engine(sqlite_engine: Engine) -> Engine:
     """The embedded catalog only: nothing here depends on the catalog's backend, and each
     test takes a while."""
-    eng = make_engine(sqlite_url)
-    migrate.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.05)
+    return sqlite_engine
 
 
 def _task_timeouts() -> float:
@@ -119,7 +104,7 @@ def test_a_hanging_decode_is_killed_retried_and_reported_naming_its_sample(
         assert f"sample {ids[STUCK]} (shard-000.bin) failed: timeout" in message, message
         assert "hung past the server's task deadline" in message, message
         assert _task_timeouts() - timeouts_before == 2
-        _wait_until(lambda: srv.pool.alive == 2, 30, "both workers to be alive again")
+        wait_until(lambda: srv.pool.alive == 2, "both workers to be alive again", 30)
 
         skip = {"on_error": "skip", "max_error_fraction": 0.1}
         with batchd.Loader(srv.address, pipeline=pipeline, **skip, **options) as loader:
@@ -173,7 +158,7 @@ def test_a_hang_in_a_mixed_sessions_second_source_names_that_sources_sample(
                 pass
         assert f"sample {stuck_id} (shard-000.bin) failed: timeout" in str(raised.value)
         assert _task_timeouts() - timeouts_before == 2
-        _wait_until(lambda: srv.pool.alive == 2, 30, "both workers to be alive again")
+        wait_until(lambda: srv.pool.alive == 2, "both workers to be alive again", 30)
 
 
 # -- a silent server ---------------------------------------------------------------------
@@ -198,7 +183,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], log: Path) -> str:
             found.append(text.split("segments batchd-", 1)[1].split("-*", 1)[0])
         return bool(found)
 
-    _wait_until(ready, 120, "the server to be ready")
+    wait_until(ready, "the server to be ready", 120)
     return found[0]
 
 
@@ -222,7 +207,7 @@ def stopped_server(engine: Engine, tmp_path: Path) -> Iterator[tuple[str, subpro
         yield f"unix://{sock}", proc
     finally:
         proc.send_signal(signal.SIGCONT)
-        _wait_until(lambda: _state(proc.pid) != "T", 30, "the server to run again")
+        wait_until(lambda: _state(proc.pid) != "T", "the server to run again", 30)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,6 @@ from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd_server import metrics
 from batchd_server.api import RunningServer
-from batchd_server.catalog import migrate
-from batchd_server.catalog.db import make_engine
 
 from serving import RECORD_FLOATS, image_dataset, record_dataset, serve
 
@@ -30,14 +27,9 @@ _RECORDS = pb.Pipeline(array=pb.ArrayPipeline(shape=[RECORD_FLOATS], dtype="floa
 
 
 @pytest.fixture
-def engine(pg_url: str) -> Iterator[Engine]:
+def engine(pg_engine: Engine) -> Engine:
     """A migrated Postgres catalog (once: the limits under test do not depend on it)."""
-    eng = make_engine(pg_url)
-    migrate.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
+    return pg_engine
 
 
 @pytest.fixture

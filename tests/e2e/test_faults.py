@@ -10,7 +10,6 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,19 +18,11 @@ from sqlalchemy.engine import Engine
 import batchd
 
 import serving
+from chaos_harness import wait_until
 from serving import RECORD_FLOATS, batchd_segments, record_dataset, records_loader, serve
 from shmns import run_with_small_shm, unavailable_reason
 
 TESTS = Path(serving.__file__).parent  # the helpers' directory, for a child's sys.path
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_killed_workers_batches_are_redone_exactly_once(engine: Engine, tmp_path: Path) -> None:
@@ -48,15 +39,15 @@ def test_killed_workers_batches_are_redone_exactly_once(engine: Engine, tmp_path
         victims = srv.pool.pids()
         for pid in victims:  # frozen workers keep the tasks they are handed
             os.kill(pid, signal.SIGSTOP)
-        _wait_until(lambda: srv.pool.outstanding() > 0, 30, "tasks handed to frozen workers")
+        wait_until(lambda: srv.pool.outstanding() > 0, "tasks handed to frozen workers", 30)
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         ids += [i for batch in it for i in batch["sample_id"].tolist()]
         # The second of two deaths in a row is replaced after a short backoff.
-        _wait_until(
+        wait_until(
             lambda: srv.pool.restarts == len(victims) and srv.pool.alive == 2,
-            30,
             "both killed workers to be replaced",
+            30,
         )
         assert not set(victims) & set(srv.pool.pids())
     counts = Counter(ids)
@@ -105,7 +96,7 @@ def test_killed_client_ring_is_reclaimed_within_the_lease(engine: Engine, tmp_pa
             rings = [n for n in batchd_segments(srv.registry.instance) if "-ring-" in n]
             return len(srv.sessions) == 0 and not rings
 
-        _wait_until(reclaimed, lease_s + 10, "the killed client's session to expire")
+        wait_until(reclaimed, "the killed client's session to expire", lease_s + 10)
         # The reaper checks every lease/4; allow one period beyond the lease.
         assert time.monotonic() - killed_at < lease_s + 5
         with records_loader(srv, batch_size=16) as loader:
@@ -218,5 +209,5 @@ def test_a_loader_idle_past_the_lease_reopens_its_session_and_keeps_the_order(
             want = [b["sample_id"].tolist() for b in fresh]
         with records_loader(srv, batch_size=16, seed=2) as loader:
             first = [b["sample_id"].tolist() for b in loader]
-            _wait_until(lambda: len(srv.sessions) == 0, 30, "the idle session to expire")
+            wait_until(lambda: len(srv.sessions) == 0, "the idle session to expire", 30)
             assert [b["sample_id"].tolist() for b in loader] == want != first

@@ -6,8 +6,7 @@ own limit. Real server, real gRPC streams left unread, real Loaders."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,9 +21,8 @@ from batchd._channel import CLIENT_ID_KEY
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd_server.api import RunningServer
-from batchd_server.catalog import migrate
-from batchd_server.catalog.db import make_engine
 
+from chaos_harness import wait_until
 from serving import RECORD_FLOATS, record_dataset, records_loader, serve
 
 _RECORDS = pb.Pipeline(array=pb.ArrayPipeline(shape=[RECORD_FLOATS], dtype="float32", raw=True))
@@ -32,28 +30,15 @@ _N = 203
 
 
 @pytest.fixture
-def engine(pg_url: str) -> Iterator[Engine]:
+def engine(pg_engine: Engine) -> Engine:
     """A migrated Postgres catalog (once: the limits under test do not depend on it)."""
-    eng = make_engine(pg_url)
-    migrate.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
+    return pg_engine
 
 
 @pytest.fixture
 def url(engine: Engine, tmp_path: Path) -> str:
     record_dataset(engine, tmp_path / "r", n=_N)
     return engine.url.render_as_string(hide_password=False)
-
-
-def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def _open(stub: loader_pb2_grpc.LoaderStub, client: str) -> str:
@@ -93,7 +78,7 @@ def silent_streams(
         for call in calls:
             call.cancel()
         channel.close()
-        _wait_until(lambda: server.admission.calls == 0, "the silent streams to end")
+        wait_until(lambda: server.admission.calls == 0, "the silent streams to end", 60)
 
 
 def _refusal(call: grpc.Future) -> str | None:
@@ -122,7 +107,7 @@ def test_64_silent_streams_stop_neither_a_new_clients_epoch_nor_close_session(
         clients = [f"silent-{i}" for i in range(64)]
         sessions = [_open(stub, c) for c in clients]
         with silent_streams(srv, clients, sessions):
-            _wait_until(lambda: srv.admission.calls == 64, "64 silent streams to be served")
+            wait_until(lambda: srv.admission.calls == 64, "64 silent streams to be served", 60)
             for transport in ("inline", "shm"):
                 with records_loader(srv, transport=transport) as loader:
                     ids = [i for batch in loader for i in batch["sample_id"].tolist()]
@@ -146,9 +131,10 @@ def test_close_session_and_health_get_through_when_every_place_is_taken(
             stub = loader_pb2_grpc.LoaderStub(channel)
             held = _open(stub, "early")
             with silent_streams(srv, [f"silent-{i}" for i in range(64)]) as calls:
-                _wait_until(
+                wait_until(
                     lambda: sum(_refusal(c) is not None for c in calls) == 50,
                     "50 of the 64 silent streams to be refused",
+                    60,
                 )
                 assert srv.admission.calls == 14
                 refusal = next(r for c in calls if (r := _refusal(c)) is not None)
@@ -173,9 +159,10 @@ def test_one_clients_silent_streams_stop_at_its_own_limit(url: str, tmp_path: Pa
         serve(url, tmp_path, max_concurrent_rpcs=40) as srv,  # 35 places for everyone
         silent_streams(srv, ["greedy"] * 40) as calls,
     ):
-        _wait_until(
+        wait_until(
             lambda: sum(_refusal(c) is not None for c in calls) == 8,
             "8 of the greedy client's streams to be refused",
+            60,
         )
         assert srv.admission.by_client() == {"unix greedy": 32}
         refusal = next(r for c in calls if (r := _refusal(c)) is not None)

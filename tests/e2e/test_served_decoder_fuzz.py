@@ -7,7 +7,6 @@ hung. (The larger run, in worker processes without a server, is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,6 @@ from fuzzing import FORMATS, manifest, write_fuzzed
 from sqlalchemy.engine import Engine
 
 import batchd
-from batchd_server.catalog import migrate
-from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.ingest import ingest_manifest
 from batchd_server.catalog.schema import sample_errors, samples
 
@@ -34,14 +31,9 @@ SPECS = {
 
 
 @pytest.fixture
-def engine(sqlite_url: str) -> Iterator[Engine]:
+def engine(sqlite_engine: Engine) -> Engine:
     """The embedded catalog only: decoding does not depend on the catalog's backend."""
-    eng = make_engine(sqlite_url)
-    migrate.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
+    return sqlite_engine
 
 
 def test_mutated_files_served_by_a_real_server_are_skipped_and_named(

@@ -6,7 +6,6 @@ processes), on real reads of real files, through a real server."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,6 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 import batchd
-from batchd_server.catalog import migrate
-from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.schema import sample_errors, samples
 from batchd_server.pipelines import transient
 
@@ -24,14 +21,9 @@ from serving import RECORD_FLOATS, record_dataset, serve, token_dataset
 
 
 @pytest.fixture
-def engine(sqlite_url: str) -> Iterator[Engine]:
+def engine(sqlite_engine: Engine) -> Engine:
     """The embedded catalog only: how a worker reads does not depend on the catalog."""
-    eng = make_engine(sqlite_url)
-    migrate.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
+    return sqlite_engine
 
 
 def _ids_by_path(engine: Engine) -> dict[str, int]:

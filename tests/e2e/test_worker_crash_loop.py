@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,31 +16,17 @@ from sqlalchemy.engine import Engine
 from batchd import errors
 from batchd_server import metrics
 from batchd_server.api.health import check_server
-from batchd_server.catalog import migrate
-from batchd_server.catalog.db import make_engine
 from batchd_server.cli import main as cli_main
 from batchd_server.workers import respawn
 
+from chaos_harness import wait_until
 from serving import record_dataset, records_loader, serve
 
 
 @pytest.fixture
-def engine(sqlite_url: str) -> Iterator[Engine]:
+def engine(sqlite_engine: Engine) -> Engine:
     """The embedded catalog only: the workers' fate does not depend on the catalog."""
-    eng = make_engine(sqlite_url)
-    migrate.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.05)
+    return sqlite_engine
 
 
 def _metric(name: str) -> float:
@@ -65,7 +49,7 @@ def test_workers_that_cannot_start_are_a_crash_loop_that_health_reports_and_ends
         monkeypatch.setenv("PYTHONHASHSEED", "not-a-number")  # new interpreters exit at once
         (victim,) = srv.pool.pids()
         os.kill(victim, signal.SIGKILL)
-        _wait_until(lambda: srv.pool.crash_loop is not None, 120, "the crash loop")
+        wait_until(lambda: srv.pool.crash_loop is not None, "the crash loop", 120)
         replaced = _metric("batchd_worker_restarts_total") - restarts_before
         assert replaced >= respawn.CRASH_LOOP_STARTS, "each try counts as a restart"
         assert _metric("batchd_workers_crash_loop") == 1.0
@@ -77,7 +61,7 @@ def test_workers_that_cannot_start_are_a_crash_loop_that_health_reports_and_ends
             said.append(str(check_server(srv.address)))
             return "crash loop" in said[-1]
 
-        _wait_until(reports_crash_loop, 30, "health to report the crash loop")
+        wait_until(reports_crash_loop, "health to report the crash loop", 30)
         assert "NOT_SERVING" in said[-1] and "exit code 1" in said[-1], said[-1]
         capsys.readouterr()
         assert cli_main(["healthcheck", "--target", srv.address]) == 1
@@ -92,8 +76,8 @@ def test_workers_that_cannot_start_are_a_crash_loop_that_health_reports_and_ends
         assert "installed completely" in str(raised.value)
 
         monkeypatch.delenv("PYTHONHASHSEED")  # the next try starts a worker that lives
-        _wait_until(lambda: srv.pool.crash_loop is None and srv.pool.alive == 1, 60, "recovery")
-        _wait_until(lambda: check_server(srv.address) is None, 30, "health to be SERVING")
+        wait_until(lambda: srv.pool.crash_loop is None and srv.pool.alive == 1, "recovery", 60)
+        wait_until(lambda: check_server(srv.address) is None, "health to be SERVING", 30)
         assert _metric("batchd_workers_crash_loop") == 0.0
         with records_loader(srv) as loader:
             assert sum(len(b["sample_id"]) for b in loader) == 50
