@@ -19,11 +19,22 @@ from batchd._proto.batchd.v1 import loader_pb2
 from batchd._specs import PipelineSpec, pipeline_or_default
 from batchd.errors import InvalidArgument
 
-__all__ = ["MAX_MIX_SOURCES", "MAX_STOP", "Mix", "Source"]
+__all__ = ["MAX_MIX_SOURCES", "MAX_STOP", "Mix", "Source", "valid_weight"]
 
 MAX_MIX_SOURCES: Final = 64
 MAX_STOP: Final = 1 << 36
 """The largest ``stop``: samples per epoch of a mix."""
+
+
+def valid_weight(weight: object) -> bool:
+    """A mix weight: a finite int or float > 0 (a bool is not a weight). The client checks
+    it when a ``Mix`` is built, the server again for any request."""
+    return (
+        not isinstance(weight, bool)
+        and isinstance(weight, int | float)
+        and math.isfinite(weight)
+        and weight > 0
+    )
 
 
 @dataclass(frozen=True)
@@ -132,12 +143,7 @@ class Mix:
                 raise InvalidArgument(
                     f"Mix lists {source.name!r} twice; list it once with the sum of the weights"
                 )
-            if (
-                isinstance(weight, bool)
-                or not isinstance(weight, int | float)
-                or not math.isfinite(weight)
-                or weight <= 0
-            ):
+            if not valid_weight(weight):
                 raise InvalidArgument(
                     f"Mix weight {weight!r} of {source.name!r} must be a finite number > 0 "
                     "(leave a source out rather than weigh it 0)"

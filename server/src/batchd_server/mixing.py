@@ -50,6 +50,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from batchd._mix import valid_weight
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.sampling import (
     MIX_PASS_TAG,
@@ -103,12 +104,7 @@ class MixSourceOptions:
 
     def __post_init__(self) -> None:
         weight = self.weight
-        if (
-            isinstance(weight, bool)
-            or not isinstance(weight, int | float)
-            or not math.isfinite(weight)
-            or weight <= 0
-        ):
+        if not valid_weight(weight):
             raise InvalidArgument(
                 f"mix source {self.name!r} has weight={weight!r}; weights must be finite "
                 "numbers > 0 (leave a source out of the mix rather than weigh it 0)"
