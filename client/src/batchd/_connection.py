@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -19,9 +19,11 @@ from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._device import Delivery, make_delivery
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._shm import ShmRing
-from batchd._status import error_from_rpc
-from batchd._stream import BatchStream
+from batchd._stats import BatchTiming
+from batchd._status import disagreement, error_from_rpc
+from batchd._stream import BatchStream, ReceivedBatch
 from batchd._transport import select_transport
+from batchd.errors import Unavailable
 
 __all__ = ["MAX_MESSAGE_BYTES", "Connection", "SessionHandle"]
 
@@ -173,3 +175,46 @@ class Connection:
                 session.close(self.stub, self.target)
         finally:
             self.channel.close()
+
+
+def receive_batch(
+    stream: BatchStream,
+    session: SessionHandle,
+    take_pending: Callable[[], Sequence[BatchTiming]],
+    plan: tuple[str, int, int, int],
+) -> ReceivedBatch:
+    """The next batch of ``stream``, in the epoch loops of the Loader and of striping.
+
+    The held batches' acks go out before blocking: they are the credits the server may need
+    to produce the batch awaited. ``plan`` is (target, index due, batches, epoch), for errors.
+
+    Raises:
+        NotFound, Unavailable: the server went away (or ended the stream early); the caller
+            reconnects.
+    """
+    delivery = session.delivery
+    out_of_credits = delivery.held_count() >= session.prefetch
+    stream.ack(delivery.advance(wait=out_of_credits), take_pending())
+    batch = stream.receive()
+    if batch is None:
+        target, index, num_batches, epoch = plan
+        raise Unavailable(
+            f"the server at {target!r} ended the stream where batch {index} of {num_batches} "
+            f"(epoch {epoch}) was due"
+        )
+    return batch
+
+
+def expect_batch(batch: ReceivedBatch, plan: tuple[str, int, int, int]) -> None:
+    """Refuse a batch other than the one ``plan`` (target, index, batches, epoch) has due.
+
+    Raises:
+        DataLoss: the server follows another plan.
+    """
+    target, index, num_batches, epoch = plan
+    if batch.index != index:
+        raise disagreement(
+            f"the server at {target!r} sent batch {batch.index} where batch {index} of "
+            f"{num_batches} (epoch {epoch}) was due",
+            on="the epoch's plan",
+        )

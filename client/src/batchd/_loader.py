@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
-from batchd._connection import Connection, SessionHandle
+from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
 from batchd._device import Batch, resolve_device
 from batchd._epoch import rest_of_epoch
 from batchd._inline import InlineStream
@@ -32,7 +32,6 @@ from batchd._shm import ShmStream
 from batchd._specs import PipelineSpec, check_int
 from batchd._state import STATE_FORMAT, Cursor, SavedPosition, check_state
 from batchd._stats import LoopClock
-from batchd._status import disagreement
 from batchd._stream import BatchStream, ReceivedBatch
 from batchd._striping import connect
 from batchd._version import __version__
@@ -330,18 +329,10 @@ class Loader(LoaderInfo):
             while index < num_batches:
                 session = self._session()
                 delivery = session.delivery
+                plan = (self._conn.target, index, num_batches, epoch)
                 try:
                     if batch is None:
-                        # The held batches' acks go out before blocking: they are the
-                        # credits the server may need to produce the batch awaited.
-                        out_of_credits = delivery.held_count() >= session.prefetch
-                        stream.ack(delivery.advance(wait=out_of_credits), clock.take_pending())
-                        batch = stream.receive()
-                        if batch is None:
-                            raise Unavailable(
-                                f"the server at {self._conn.target!r} ended the stream where "
-                                f"batch {index} of {num_batches} (epoch {epoch}) was due"
-                            )
+                        batch = receive_batch(stream, session, clock.take_pending, plan)
                 except (NotFound, Unavailable) as e:
                     # The server went away mid-epoch (killed, restarted, shutting down):
                     # reopen at the first batch the loop has not seen.
@@ -349,12 +340,7 @@ class Loader(LoaderInfo):
                         lost_at = time.monotonic()
                     stream, batch = self._resume(replace(cursor, next_batch=index), e, lost_at)
                     continue
-                if batch.index != index:
-                    raise disagreement(
-                        f"the server at {self._conn.target!r} sent batch {batch.index} where "
-                        f"batch {index} of {num_batches} (epoch {epoch}) was due",
-                        on="the epoch's plan",
-                    )
+                expect_batch(batch, plan)
                 out, acks = delivery.deliver(batch)
                 clock.handed(batch.rows)
                 failed, batch, lost_at = batch.failed_sample_ids, None, None

@@ -32,7 +32,7 @@ from typing import Any, Final, Protocol
 
 from batchd._catalog import resolve_target
 from batchd._channel import ChannelSecurity
-from batchd._connection import Connection, SessionHandle
+from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
 from batchd._inline import InlineStream
 from batchd._options import LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
@@ -40,7 +40,6 @@ from batchd._reconnect import retry_until
 from batchd._shm import ShmStream
 from batchd._state import Cursor
 from batchd._stats import LoopClock
-from batchd._status import disagreement
 from batchd._stream import BatchStream
 from batchd.errors import BatchdError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
@@ -396,30 +395,19 @@ class Stripes:
                 session, stream = conn.session, conn.stream
                 assert session is not None and stream is not None, "a lane has a stream"
                 delivery = session.delivery
+                plan = (conn.target, index, num_batches, epoch)
                 try:
                     if previous is not None and previous is not conn:
                         # Zero-copy slots of the batch the loop just let go of go back now.
                         _ack_ready(previous)
-                    out_of_credits = delivery.held_count() >= session.prefetch
-                    stream.ack(delivery.advance(wait=out_of_credits), clock.take_pending())
-                    batch = stream.receive()
-                    if batch is None:
-                        raise Unavailable(
-                            f"the server at {conn.target!r} ended the stream where batch "
-                            f"{index} of {num_batches} (epoch {epoch}) was due"
-                        )
+                    batch = receive_batch(stream, session, clock.take_pending, plan)
                 except (NotFound, Unavailable) as e:
                     lost_at = time.monotonic() if lost_at is None else lost_at
                     lanes, base = self._lost(loader, conn, e, cursor, index, lost_at), index
                     mine.update(id(r.conn.stream) for r in lanes if r.conn.stream is not None)
                     previous = None
                     continue
-                if batch.index != index:
-                    raise disagreement(
-                        f"the server at {conn.target!r} sent batch {batch.index} where batch "
-                        f"{index} of {num_batches} (epoch {epoch}) was due",
-                        on="the epoch's plan",
-                    )
+                expect_batch(batch, plan)
                 out, acks = delivery.deliver(batch)
                 clock.handed(batch.rows)
                 stream.ack(acks, clock.take_pending())
