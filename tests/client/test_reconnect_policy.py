@@ -82,3 +82,31 @@ def test_a_zero_timeout_makes_one_try_without_waiting() -> None:
     with pytest.raises(errors.Unavailable, match="still down"):
         retry_until(attempt, target="t", timeout_s=0, lost_at=0.0, cause=errors.Unavailable("x"))
     assert lefts == [0.0]
+
+
+def test_a_refusal_from_a_server_that_is_back_is_retried_until_the_deadline() -> None:
+    """ResourceExhausted (the old session still holds the client's place) is retried like an
+    absent server; a refusal that lasts past the deadline ends as ResourceExhausted carrying
+    the server's message, not as Unavailable."""
+    clock = FakeClock()
+    tries = iter([errors.Unavailable("down"), errors.ResourceExhausted("limit"), "session"])
+
+    def attempt(left_s: float) -> str:
+        outcome = next(tries)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    kwargs = {"target": "t", "timeout_s": 10, "cause": errors.Unavailable("x"), "clock": clock}
+    assert retry_until(attempt, lost_at=clock.now, sleep=clock.sleep, **kwargs) == "session"  # type: ignore[arg-type]
+    assert len(clock.sleeps) == 2
+
+    def refused(left_s: float) -> str:
+        clock.now += 0.5
+        raise errors.ResourceExhausted("--client-max-sessions=1 reached for this client")
+
+    with pytest.raises(errors.ResourceExhausted) as caught:
+        retry_until(refused, lost_at=clock.now, sleep=clock.sleep, **kwargs)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert "still refused" in message and "reconnect_timeout_s=10" in message
+    assert "--client-max-sessions=1 reached" in message

@@ -4,10 +4,12 @@ the epoch yields every sample once, in the uninterrupted order. Real server proc
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,13 +24,13 @@ from serving import RECORD_FLOATS, batchd_segments, record_dataset
 SERVE = [sys.executable, "-m", "batchd_server.cli", "serve"]
 
 
-def start_server(url: str, sock: Path, log: Path) -> subprocess.Popen[bytes]:
-    """``batchd-server serve`` on ``sock``, logging to ``log`` (a file: a pipe nobody reads
-    would fill and stall the server)."""
+def start_server(url: str, sock: Path, log: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``batchd-server serve`` on ``sock`` with ``flags``, logging to ``log`` (a file: a pipe
+    nobody reads would fill and stall the server)."""
     env = {**os.environ, "BATCHD_DATABASE_URL": url, "BATCHD_WORKERS": "1"}
     with log.open("wb") as out:
         return subprocess.Popen(
-            [*SERVE, "--listen", f"unix://{sock}"], env=env, stdout=out, stderr=out
+            [*SERVE, "--listen", f"unix://{sock}", *flags], env=env, stdout=out, stderr=out
         )
 
 
@@ -149,3 +151,78 @@ def test_a_server_that_stays_away_ends_the_loop_with_unavailable_naming_it(
         assert batchd_segments(instance) == []
     finally:
         stop(restarted)
+
+
+class _Refusals(logging.Handler):
+    """Sets ``seen`` when the Loader logs a reconnect try the server refused with
+    ResourceExhausted (``batchd._reconnect``'s debug record of a failed try)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if any(isinstance(a, errors.ResourceExhausted) for a in args):
+            self.seen.set()
+
+
+def _close_after_a_refusal(refused: threading.Event, holder: batchd.Loader) -> None:
+    refused.wait(60)
+    holder.close()
+
+
+def test_a_reopen_refused_by_a_client_limit_is_retried_until_the_place_frees(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """The restarted server allows this client one session, and another Loader of the same
+    process takes it before the reconnecting Loader asks: the reopen is refused
+    (ResourceExhausted), retried, and succeeds once the other Loader closes. The loop sees no
+    exception and the epoch is an uninterrupted run's."""
+    record_dataset(engine, tmp_path / "r", n=300)
+    url = engine.url.render_as_string(hide_password=False)
+    sock = tmp_path / "grpc.sock"
+    refusals = _Refusals()
+    reconnect_log = logging.getLogger("batchd._reconnect")
+    level = reconnect_log.level
+    reconnect_log.addHandler(refusals)
+    reconnect_log.setLevel(logging.DEBUG)
+    first = start_server(url, sock, tmp_path / "first.log")
+    second: subprocess.Popen[bytes] | None = None
+    holder: batchd.Loader | None = None
+    closer: threading.Thread | None = None
+    try:
+        wait_ready(first, tmp_path / "first.log")
+        with _loader(sock, "shm") as reference:
+            want = [b["sample_id"].tolist() for b in reference]
+        got = []
+        with _loader(sock, "shm", reconnect_timeout_s=60) as loader:
+            for i, batch in enumerate(loader):
+                got.append(batch["sample_id"].tolist())
+                if i == 5:
+                    first.kill()
+                    first.wait(30)
+                    second = start_server(
+                        url, sock, tmp_path / "second.log", "--client-max-sessions", "1"
+                    )
+                    wait_ready(second, tmp_path / "second.log")
+                    holder = _loader(sock, "shm")  # takes this client's one place
+                    closer = threading.Thread(
+                        target=_close_after_a_refusal, args=(refusals.seen, holder)
+                    )
+                    closer.start()
+        assert refusals.seen.is_set(), "the reopen was never refused: the test proves nothing"
+        assert got == want
+    finally:
+        refusals.seen.set()  # let the closer go whatever happened
+        if closer is not None:
+            closer.join(60)
+        if holder is not None:
+            holder.close()
+        reconnect_log.removeHandler(refusals)
+        reconnect_log.setLevel(level)
+        first.kill()
+        first.wait(30)
+        if second is not None:
+            stop(second)
+    assert second is not None and second.returncode == 0, (tmp_path / "second.log").read_text()

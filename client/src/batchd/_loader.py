@@ -378,10 +378,12 @@ class Loader(LoaderInfo):
     ) -> tuple[BatchStream, ReceivedBatch | None]:
         """After the server went away (at ``lost_at``, monotonic): a new session on the same
         snapshot and a stream from ``cursor`` (the first batch the loop has not seen),
-        retried with backoff until ``reconnect_timeout_s`` after ``lost_at``.
+        retried with backoff until ``reconnect_timeout_s`` after ``lost_at`` while the server
+        is away or refuses the session (see :func:`batchd._reconnect.retry_until`).
 
         Raises:
             Unavailable: the server did not come back in time (names the target).
+            ResourceExhausted: it came back but still refused the session at the deadline.
             NotFound, SnapshotMismatch, ...: the server came back and refused the session.
         """
         old = self._session()

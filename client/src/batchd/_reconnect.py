@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Final, TypeVar
 
-from batchd.errors import Unavailable
+from batchd.errors import ResourceExhausted, Unavailable
 
 __all__ = ["DEFAULT_RECONNECT_TIMEOUT_S", "retry_until"]
 
@@ -36,13 +36,18 @@ def retry_until(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> _T:
-    """``attempt(seconds_left)`` until it returns, retrying each ``Unavailable`` with backoff
-    until ``timeout_s`` after ``lost_at``.
+    """``attempt(seconds_left)`` until it returns, retrying each ``Unavailable`` and
+    ``ResourceExhausted`` with backoff until ``timeout_s`` after ``lost_at``.
+
+    A server that is back may still refuse the new session for a while: when the client lost
+    it without closing its old session (the server was stopped or cut off, not restarted),
+    that session holds its place in the client's limits until its lease ends. Refusals are
+    retried like an absent server, so the lease can run out first.
 
     Args:
         attempt: One try; gets the seconds left before the deadline to bound its own calls
             (0: a single try without waiting for the server). Anything but ``Unavailable``
-            it raises goes to the caller at once.
+            and ``ResourceExhausted`` it raises goes to the caller at once.
         target: The server, for the final error.
         timeout_s: How long after ``lost_at`` to keep trying; 0: one try, and its error
             is raised as it is.
@@ -53,6 +58,8 @@ def retry_until(
     Raises:
         Unavailable: still failing at the deadline; the message names ``target``, the time
             waited and the last error.
+        ResourceExhausted: the server answered at the deadline, but refused the session; the
+            message says so and carries the server's, which names the limit.
     """
     if timeout_s <= 0:
         return attempt(0.0)
@@ -65,6 +72,12 @@ def retry_until(
     while True:
         left = deadline - clock()
         if left <= 0:
+            if isinstance(last, ResourceExhausted):
+                raise ResourceExhausted(
+                    f"the batchd server at {target!r} is back after it went away ({cause}), "
+                    f"but it still refused a new session for this Loader after "
+                    f"reconnect_timeout_s={timeout_s:g} s ({tries} tries): {last}"
+                ) from last
             raise Unavailable(
                 f"the batchd server at {target!r} went away ({cause}) and could not be "
                 f"reached again within reconnect_timeout_s={timeout_s:g} s ({tries} tries; "
@@ -74,7 +87,7 @@ def retry_until(
         tries += 1
         try:
             result = attempt(left)
-        except Unavailable as e:
+        except (Unavailable, ResourceExhausted) as e:
             last = e
             logger.debug("batchd: reconnect try %d to %r failed: %s", tries, target, e)
         else:
