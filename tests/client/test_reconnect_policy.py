@@ -3,6 +3,8 @@ target; errors other than Unavailable are not retried."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from batchd import errors
@@ -20,6 +22,19 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds
+
+
+def scripted(outcomes: list[Exception | str]) -> Callable[[float], str]:
+    """An attempt that raises or returns ``outcomes`` in turn, one per try."""
+    tries = iter(outcomes)
+
+    def attempt(left_s: float) -> str:
+        outcome = next(tries)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    return attempt
 
 
 def test_retrying_stops_at_the_deadline_with_unavailable_naming_the_target() -> None:
@@ -53,14 +68,7 @@ def test_retrying_stops_at_the_deadline_with_unavailable_naming_the_target() -> 
 def test_a_server_that_comes_back_is_used_and_other_errors_are_not_retried() -> None:
     """The first try that succeeds returns; NotFound (the dataset is gone) goes straight up."""
     clock = FakeClock()
-    tries = iter([errors.Unavailable("down"), errors.Unavailable("down"), "session"])
-
-    def attempt(left_s: float) -> str:
-        outcome = next(tries)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
+    attempt = scripted([errors.Unavailable("down"), errors.Unavailable("down"), "session"])
     kwargs = {"target": "t", "timeout_s": 60, "cause": errors.Unavailable("x"), "clock": clock}
     assert retry_until(attempt, lost_at=clock.now, sleep=clock.sleep, **kwargs) == "session"  # type: ignore[arg-type]
 
@@ -89,14 +97,7 @@ def test_a_refusal_from_a_server_that_is_back_is_retried_until_the_deadline() ->
     absent server; a refusal that lasts past the deadline ends as ResourceExhausted carrying
     the server's message, not as Unavailable."""
     clock = FakeClock()
-    tries = iter([errors.Unavailable("down"), errors.ResourceExhausted("limit"), "session"])
-
-    def attempt(left_s: float) -> str:
-        outcome = next(tries)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
+    attempt = scripted([errors.Unavailable("down"), errors.ResourceExhausted("limit"), "session"])
     kwargs = {"target": "t", "timeout_s": 10, "cause": errors.Unavailable("x"), "clock": clock}
     assert retry_until(attempt, lost_at=clock.now, sleep=clock.sleep, **kwargs) == "session"  # type: ignore[arg-type]
     assert len(clock.sleeps) == 2
