@@ -20,7 +20,8 @@ from google.protobuf.message import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchd._doorbell import (
+from batchd._proto.batchd.v1 import loader_pb2
+from batchd._wire.frames import (
     BATCH,
     END,
     HELLO,
@@ -31,7 +32,6 @@ from batchd._doorbell import (
     encode_frame,
     parse,
 )
-from batchd._proto.batchd.v1 import loader_pb2
 from batchd.errors import DataLoss
 
 Frame = tuple[int, bytes]

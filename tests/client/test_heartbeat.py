@@ -13,18 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from batchd._doorbell import (
+from batchd._doorbell import ClientDoorbell, DoorbellSilent
+from batchd._proto.batchd.v1 import loader_pb2
+from batchd._wire.frames import (
     BATCH,
     HEARTBEAT,
     SILENT_HEARTBEATS,
     WELCOME,
-    ClientDoorbell,
-    DoorbellSilent,
     FrameReader,
     FrameWriter,
     encode_frame,
 )
-from batchd._proto.batchd.v1 import loader_pb2
 from batchd.errors import Unavailable
 
 

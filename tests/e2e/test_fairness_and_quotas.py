@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy.engine import Engine
 
 import batchd
-from batchd._channel import CLIENT_ID_KEY
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._proto.batchd.v1 import loader_pb2_grpc
+from batchd._wire.metadata import CLIENT_ID_KEY
 from batchd_server import metrics
 from batchd_server.api import RunningServer
 

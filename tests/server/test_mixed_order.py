@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd.errors import FailedPrecondition, InvalidArgument
-from batchd_server.mixing import (
+from batchd_server.planning.mixing import (
     MixOptions,
     MixSourceOptions,
     mix_counts,
@@ -24,7 +24,7 @@ from batchd_server.mixing import (
     plan_mix_epoch,
     source_starts,
 )
-from batchd_server.sampling import SamplerOptions, rest_of_order
+from batchd_server.planning.sampling import SamplerOptions, rest_of_order
 
 PROPERTY = settings(max_examples=150, deadline=None)
 

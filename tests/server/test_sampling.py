@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd_server.errors import FailedPrecondition, InvalidArgument
-from batchd_server.sampling import (
+from batchd_server.planning.sampling import (
     SAMPLING_MODES,
     EpochPlan,
     SamplerOptions,

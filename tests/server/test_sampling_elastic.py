@@ -11,8 +11,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchd._epoch import rest_of_epoch
-from batchd_server.sampling import SAMPLING_MODES, SamplerOptions, num_batches, plan_epoch
+from batchd._wire.epoch import rest_of_epoch
+from batchd_server.planning.sampling import SAMPLING_MODES, SamplerOptions, num_batches, plan_epoch
 
 PROPERTY = settings(max_examples=200, deadline=None)
 PERMUTING_MODES = ("uniform", "bucketed")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from batchd._ring import HEADER_BYTES
+from batchd._wire.ring import HEADER_BYTES
 from batchd_server.config import DEFAULT_MIN_FREE_SHM_BYTES, ServerConfig
 from batchd_server.logs import JsonFormatter
 from batchd_server.pipelines.registry import build_pipeline

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchd._ring import HEADER_BYTES
+from batchd._wire.ring import HEADER_BYTES
 from batchd_server.pipelines.base import FieldSpec
-from batchd_server.sampling import SamplerOptions
+from batchd_server.planning.sampling import SamplerOptions
 from batchd_server.sessions import (
     ReadyBatch,
     Session,

@@ -1,22 +1,26 @@
 """batchd: a data loader that runs as a service for PyTorch training.
 
 This is the client distribution. It needs only grpcio, protobuf and numpy; it uses torch
-when torch is installed (and imports it only when a Loader or IterableDataset needs it).
+when torch is installed. ``import batchd`` is cheap: the Loader, the catalog client (and
+with them grpc) and the framework wrappers (and with them torch) are imported on first use,
+so a process that only needs the wire contract (``batchd._wire``, a decode worker of the
+server) never loads them.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from batchd import errors
-from batchd._catalog import Catalog, DatasetInfo, SplitInfo
-from batchd._loader import Loader
-from batchd._mix import Mix, Source
-from batchd._specs import Array, Custom, Image, Tokens
 from batchd._version import __version__
 
 if TYPE_CHECKING:
+    from batchd._catalog import Catalog, DatasetInfo, SplitInfo
     from batchd._dataset import DataLoader, IterableDataset
+    from batchd._loader import Loader
+    from batchd._mix import Mix, Source
+    from batchd._specs import Array, Custom, Image, Tokens
 
 __all__ = [
     "Array",
@@ -35,12 +39,30 @@ __all__ = [
     "errors",
 ]
 
+_LAZY: dict[str, str] = {
+    "Array": "batchd._specs",
+    "Catalog": "batchd._catalog",
+    "Custom": "batchd._specs",
+    "DataLoader": "batchd._dataset",
+    "DatasetInfo": "batchd._catalog",
+    "Image": "batchd._specs",
+    "IterableDataset": "batchd._dataset",
+    "Loader": "batchd._loader",
+    "Mix": "batchd._mix",
+    "Source": "batchd._mix",
+    "SplitInfo": "batchd._catalog",
+    "Tokens": "batchd._specs",
+}
+
 
 def __getattr__(name: str) -> Any:
-    # IterableDataset and DataLoader subclass torch's: importing them imports torch, which
-    # `import batchd` must not do (slow, and optional).
-    if name in ("DataLoader", "IterableDataset"):
-        from batchd import _dataset
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
 
-        return getattr(_dataset, name)
-    raise AttributeError(f"module 'batchd' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

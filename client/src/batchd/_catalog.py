@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 
 from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
-from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._status import error_from_rpc
+from batchd._wire.lifetime import Closeable
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound
 
 __all__ = [

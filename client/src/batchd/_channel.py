@@ -23,11 +23,11 @@ from typing import Any, Final
 
 import grpc
 
+from batchd._wire.metadata import CLIENT_ID_KEY
 from batchd.errors import BatchdError, InvalidArgument, Unavailable
 
 __all__ = [
     "AUTH_TOKEN_ENV",
-    "CLIENT_ID_KEY",
     "TLS_CA_ENV",
     "ChannelSecurity",
     "client_id",
@@ -39,8 +39,6 @@ AUTH_TOKEN_ENV: Final = "BATCHD_AUTH_TOKEN"
 TLS_CA_ENV: Final = "BATCHD_TLS_CA"
 TLS_CLIENT_CERT_ENV: Final = "BATCHD_TLS_CLIENT_CERT"
 TLS_CLIENT_KEY_ENV: Final = "BATCHD_TLS_CLIENT_KEY"
-CLIENT_ID_KEY: Final = "batchd-client"
-"""Call metadata: who is calling, for the server's per-client limits (see :func:`client_id`)."""
 _PROBE_TIMEOUT_S: Final = 2.0
 _Next = Callable[..., Any]
 

@@ -20,9 +20,10 @@ from batchd._device import Delivery, make_delivery
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._shm import ShmRing
 from batchd._stats import BatchTiming
-from batchd._status import disagreement, error_from_rpc
+from batchd._status import error_from_rpc
 from batchd._stream import BatchStream, ReceivedBatch
 from batchd._transport import select_transport
+from batchd._wire.status import disagreement
 from batchd.errors import Unavailable
 
 __all__ = ["MAX_MESSAGE_BYTES", "Connection", "SessionHandle"]

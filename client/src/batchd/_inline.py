@@ -1,6 +1,6 @@
 """The ``inline`` transport: batch bytes inside one gRPC ``StreamBatches`` call per stream.
 
-The server packs each batch's fields (as ``batchd._ring.pack`` places them) into messages
+The server packs each batch's fields (as ``batchd._wire.ring.pack`` places them) into messages
 of a few MiB; the client joins them into one buffer of its own per batch, which the batch's
 arrays then own. Requests (the StreamStart, then acks by batch index) go in through a queue
 that gRPC's sending thread drains; responses are read on demand by the Loader's thread.
@@ -26,8 +26,9 @@ import numpy as np
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._stats import BatchTiming
-from batchd._status import disagreement, error_from_rpc
+from batchd._status import error_from_rpc
 from batchd._stream import ReceivedBatch
+from batchd._wire.status import disagreement
 from batchd.errors import Unavailable
 
 __all__ = ["InlineAssembler", "InlineStream"]

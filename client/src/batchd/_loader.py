@@ -21,7 +21,6 @@ from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
 from batchd._device import Batch, resolve_device
-from batchd._epoch import rest_of_epoch
 from batchd._inline import InlineStream
 from batchd._loader_info import LoaderInfo
 from batchd._mix import Mix
@@ -35,6 +34,7 @@ from batchd._stats import LoopClock
 from batchd._stream import BatchStream, ReceivedBatch
 from batchd._striping import connect
 from batchd._version import __version__
+from batchd._wire.epoch import rest_of_epoch
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 __all__ = ["MAX_BATCH_SIZE", "STATE_FORMAT", "Loader"]

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from batchd._connection import Connection, SessionHandle
-from batchd._lifetime import Closeable
 from batchd._options import LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._state import Cursor
 from batchd._stats import LoaderStats, LoopClock
+from batchd._wire.lifetime import Closeable
 
 __all__ = ["LoaderInfo"]
 

@@ -10,31 +10,16 @@ field: each row's index into :attr:`Mix.names` (also :attr:`batchd.Loader.source
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Any, TypeAlias
 
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._specs import PipelineSpec, pipeline_or_default
+from batchd._wire.mix import MAX_MIX_SOURCES, MAX_STOP, valid_weight
 from batchd.errors import InvalidArgument
 
-__all__ = ["MAX_MIX_SOURCES", "MAX_STOP", "Mix", "Source", "valid_weight"]
-
-MAX_MIX_SOURCES: Final = 64
-MAX_STOP: Final = 1 << 36
-"""The largest ``stop``: samples per epoch of a mix."""
-
-
-def valid_weight(weight: object) -> bool:
-    """A mix weight: a finite int or float > 0 (a bool is not a weight). The client checks
-    it when a ``Mix`` is built, the server again for any request."""
-    return (
-        not isinstance(weight, bool)
-        and isinstance(weight, int | float)
-        and math.isfinite(weight)
-        and weight > 0
-    )
+__all__ = ["Mix", "Source"]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The ``shm`` transport: batches in the server's shared-memory ring, news on the doorbell.
 
 The server writes each batch into a slot of a shared-memory segment (laid out as
-``batchd._ring`` says) and tells the client, on the session's doorbell socket
+``batchd._wire.ring`` says) and tells the client, on the session's doorbell socket
 (``_doorbell.py``), where its fields are and under which lease; the client maps the segment
 once per session, reads the slot in place, and gives the slot back by acking the lease.
 The segment starts with a token the server also sends in ``RingLayout.token``: a client that
@@ -22,22 +22,13 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd._doorbell import (
-    ACCEPTED,
-    BATCH,
-    CANCEL,
-    END,
-    HEARTBEAT,
-    START,
-    ClientDoorbell,
-    DoorbellSilent,
-    parse,
-)
+from batchd._doorbell import ClientDoorbell, DoorbellSilent
 from batchd._proto.batchd.v1 import loader_pb2
-from batchd._ring import slot_offset
 from batchd._stats import BatchTiming
-from batchd._status import disagreement, error_named
 from batchd._stream import ReceivedBatch
+from batchd._wire.frames import ACCEPTED, BATCH, CANCEL, END, HEARTBEAT, START, parse
+from batchd._wire.ring import slot_offset
+from batchd._wire.status import disagreement, error_named
 from batchd.errors import NotFound, Unavailable
 
 __all__ = ["SHM_DIR", "ShmRing", "ShmStream", "ShmUnusable"]

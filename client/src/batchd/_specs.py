@@ -21,6 +21,16 @@ from typing import Any, Final, TypeAlias
 import numpy as np
 
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._wire.specs import (
+    IMAGE_DECODERS,
+    IMAGE_DEFAULT_RATIO,
+    IMAGE_DEFAULT_SCALE,
+    IMAGE_DEFAULT_SIZE,
+    MAX_IMAGE_SIZE,
+    MAX_TOKENS,
+    ON_ERROR_CHOICES,
+    TRANSPORTS,
+)
 from batchd.errors import InvalidArgument
 
 __all__ = [
@@ -47,17 +57,6 @@ __all__ = [
     "sampling_to_proto",
 ]
 
-MAX_IMAGE_SIZE: Final = 16384
-"""Largest output side (and resize) of :class:`Image`, in pixels."""
-IMAGE_DEFAULT_SIZE: Final = 224
-IMAGE_DEFAULT_SCALE: Final = (0.08, 1.0)
-"""Area fraction range of a random-resized crop (torchvision's ``RandomResizedCrop``)."""
-IMAGE_DEFAULT_RATIO: Final = (3 / 4, 4 / 3)
-"""Aspect ratio range of a random-resized crop (torchvision's ``RandomResizedCrop``)."""
-IMAGE_DECODERS: Final = ("auto", "pillow")
-MAX_TOKENS: Final = 1 << 20
-"""Largest ``max_len`` of :class:`Tokens`."""
-
 SAMPLING_MODES: Final[Mapping[str, loader_pb2.Sampling]] = {
     "uniform": loader_pb2.SAMPLING_UNIFORM,
     "weighted": loader_pb2.SAMPLING_WEIGHTED,
@@ -69,9 +68,7 @@ ON_ERROR_POLICIES: Final[Mapping[str, loader_pb2.OnError]] = {
     "raise": loader_pb2.ON_ERROR_RAISE,
     "replace": loader_pb2.ON_ERROR_REPLACE,
 }
-ON_ERROR_CHOICES: Final = tuple(ON_ERROR_POLICIES)
-"""What may happen to a bad sample; the server checks against the same tuple."""
-TRANSPORTS: Final = ("auto", "shm", "inline")
+assert tuple(ON_ERROR_POLICIES) == ON_ERROR_CHOICES
 
 _TOKEN_DTYPES: Final = {"int32": (-(1 << 31), (1 << 31) - 1), "uint16": (0, (1 << 16) - 1)}
 # bool, signed, unsigned, float, complex: what a fixed-shape array field can hold.

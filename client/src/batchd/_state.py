@@ -1,7 +1,7 @@
 """What a Loader's saved state is, and whether a state fits a Loader.
 
 The cursor is global: ``consumed`` counts the entries of the epoch's global order that all
-ranks of the saving job served together (``batchd._epoch``). It is the same on every rank
+ranks of the saving job served together (``batchd._wire.epoch``). It is the same on every rank
 (frameworks save rank 0's state and load it everywhere), and it means the same thing at any
 world size, so a state saved by N ranks resumes on M: the rest of the epoch is planned from
 ``consumed`` for the M new ranks.

@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._stats import BatchTiming
-from batchd._status import disagreement
+from batchd._wire.status import disagreement
 
 __all__ = ["BatchStream", "ReceivedBatch", "field_views"]
 

@@ -34,8 +34,7 @@ from typing import Any, Final, NoReturn
 
 import grpc
 
-from batchd._channel import CLIENT_ID_KEY
-from batchd._status import ERROR_CLASS_KEY
+from batchd._wire.metadata import CLIENT_ID_KEY, ERROR_CLASS_KEY
 from batchd_server import metrics
 from batchd_server.errors import ResourceExhausted
 

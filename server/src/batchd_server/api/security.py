@@ -22,7 +22,7 @@ from typing import Any, Final, NoReturn
 
 import grpc
 
-from batchd._status import ERROR_CLASS_KEY
+from batchd._wire.metadata import ERROR_CLASS_KEY
 from batchd_server.config import ServerConfig
 from batchd_server.errors import FailedPrecondition
 

@@ -24,8 +24,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from batchd._lifetime import Closeable
 from batchd._proto.batchd.v1 import loader_pb2_grpc
+from batchd._wire.lifetime import Closeable
 from batchd_server import metrics
 from batchd_server.api.admission import Admission, AdmissionInterceptor
 from batchd_server.api.health import LOADER_SERVICE, HealthService
@@ -41,7 +41,7 @@ from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, p
 from batchd_server.catalog.sample_errors import SampleErrorWriter
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.config import ServerConfig, reserved_rpcs
-from batchd_server.doorbell import DoorbellServer
+from batchd_server.delivery.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.health import HealthMonitor
 from batchd_server.limits import MAX_REQUEST_BYTES, MAX_UNIX_PATH_BYTES

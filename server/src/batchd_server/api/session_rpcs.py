@@ -12,13 +12,13 @@ from typing import Any, Final
 import grpc
 
 from batchd._proto.batchd.v1 import loader_pb2 as pb
-from batchd._specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
+from batchd._wire.specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
 from batchd_server import metrics
-from batchd_server.batch_messages import inline_messages
+from batchd_server.delivery.messages import inline_messages
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.limits import check_name
-from batchd_server.mixing import MixOptions, MixSourceOptions
-from batchd_server.sampling import SamplerOptions
+from batchd_server.planning.mixing import MixOptions, MixSourceOptions
+from batchd_server.planning.sampling import SamplerOptions
 from batchd_server.sessions import Session, SessionManager, SessionOptions, Stream
 from batchd_server.sessions.sources import snapshot_token
 

@@ -16,7 +16,8 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from batchd._status import ERROR_CLASS_KEY, status_code_for
+from batchd._wire.metadata import ERROR_CLASS_KEY
+from batchd._wire.status import status_name_for
 
 __all__ = ["abort_with", "map_errors"]
 
@@ -35,7 +36,7 @@ def abort_with(context: grpc.ServicerContext, error: Exception, rpc: str) -> NoR
         # The handler aborted the call itself (context.abort raises a bare Exception);
         # keep the status it chose.
         raise error
-    mapped = status_code_for(error)
+    mapped = status_name_for(error)
     if mapped is None:
         logger.error("%s failed with an unexpected error", rpc, exc_info=error)
         context.abort(
@@ -44,8 +45,9 @@ def abort_with(context: grpc.ServicerContext, error: Exception, rpc: str) -> NoR
             "the server's log has the traceback",
         )
     else:
-        code, class_name = mapped
-        logger.debug("%s: %s: %s", rpc, code.name, error)
+        code_name, class_name = mapped
+        code = grpc.StatusCode[code_name]
+        logger.debug("%s: %s: %s", rpc, code_name, error)
         context.set_trailing_metadata(((ERROR_CLASS_KEY, class_name),))
         context.abort(code, str(error))
     raise AssertionError("context.abort returned instead of raising")  # pragma: no cover

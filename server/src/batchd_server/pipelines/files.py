@@ -46,7 +46,7 @@ from typing import Final, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from batchd._lifetime import Closeable
+from batchd._wire.lifetime import Closeable
 from batchd_server.errors import FailedPrecondition
 from batchd_server.pipelines.base import BadSample
 from batchd_server.pipelines.ranges import plan_reads

@@ -61,8 +61,8 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 from PIL import Image
 
-from batchd._ring import ceil_div
-from batchd._specs import (
+from batchd._wire.ring import ceil_div
+from batchd._wire.specs import (
     IMAGE_DECODERS,
     IMAGE_DEFAULT_RATIO,
     IMAGE_DEFAULT_SCALE,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from batchd._ring import slot_offset
+from batchd._wire.ring import slot_offset
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted

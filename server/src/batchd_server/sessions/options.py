@@ -7,13 +7,13 @@ from typing import Any, Final
 
 import numpy as np
 
-from batchd._ring import pack, slot_size
-from batchd._specs import ON_ERROR_CHOICES
+from batchd._wire.ring import pack, slot_size
+from batchd._wire.specs import ON_ERROR_CHOICES
 from batchd_server.errors import InvalidArgument
 from batchd_server.limits import MAX_PREFETCH
-from batchd_server.mixing import MixOptions
 from batchd_server.pipelines.base import FieldSpec
-from batchd_server.sampling import SamplerOptions
+from batchd_server.planning.mixing import MixOptions
+from batchd_server.planning.sampling import SamplerOptions
 from batchd_server.workers.task import SlotField
 
 __all__ = ["SessionOptions", "ring_slots", "slot_layout"]
@@ -79,7 +79,7 @@ def slot_layout(
     fields: list[FieldSpec], batch_size: int, *, mixed: bool = False
 ) -> tuple[tuple[SlotField, ...], int]:
     """Place every field (plus ``sample_id`` and ``label``, and ``source`` in a mix) in a slot,
-    as ``batchd._ring`` lays slots out; return the fields' places and the slot's size."""
+    as ``batchd._wire.ring`` lays slots out; return the fields' places and the slot's size."""
     ours = ["sample_id", "label", *(["source"] if mixed else [])]
     every = [*fields, *(FieldSpec(name, np.dtype("<i8"), ()) for name in ours)]
     names = [f.name for f in every]

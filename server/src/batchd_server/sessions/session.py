@@ -20,12 +20,12 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
-from batchd._ring import HEADER_BYTES, slot_offset
+from batchd._wire.ring import HEADER_BYTES, slot_offset
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
-from batchd_server.mixing import mix_counts, plan_mix_epoch, source_starts
-from batchd_server.sampling import EpochPlan, plan_epoch
+from batchd_server.planning.mixing import mix_counts, plan_mix_epoch, source_starts
+from batchd_server.planning.sampling import EpochPlan, plan_epoch
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
@@ -50,7 +50,7 @@ _MAX_STRIDE: Final = 1 << 16
 
 
 class Bell(Protocol):
-    """A client's doorbell connection, as a session sees it (``batchd_server.doorbell``)."""
+    """A client's doorbell connection, as a session sees it (``delivery/doorbell.py``)."""
 
     def close(self) -> None:
         """Hang up: the client's next read fails, and the connection's streams end."""

@@ -13,9 +13,9 @@ import numpy as np
 
 from batchd_server.catalog_cache import CatalogCache, CatalogEntry
 from batchd_server.errors import FailedPrecondition, InvalidArgument
-from batchd_server.mixing import mix_token, parse_mix_token
 from batchd_server.pipelines.base import Pipeline
 from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.planning.mixing import mix_token, parse_mix_token
 from batchd_server.sessions.options import SessionOptions
 
 __all__ = ["acquire_sources", "check_source_pipelines", "release_sources", "snapshot_token"]

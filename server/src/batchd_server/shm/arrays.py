@@ -26,7 +26,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd._ring import round_up
+from batchd._wire.ring import round_up
 from batchd_server.errors import InvalidArgument
 from batchd_server.shm.segments import SHM_DIR, Attachment, Segment, ShmRegistry, attach
 

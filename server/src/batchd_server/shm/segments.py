@@ -52,7 +52,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd._lifetime import Closeable
+from batchd._wire.lifetime import Closeable
 from batchd_server.errors import (
     FailedPrecondition,
     InvalidArgument,

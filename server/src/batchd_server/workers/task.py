@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from batchd._ring import slot_offset
+from batchd._wire.ring import slot_offset
 from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
 from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline

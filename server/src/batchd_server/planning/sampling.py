@@ -38,8 +38,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd._epoch import rest_of_epoch
-from batchd._ring import ceil_div
+from batchd._wire.epoch import rest_of_epoch
+from batchd._wire.ring import ceil_div
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 
 __all__ = [
@@ -72,7 +72,7 @@ _SHUFFLE_TAG: Final = 1
 _DRAW_TAG: Final = 2
 _BATCH_ORDER_TAG: Final = 3
 MIX_PASS_TAG: Final = 4
-"""A weighted mix's per-source orders (``batchd_server.mixing``)."""
+"""A weighted mix's per-source orders (``batchd_server.planning.mixing``)."""
 
 Int64Array = npt.NDArray[np.int64]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Final
 
 from batchd._proto.batchd.v1 import loader_pb2 as pb
-from batchd._ring import pack
+from batchd._wire.ring import pack
 from batchd_server import metrics
 from batchd_server.sessions import ReadyBatch, Session
 
@@ -37,7 +37,7 @@ def shm_notice(ready: ReadyBatch, seq: int) -> pb.StreamBatchesResponse:
 
 def _views(ready: ReadyBatch, *, inline: bool) -> tuple[list[pb.FieldView], int]:
     """The batch's field views and its size inline: inline fields are packed as
-    ``batchd._ring.pack`` places them, so the client can view them without realigning."""
+    ``batchd._wire.ring.pack`` places them, so the client can view them without realigning."""
     packed, total = pack(f.nbytes for f in ready.fields)
     views = [
         pb.FieldView(

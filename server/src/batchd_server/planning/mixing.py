@@ -50,9 +50,9 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd._mix import valid_weight
+from batchd._wire.mix import valid_weight
 from batchd_server.errors import FailedPrecondition, InvalidArgument
-from batchd_server.sampling import (
+from batchd_server.planning.sampling import (
     MIX_PASS_TAG,
     EpochPlan,
     SamplerOptions,

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from batchd._doorbell import (
+from batchd._proto.batchd.v1 import loader_pb2 as pb
+from batchd._wire.frames import (
     ACCEPTED,
     BATCH,
     CANCEL,
@@ -46,11 +47,10 @@ from batchd._doorbell import (
     encode_frame,
     parse,
 )
-from batchd._proto.batchd.v1 import loader_pb2 as pb
-from batchd._status import status_code_for
+from batchd._wire.status import status_name_for
 from batchd.errors import BatchdError
 from batchd_server import metrics
-from batchd_server.batch_messages import shm_notice
+from batchd_server.delivery.messages import shm_notice
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound
 from batchd_server.limits import MAX_CLIENT_FRAME_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.sessions import Session, SessionManager, Stream
@@ -132,7 +132,7 @@ class ServerBell:
                 if not self.send(BATCH, shm_notice(ready, seq)):
                     return  # the client hung up; its session's lease takes it from here
         except Exception as e:
-            mapped = status_code_for(e)
+            mapped = status_name_for(e)
             if mapped is None:
                 logger.exception("session %s: stream %d failed", session.id, seq)
                 end.error_class = "BatchdError"

@@ -1,7 +1,7 @@
 """How many batches the rest of an epoch has: the arithmetic both sides must agree on.
 
 An epoch's *global order* is one sequence of sample positions for all ranks of a job (see
-``batchd_server.sampling``). Ranks consume it together, a global batch of ``batch_size *
+``batchd_server.planning.sampling``). Ranks consume it together, a global batch of ``batch_size *
 world_size`` entries at a time, so how far an epoch got is one number, the entries consumed,
 whatever the world size was: that is what makes a state saved by N ranks resumable on M.
 The server plans the rest of an epoch from that number and the client counts its batches
@@ -10,7 +10,7 @@ with the same function.
 
 from __future__ import annotations
 
-from batchd._ring import ceil_div
+from batchd._wire.ring import ceil_div
 
 __all__ = ["rest_of_epoch"]
 
