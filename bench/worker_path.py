@@ -45,8 +45,8 @@ from _common import machine_lines, markdown_table, spread
 from torch.utils.data import default_collate
 
 from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
-from batchd_server.shm.segments import ShmRegistry
 from batchd_server.workers.task import BatchTask, SessionContext, SessionSpec, SlotField
 
 _FIELD_ALIGN = 64

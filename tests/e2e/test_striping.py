@@ -28,7 +28,7 @@ from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd_server.api import RunningServer
 from batchd_server.catalog import migrate
 from batchd_server.catalog.db import make_engine
-from batchd_server.shm.segments import ShmRegistry
+from batchd_server.shm import ShmRegistry
 
 import shmns
 from serving import RECORD_FLOATS, record_dataset

@@ -16,8 +16,8 @@ import pytest
 
 from batchd_server.pipelines import ArrayPipeline, TokensPipeline, build_pipeline
 from batchd_server.pipelines.base import BadSample, SampleInfo
+from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
-from batchd_server.shm.segments import ShmRegistry
 from batchd_server.workers.task import (
     BatchResult,
     BatchTask,

@@ -19,8 +19,8 @@ from fuzzing import FORMATS, Fuzzed, write_fuzzed
 from batchd_server.pipelines import build_pipeline
 from batchd_server.pipelines.base import BadSample
 from batchd_server.sessions.options import slot_layout
+from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
-from batchd_server.shm.segments import ShmRegistry
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec
 

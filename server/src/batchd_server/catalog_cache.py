@@ -22,8 +22,8 @@ from batchd_server import metrics
 from batchd_server.catalog.queries import DatasetRef
 from batchd_server.catalog.reader import Snapshot, SplitArrays, current_snapshot, load_split
 from batchd_server.errors import ResourceExhausted
+from batchd_server.shm import Segment, ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
-from batchd_server.shm.segments import Segment, ShmRegistry
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine

@@ -1,8 +1,9 @@
 """Is this server fit to take sessions (readiness), and is it still working at all (liveness)?
 
-DESIGN.md §6: ready only while the shared-memory filesystem has ``min_free_shm_bytes`` free,
-the catalog database answers, every decode worker lives (and they are not in a crash loop:
-dying before they get ready, see ``workers/respawn.py``), and the server is not draining.
+A server is ready to take sessions only while the shared-memory filesystem has
+``min_free_shm_bytes`` free, the catalog database answers, every decode worker lives (and they
+are not in a crash loop: dying before they get ready, see ``workers/respawn.py``), and the
+server is not draining.
 :class:`HealthMonitor` re-checks that every ``interval_s`` on a thread of its own and tells
 a listener (the gRPC health service, ``api/health.py``) when the answer changes, logging
 each change once with its reason. The catalog is probed on yet another thread: a database

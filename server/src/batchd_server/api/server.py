@@ -46,7 +46,7 @@ from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.health import HealthMonitor
 from batchd_server.limits import MAX_REQUEST_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.sessions import SessionManager
-from batchd_server.shm.segments import PREFIX, ShmRegistry
+from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.workers.pool import WorkerPool
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time

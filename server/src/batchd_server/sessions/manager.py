@@ -26,7 +26,7 @@ from batchd_server.sessions.sources import (
     check_source_pipelines,
     release_sources,
 )
-from batchd_server.shm.segments import ShmRegistry, format_bytes
+from batchd_server.shm import ShmRegistry, format_bytes
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import SlotField
 

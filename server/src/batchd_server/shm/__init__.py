@@ -1,14 +1,28 @@
 """Shared memory: the only package that creates or unlinks segments.
 
-``ShmRegistry`` creates, budgets, releases and sweeps a server's segments; ``attach`` maps
-one in another process; ``pack_arrays`` / ``attach_arrays`` share numpy arrays read-only.
+``segments`` says what a segment is and maps one in another process (``attach``);
+``registry`` is the ``ShmRegistry`` that creates, budgets and releases a server's segments;
+``instance`` holds the instance lock and sweeps what dead servers left; ``arrays`` shares
+numpy arrays read-only (``pack_arrays`` / ``attach_arrays``); ``space`` reads how much the
+filesystem holds.
 """
 
 from __future__ import annotations
 
-from batchd_server.shm import segments as _segments
-from batchd_server.shm.arrays import attach_arrays as attach_arrays
-from batchd_server.shm.arrays import pack_arrays as pack_arrays
-from batchd_server.shm.segments import *  # noqa: F403 (the package's face is the module's)
+from batchd_server.shm.arrays import attach_arrays, pack_arrays
+from batchd_server.shm.registry import ShmRegistry
+from batchd_server.shm.segments import KINDS, PREFIX, SHM_DIR, Attachment, Segment, attach
+from batchd_server.shm.space import format_bytes
 
-__all__ = sorted([*_segments.__all__, "attach_arrays", "pack_arrays"])
+__all__ = [
+    "KINDS",
+    "PREFIX",
+    "SHM_DIR",
+    "Attachment",
+    "Segment",
+    "ShmRegistry",
+    "attach",
+    "attach_arrays",
+    "format_bytes",
+    "pack_arrays",
+]

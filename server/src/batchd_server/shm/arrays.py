@@ -28,7 +28,8 @@ import numpy.typing as npt
 
 from batchd._wire.ring import round_up
 from batchd_server.errors import InvalidArgument
-from batchd_server.shm.segments import SHM_DIR, Attachment, Segment, ShmRegistry, attach
+from batchd_server.shm.registry import ShmRegistry
+from batchd_server.shm.segments import SHM_DIR, Attachment, Segment, attach
 
 __all__ = ["ALIGN_BYTES", "MAGIC", "attach_arrays", "pack_arrays"]
 
