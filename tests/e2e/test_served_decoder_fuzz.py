@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from fuzzing import FORMATS, manifest, write_fuzzed
 from sqlalchemy.engine import Engine
 
 import batchd
 from batchd_server.catalog.ingest import ingest_manifest
 from batchd_server.catalog.schema import sample_errors, samples
 
+from fuzzing import FORMATS, manifest, write_fuzzed
 from serving import serve
 
 SEED = 7

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from import_graph import REPO, SOURCE_ROOTS, module_names, statements_of, under
 
 CLIENT_ENTRANCES = ("batchd._wire", "batchd._proto", "batchd.errors")

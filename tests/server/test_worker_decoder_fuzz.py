@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fuzzing import FORMATS, Fuzzed, write_fuzzed
 
 from batchd_server.pipelines import build_pipeline
 from batchd_server.pipelines.base import BadSample
@@ -24,6 +23,7 @@ from batchd_server.shm.arrays import pack_arrays
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec
 
+from fuzzing import FORMATS, Fuzzed, write_fuzzed
 from serving import child_pids
 
 SEED = 20240611
