@@ -45,7 +45,6 @@ def test_rows_wait_while_the_catalog_refuses_them_and_are_written_once_it_accept
         engine.dispose()
 
 
-
 def test_the_queue_is_bounded_in_rows_and_keeps_the_newest(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
