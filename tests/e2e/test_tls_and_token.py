@@ -211,20 +211,23 @@ def test_a_plaintext_tokenless_listener_beyond_loopback_refuses_to_start(
     check_exposure("0.0.0.0", tls=False, token=False, insecure=True)
 
 
-def test_health_and_reflection_need_no_token_and_everything_else_does() -> None:
-    """Through a real gRPC server with the token interceptor: a health check without a token
-    is answered, a Loader call without one is UNAUTHENTICATED."""
+def test_the_health_check_needs_no_token_and_everything_else_does() -> None:
+    """Through a real gRPC server with the token interceptor: a health Check without a token
+    is answered; a health Watch or a Loader call without one is UNAUTHENTICATED."""
 
     def answer(request: bytes, context: grpc.ServicerContext) -> bytes:
         return b"ok"
 
+    def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield b"ok"
+
     answer_rpc = grpc.unary_unary_rpc_method_handler(answer)
-    methods = {"Check": answer_rpc}
+    watch_rpc = grpc.unary_stream_rpc_method_handler(stream)
     handlers = [
-        grpc.method_handlers_generic_handler("grpc.health.v1.Health", methods),
         grpc.method_handlers_generic_handler(
-            "batchd.v1.Loader", {"ListDatasets": methods["Check"]}
+            "grpc.health.v1.Health", {"Check": answer_rpc, "Watch": watch_rpc}
         ),
+        grpc.method_handlers_generic_handler("batchd.v1.Loader", {"ListDatasets": answer_rpc}),
     ]
     with futures.ThreadPoolExecutor(2) as pool:
         server = grpc.server(pool, handlers=handlers, interceptors=[TokenInterceptor(b"t0k")])
@@ -234,11 +237,16 @@ def test_health_and_reflection_need_no_token_and_everything_else_does() -> None:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 health = channel.unary_unary("/grpc.health.v1.Health/Check")
                 assert health(b"", timeout=10) == b"ok"
+                watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(watch(b"", timeout=10))
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                authorized = [("authorization", "Bearer t0k")]
+                assert list(watch(b"", timeout=10, metadata=authorized)) == [b"ok"]
                 loader = channel.unary_unary("/batchd.v1.Loader/ListDatasets")
                 with pytest.raises(grpc.RpcError) as caught:
                     loader(b"", timeout=10)
                 assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                authorized = loader(b"", timeout=10, metadata=[("authorization", "Bearer t0k")])
-                assert authorized == b"ok"
+                assert loader(b"", timeout=10, metadata=authorized) == b"ok"
         finally:
             server.stop(None)

@@ -68,7 +68,12 @@ def retry_until(
     last: BaseException = cause
     tries = 0
     started = clock()
-    logger.warning("batchd: lost the server at %r (%s); reconnecting", target, cause)
+    logger.warning(
+        "batchd: lost the server at %r; reconnecting, and the epoch resumes where it stopped: "
+        "nothing to do unless reconnecting fails (the error was: %s)",
+        target,
+        cause,
+    )
     while True:
         left = deadline - clock()
         if left <= 0:

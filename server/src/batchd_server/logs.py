@@ -8,9 +8,17 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["JsonFormatter", "configure_logging", "current_log_format"]
+__all__ = ["JsonFormatter", "configure_logging", "current_log_format", "session_log_id"]
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_SESSION_LOG_ID_CHARS = 8
+
+
+def session_log_id(session_id: str) -> str:
+    """A session id as log lines show it: its first 8 characters (``'3f9a01bc...'``), enough
+    to follow one session through a server's log. The whole id is a credential (whoever has
+    it may stream the session's batches), and logs travel further than the server."""
+    return repr(session_id[:_SESSION_LOG_ID_CHARS] + "...")
 
 
 class JsonFormatter(logging.Formatter):

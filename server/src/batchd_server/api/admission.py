@@ -6,12 +6,18 @@ RESOURCE_EXHAUSTED. An inline stream holds its thread for its whole life, so wit
 care 128 streams that never read (or a catalog that hangs every OpenSession) would take every
 thread and a client could not even close its session. Here:
 
-- **CloseSession and health checks are never counted.** Every other call must first take one
-  of ``max_concurrent_rpcs - reserved`` places (:class:`Admission`); with none left it ends
-  at once with RESOURCE_EXHAUSTED naming the limit. So ``reserved`` threads (and places under
-  gRPC's own limit) are always there for the calls that free resources or report health.
+- **CloseSession and the health service are never counted.** Every other call must first
+  take one of ``max_concurrent_rpcs - reserved`` places (:class:`Admission`); with none left
+  it ends at once with RESOURCE_EXHAUSTED naming the limit. So ``reserved`` threads (and
+  places under gRPC's own limit) are always there for the calls that free resources or
+  report health.
 - **One client may have ``client_max_calls`` counted calls at once**, so one client's idle
   streams leave room for everyone else.
+- **The health service's calls are capped per peer address instead** (:class:`PeerLimit`,
+  :data:`OPEN_CALLS_PER_PEER` at once): a probe needs no token and declares no identity, so
+  its calls are counted by where they come from. A ``Watch`` holds no thread while it waits
+  (grpcio's health servicer answers it from the status changes), so the cap is what bounds
+  the watchers, not the places.
 
 Who a client is (:func:`client_identity`): the transport peer's address without the port
 (``ipv4:10.0.0.5``, ``ipv6:[fd00::5]``; every unix-socket client is ``unix``), plus the
@@ -40,20 +46,36 @@ from batchd_server.errors import ResourceExhausted
 
 __all__ = [
     "CLIENT_ID_KEY",
+    "MAX_OPEN_CALLS",
+    "OPEN_CALLS_PER_PEER",
     "UNCOUNTED_METHODS",
     "Admission",
     "AdmissionInterceptor",
+    "PeerLimit",
     "Ticket",
     "client_identity",
+    "peer_address",
+    "refuse",
 ]
 
 logger = logging.getLogger(__name__)
 
 MAX_CLIENT_ID_CHARS: Final = 128
 UNCOUNTED_METHODS: Final = frozenset(
-    {"/batchd.v1.Loader/CloseSession", "/grpc.health.v1.Health/Check"}
+    {
+        "/batchd.v1.Loader/CloseSession",
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+    }
 )
-"""Calls that never wait for a place: what frees resources, and what reports health."""
+"""Calls that never wait for a place: what frees resources, and what reports health (the
+health service caps its calls per peer itself, :class:`PeerLimit`)."""
+OPEN_CALLS_PER_PEER: Final = 4
+"""Health calls (``Check`` and ``Watch``) one peer address may have in progress at once: a
+kubelet's readiness and liveness probes, and a watching load balancer, with room to spare."""
+MAX_OPEN_CALLS: Final = 256
+"""Health calls in progress at once from all peers (each open ``Watch`` costs a little
+memory, no thread)."""
 
 
 def _declared(metadata: Any) -> str:
@@ -65,24 +87,28 @@ def _declared(metadata: Any) -> str:
     return "anonymous"
 
 
+def peer_address(context: grpc.ServicerContext) -> str:
+    """Where a call comes from, without the port: ``"ipv4:10.0.0.5"``, ``"ipv6:[fd00::5]"``,
+    ``"unix"`` (every unix-socket client)."""
+    peer = context.peer() or "unknown"
+    if peer.startswith("unix"):
+        return "unix"
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rpartition(":")[0]
+    return peer[:MAX_CLIENT_ID_CHARS]
+
+
 def client_identity(context: grpc.ServicerContext) -> str:
     """``"<transport host> <declared id>"``, e.g. ``"unix host-a/4242"`` or
     ``"ipv4:10.0.0.5 anonymous"`` (see the module's docstring)."""
-    peer = context.peer() or "unknown"
-    if peer.startswith("unix"):
-        host = "unix"
-    elif peer.startswith(("ipv4:", "ipv6:")):
-        host = peer.rpartition(":")[0]
-    else:
-        host = peer
-    return f"{host} {_declared(context.invocation_metadata())}"
+    return f"{peer_address(context)} {_declared(context.invocation_metadata())}"
 
 
 class Ticket:
     """A place taken by one call; :meth:`release` gives it back (once, whoever calls)."""
 
-    def __init__(self, admission: Admission, client: str) -> None:
-        self._admission = admission
+    def __init__(self, give_back: Callable[[str], None], client: str) -> None:
+        self._give_back = give_back
         self.client = client
         self._lock = threading.Lock()
         self._held = True
@@ -91,7 +117,62 @@ class Ticket:
         with self._lock:
             held, self._held = self._held, False
         if held:
-            self._admission._give_back(self.client)
+            self._give_back(self.client)
+
+
+class PeerLimit:
+    """Counts the health service's calls in progress per peer address and in all; refuses
+    one past either limit.
+
+    Args:
+        per_peer: Calls one peer address may have at once.
+        total: Calls at once from all peers.
+    """
+
+    def __init__(self, *, per_peer: int = OPEN_CALLS_PER_PEER, total: int = MAX_OPEN_CALLS) -> None:
+        if per_peer < 1 or total < per_peer:
+            raise ValueError(f"need 1 <= per_peer <= total, got {per_peer} and {total}")
+        self.per_peer = per_peer
+        self.total = total
+        self._lock = threading.Lock()
+        self._by_peer: Counter[str] = Counter()
+
+    def by_peer(self) -> dict[str, int]:
+        """Calls in progress, per peer address."""
+        with self._lock:
+            return dict(self._by_peer)
+
+    def take(self, peer: str, method: str) -> Ticket:
+        """Take a place for a call from ``peer``.
+
+        Raises:
+            ResourceExhausted: ``peer``, or all peers together, are at the limit.
+        """
+        with self._lock:
+            mine = self._by_peer[peer]
+            if mine >= self.per_peer:
+                metrics.REFUSED.labels("open_calls_per_peer").inc()
+                raise ResourceExhausted(
+                    f"{peer} has {mine} health calls in progress, the most one address may "
+                    f"have; {method} was refused. Close the Watch streams it does not need, "
+                    "or probe with Check"
+                )
+            if self._by_peer.total() >= self.total:
+                metrics.REFUSED.labels("open_calls").inc()
+                raise ResourceExhausted(
+                    f"the server has {self.total} health calls in progress, its limit; "
+                    f"{method} was refused. Retry later"
+                )
+            self._by_peer[peer] = mine + 1
+        return Ticket(self._give_back, peer)
+
+    def _give_back(self, peer: str) -> None:
+        with self._lock:
+            left = self._by_peer[peer] - 1
+            if left > 0:
+                self._by_peer[peer] = left
+            else:
+                del self._by_peer[peer]
 
 
 class Admission:
@@ -149,7 +230,7 @@ class Admission:
                 )
             self._total += 1
             self._by_client[client] = mine + 1
-        return Ticket(self, client)
+        return Ticket(self._give_back, client)
 
     def _give_back(self, client: str) -> None:
         with self._lock:
@@ -161,7 +242,8 @@ class Admission:
                 del self._by_client[client]
 
 
-def _refuse(context: grpc.ServicerContext, error: ResourceExhausted) -> NoReturn:
+def refuse(context: grpc.ServicerContext, error: ResourceExhausted) -> NoReturn:
+    """End the call with RESOURCE_EXHAUSTED and ``error``'s message (raises)."""
     context.set_trailing_metadata(((ERROR_CLASS_KEY, "ResourceExhausted"),))
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     raise AssertionError("context.abort returned")  # pragma: no cover
@@ -181,7 +263,7 @@ def _counted(
             ticket = admission.admit(client_identity(context), method)
         except ResourceExhausted as e:
             logger.info("refused %s: %s", method, str(e).split(";", 1)[0])
-            _refuse(context, e)
+            refuse(context, e)
         # However the call ends (even while a stream's generator is suspended in a yield that
         # gRPC never resumes, a client that stopped reading and then went away).
         context.add_callback(ticket.release)

@@ -4,8 +4,13 @@ A unix socket is guarded by its file mode (0600: the server's user only; the sid
 trainer runs as that user). A TCP listener is reachable by anyone who can route to it, so
 one on a non-loopback address must have TLS or a token (or ``--insecure``, said out loud).
 The token travels as ``authorization: Bearer <token>`` metadata, is compared in constant
-time and never logged. The gRPC health and reflection services stay open without it, so
-probes (which cannot carry a token) keep working.
+time and never logged. Only the health ``Check`` stays open without it, so probes (which
+cannot carry a token) keep working; ``Watch`` and reflection need the token like everything
+else (the health service caps its calls per peer address: ``api/health.py``).
+
+gRPC reflection (what ``grpcurl`` reads to list services without the .proto files) is off
+unless the operator turns it on (:func:`add_reflection`): it tells whoever asks what the
+server serves, and its stream waits for requests while holding a call.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Any, Final, NoReturn
 
 import grpc
+from grpc_reflection.v1alpha import reflection
 
 from batchd._wire.metadata import ERROR_CLASS_KEY
 from batchd_server.config import ServerConfig
@@ -28,8 +34,10 @@ from batchd_server.errors import FailedPrecondition
 
 __all__ = [
     "AUTH_METADATA_KEY",
-    "OPEN_SERVICES",
+    "OPEN_METHODS",
+    "SERVE_REFLECTION",
     "TokenInterceptor",
+    "add_reflection",
     "check_exposure",
     "is_loopback_host",
     "read_token",
@@ -40,12 +48,12 @@ logger = logging.getLogger(__name__)
 
 AUTH_METADATA_KEY: Final = "authorization"
 _BEARER: Final = "bearer "
-OPEN_SERVICES: Final = (
-    "/grpc.health.v1.Health/",
-    "/grpc.reflection.v1.ServerReflection/",
-    "/grpc.reflection.v1alpha.ServerReflection/",
-)
-"""Method prefixes callable without a token."""
+OPEN_METHODS: Final = frozenset({"/grpc.health.v1.Health/Check"})
+"""Methods callable without a token: what a probe (kubelet's ``grpc``, ``grpc_health_probe``,
+``batchd-server healthcheck``) calls."""
+SERVE_REFLECTION = False
+"""Serve gRPC reflection even where the configuration does not ask for it (tests flip it).
+The operator's switch is ``ServerConfig.reflection`` (see :func:`add_reflection`)."""
 _MAX_TOKEN_BYTES: Final = 4096
 
 
@@ -160,7 +168,7 @@ def _refuse(message: str) -> Callable[[Any, grpc.ServicerContext], NoReturn]:
 
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call without the right bearer token, except to
-    :data:`OPEN_SERVICES`."""
+    :data:`OPEN_METHODS`."""
 
     def __init__(self, token: bytes) -> None:
         self._token = token
@@ -188,7 +196,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method: str = getattr(handler_call_details, "method", "") or ""
-        if method.startswith(OPEN_SERVICES):
+        if method in OPEN_METHODS:
             return continuation(handler_call_details)
         problem = self._problem(getattr(handler_call_details, "invocation_metadata", None))
         if problem is None:
@@ -210,3 +218,19 @@ class TokenInterceptor(grpc.ServerInterceptor):
 def restrict_unix_socket(path: Path) -> None:
     """Make the gRPC unix socket ``path`` mode 0600, like the doorbell."""
     os.chmod(path, 0o600)
+
+
+def add_reflection(server: grpc.Server, services: tuple[str, ...], config: ServerConfig) -> bool:
+    """Serve gRPC reflection for ``services`` if the operator asked for it.
+
+    Asked for: ``config.reflection`` (``--reflection``, ``BATCHD_REFLECTION``) where the
+    configuration has that setting, or :data:`SERVE_REFLECTION`.
+
+    Returns:
+        Whether reflection is served.
+    """
+    wanted = SERVE_REFLECTION or bool(getattr(config, "reflection", False))
+    if wanted:
+        reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
+        logger.info("serving gRPC reflection (--reflection): it lists this server's services")
+    return wanted

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd._wire.lifetime import Closeable
@@ -31,6 +30,7 @@ from batchd_server.api.admission import Admission, AdmissionInterceptor
 from batchd_server.api.health import LOADER_SERVICE, HealthService
 from batchd_server.api.security import (
     TokenInterceptor,
+    add_reflection,
     check_exposure,
     read_token,
     restrict_unix_socket,
@@ -490,7 +490,7 @@ def build_server(
     loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     services = (LOADER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
-    reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), server)
+    add_reflection(server, services, config)
     try:
         try:
             bound = _add_port(server, where, credentials)

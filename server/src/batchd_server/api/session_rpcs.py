@@ -17,6 +17,7 @@ from batchd_server import metrics
 from batchd_server.delivery.messages import inline_messages
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.limits import check_name
+from batchd_server.logs import session_log_id
 from batchd_server.planning.mixing import MixOptions, MixSourceOptions
 from batchd_server.planning.sampling import SamplerOptions
 from batchd_server.sessions import Session, SessionManager, SessionOptions, Stream
@@ -209,7 +210,9 @@ def _read_acks(
     try:
         for request in requests:
             if request.WhichOneof("kind") != "ack":
-                logger.warning("session %s: ignoring a second StreamStart", session.id)
+                logger.warning(
+                    "session %s: ignoring a second StreamStart", session_log_id(session.id)
+                )
                 continue
             session.ack(stream, list(request.ack.batch_indices))
             metrics.record_client_timings(
@@ -218,8 +221,16 @@ def _read_acks(
                 request.ack.batch_step_s,
                 now=time.monotonic(),
             )
-    except Exception:  # the call ended (cancelled, client gone): nothing to read any more
+    except grpc.RpcError:  # the call ended (cancelled, client gone): nothing to read any more
         pass
+    except Exception as e:  # a server bug: this stream's acks are no longer applied
+        logger.warning(
+            "session %s: stopped applying the acks of its inline stream (%s: %s)",
+            session_log_id(session.id),
+            type(e).__name__,
+            e,
+            exc_info=True,
+        )
 
 
 def stream_batches(

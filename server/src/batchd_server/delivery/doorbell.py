@@ -53,6 +53,7 @@ from batchd_server import metrics
 from batchd_server.delivery.messages import shm_notice
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound
 from batchd_server.limits import MAX_CLIENT_FRAME_BYTES, MAX_UNIX_PATH_BYTES
+from batchd_server.logs import session_log_id
 from batchd_server.sessions import Session, SessionManager, Stream
 
 __all__ = ["DoorbellServer", "ServerBell"]
@@ -134,7 +135,7 @@ class ServerBell:
         except Exception as e:
             mapped = status_name_for(e)
             if mapped is None:
-                logger.exception("session %s: stream %d failed", session.id, seq)
+                logger.exception("session %s: stream %d failed", session_log_id(session.id), seq)
                 end.error_class = "BatchdError"
                 end.message = (
                     f"internal error in batchd-server ({type(e).__name__}: {e}); see its log"
@@ -259,11 +260,15 @@ class DoorbellServer:
             try:
                 session = self._sessions.get(hello.session_id)
             except NotFound:
-                logger.info("doorbell: hello for unknown session %r; closed", hello.session_id)
+                logger.info(
+                    "doorbell: hello for an unknown session %s; closed",
+                    session_log_id(hello.session_id),
+                )
                 return
             if not hmac.compare_digest(hello.token, session.token):
                 logger.warning(
-                    "doorbell: hello for session %s with the wrong token; closed", session.id
+                    "doorbell: hello for session %s with the wrong token; closed",
+                    session_log_id(session.id),
                 )
                 return
             conn.settimeout(None)
@@ -293,11 +298,29 @@ class DoorbellServer:
                     bell.cancel(parse(pb.DoorbellCancel, payload).seq)
                 else:
                     logger.warning(
-                        "doorbell: session %s sent a frame of kind %r; closed", session.id, kind
+                        "doorbell: session %s sent a frame of kind %r; closed",
+                        session_log_id(session.id),
+                        kind,
                     )
                     return
-        except (OSError, BatchdError) as e:
+        except OSError as e:  # the client went away (or the server is closing)
             logger.debug("doorbell connection ended: %s", e)
+        except Exception as e:
+            who = (
+                "a connection before its hello"
+                if session is None
+                else f"the connection of session {session_log_id(session.id)}"
+            )
+            if isinstance(e, BatchdError):  # a frame that breaks the protocol: a client bug
+                logger.warning("doorbell: closed %s: %s", who, e)
+            else:
+                logger.warning(
+                    "doorbell: %s failed (%s: %s); closed",
+                    who,
+                    type(e).__name__,
+                    e,
+                    exc_info=True,
+                )
         finally:
             if bell is not None and session is not None:
                 session.detach_bell(bell)

@@ -83,6 +83,8 @@ class BadSample(Exception):
     KINDS: ClassVar[tuple[str, ...]] = (
         "missing",  # no such file
         "unreadable",  # permission, I/O error, byte range past the end of the file
+        "too_large",  # more bytes than a sample may have (--max-sample-bytes): a sparse file?
+        "bad_range",  # a byte range that ends past 2**63 - 1 (ingested with --no-verify)
         "unsafe_path",  # absolute, "..", or a symlink leading out of the dataset root
         "corrupt",  # not decodable as the pipeline's format
         "shape",  # decodes, but not to the shape/dtype the pipeline promised

@@ -30,6 +30,14 @@ ranges of a batch at once, in as few reads as their layout allows (see
 
 Reads land in one reused buffer: allocating a fresh buffer per sample costs about 15% of the
 decode rate here (glibc hands large blocks back to the kernel and faults them in again).
+
+What a read may ask for is bounded before anything is allocated, so that a sample the worker
+cannot hold is a bad sample like any other, not a ``MemoryError`` that fails the batch (and,
+under ``on_error="skip"``, the epoch): a sample of more than ``max_sample_bytes``
+(:data:`MAX_SAMPLE_BYTES` unless the operator sets ``--max-sample-bytes``; a sparse file of a
+terabyte takes no disk) is kind ``too_large``, and a byte range that ends past 2**63 - 1 (a
+row ingested with ``--no-verify``; its int64 end would wrap to a negative one that passes
+every later check) is kind ``bad_range``.
 """
 
 from __future__ import annotations
@@ -49,18 +57,22 @@ import numpy.typing as npt
 from batchd._wire.lifetime import Closeable
 from batchd_server.errors import FailedPrecondition
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.ranges import plan_reads
+from batchd_server.pipelines.ranges import INT64_MAX, ends_past_int64, plan_reads
 from batchd_server.pipelines.transient import (
     InjectedFaults,
     TransientError,
     is_transient,
     retrying,
 )
+from batchd_server.shm.space import format_bytes
 
-__all__ = ["MAX_CACHED_BUFFER_BYTES", "MAX_READS_PER_FILE", "SampleFiles"]
+__all__ = ["MAX_CACHED_BUFFER_BYTES", "MAX_READS_PER_FILE", "MAX_SAMPLE_BYTES", "SampleFiles"]
 
 MAX_CACHED_BUFFER_BYTES: Final = 64 << 20
 """The reused read buffer grows up to this; a larger read gets a buffer of its own."""
+MAX_SAMPLE_BYTES: Final = 256 << 20
+"""A sample's bytes at most, unless the operator says otherwise (``--max-sample-bytes``,
+passed to :class:`SampleFiles` as ``max_sample_bytes``); a larger one is ``too_large``."""
 
 _OPEN_FLAGS: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 _MAX_OPEN_FDS: Final = 16
@@ -113,12 +125,16 @@ class SampleFiles(Closeable):
 
     Args:
         root: The dataset's root directory; symlinks in it are resolved once.
+        max_sample_bytes: The most bytes one sample may have (see the module docs).
 
     Raises:
         FailedPrecondition: ``root`` is not an existing directory.
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, max_sample_bytes: int = MAX_SAMPLE_BYTES) -> None:
+        if max_sample_bytes < 1:
+            raise ValueError(f"max_sample_bytes={max_sample_bytes} must be >= 1")
+        self.max_sample_bytes = max_sample_bytes
         real = os.path.realpath(root)
         if not os.path.isdir(real):
             raise FailedPrecondition(
@@ -163,14 +179,28 @@ class SampleFiles(Closeable):
             A view of a buffer this object reuses: valid until the next call.
 
         Raises:
-            BadSample: ``unsafe_path``, ``missing``, ``unreadable`` or ``transient`` (see
-                module docs).
+            BadSample: ``unsafe_path``, ``missing``, ``unreadable``, ``too_large``,
+                ``bad_range`` or ``transient`` (see module docs).
         """
         if offset < -1 or length < -1:
             raise BadSample(
                 "unreadable", f"{path}: byte range offset={offset}, length={length} is invalid"
             )
+        if offset >= 0 and length >= 0 and offset > INT64_MAX - length:
+            raise _bad_range(path, offset, length)
+        self._check_size(path, length)
         return self._retrying(lambda: self._read(path, offset, length))
+
+    def _check_size(self, path: str, count: int) -> None:
+        if count > self.max_sample_bytes:
+            raise BadSample(
+                "too_large",
+                f"{path}: reading this sample means reading {format_bytes(count)} ({count} "
+                f"bytes), more than the {format_bytes(self.max_sample_bytes)} a sample may "
+                "have: the file may be sparse, truncated to a huge size or not a sample at "
+                "all. If it is right, raise the server's --max-sample-bytes "
+                "(BATCHD_MAX_SAMPLE_BYTES)",
+            )
 
     def _read(self, path: str, offset: int, length: int) -> memoryview:
         whole = offset == -1 and length == -1
@@ -188,7 +218,8 @@ class SampleFiles(Closeable):
                     f"{path}: byte range [{start}, {end}) is past the end of the file "
                     f"({size} bytes)",
                 )
-            view = self._view(end - start)
+            self._check_size(path, end - start)
+            view = self._view(end - start, path)
             _pread_into(fd, view, start, path, self._faults)
             return view
         finally:
@@ -221,12 +252,20 @@ class SampleFiles(Closeable):
             Valid until the next call (a reused buffer, or a map this object may drop).
 
         Raises:
-            BadSample: A file cannot be opened or a range is not inside its file. Which
-                sample is at fault is not said: read each with :meth:`read` to find out.
+            BadSample: A file cannot be opened, a range is not inside its file, ends past
+                2**63 - 1 or is larger than a sample may be, or the batch's bytes cannot be
+                allocated. Which sample is at fault is not said: read each with :meth:`read`
+                to find out.
         """
-        n = len(offsets)
-        if n and (offsets.min() < 0 or lengths.min() < 0):
-            raise BadSample("unreadable", "a byte range has a negative offset or length")
+        if len(offsets):
+            if offsets.min() < 0 or lengths.min() < 0:
+                raise BadSample("unreadable", "a byte range has a negative offset or length")
+            wraps = ends_past_int64(offsets, lengths)
+            if len(wraps):
+                i = int(wraps[0])
+                raise _bad_range(paths[int(files[i])], int(offsets[i]), int(lengths[i]))
+            longest = int(lengths.argmax())
+            self._check_size(paths[int(files[longest])], int(lengths[longest]))
         return self._retrying(lambda: self._read_ranges(paths, files, offsets, lengths))
 
     def _read_ranges(
@@ -251,7 +290,7 @@ class SampleFiles(Closeable):
                 )
         if len(paths) == 1 and len(plans[0].run_offsets) > MAX_READS_PER_FILE:
             return self._mapping(entries[0], paths[0]), offsets.astype(np.int64, copy=True)
-        view = self._view(sum(p.total_bytes for p in plans))
+        view = self._view(sum(p.total_bytes for p in plans), "a batch of byte ranges")
         starts = np.empty(n, np.int64)
         base = 0
         for path, entry, rows, plan in zip(paths, entries, groups, plans, strict=True):
@@ -308,9 +347,17 @@ class SampleFiles(Closeable):
         self._maps.clear()
         self._buffer = bytearray(0)
 
-    def _view(self, count: int) -> memoryview:
+    def _view(self, count: int, what: str) -> memoryview:
+        """``count`` bytes of buffer to read ``what`` into (a path, for messages)."""
         if count > MAX_CACHED_BUFFER_BYTES:
-            return memoryview(bytearray(count))
+            try:
+                return memoryview(bytearray(count))
+            except MemoryError as e:  # one allocation refused: nothing else is affected
+                raise BadSample(
+                    "too_large",
+                    f"{what}: cannot allocate the {format_bytes(count)} to read it into; the "
+                    "worker's machine is short of memory, or lower --max-sample-bytes",
+                ) from e
         if count > len(self._buffer):
             # A new bytearray, never a resize: views handed out earlier may still exist.
             self._buffer = bytearray(
@@ -444,6 +491,15 @@ def _pread_into(
                 "unreadable", f"{path}: file ended at byte {offset + done} while reading"
             )
         done += got
+
+
+def _bad_range(path: str, offset: int, length: int) -> BadSample:
+    return BadSample(
+        "bad_range",
+        f"{path}: byte range offset={offset}, length={length} ends past 2**63 - 1, beyond any "
+        "file; the catalog row is wrong (ingested with --no-verify?): fix its byte_offset "
+        "and byte_length and re-ingest",
+    )
 
 
 def _describe(e: OSError) -> str:

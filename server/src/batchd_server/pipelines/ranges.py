@@ -17,10 +17,11 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_GAP_BYTES", "ReadPlan", "plan_reads", "take_ranges"]
+__all__ = ["INT64_MAX", "MAX_GAP_BYTES", "ReadPlan", "ends_past_int64", "plan_reads", "take_ranges"]
 
 MAX_GAP_BYTES: Final = 4096
 """Ranges closer than this are read together, the bytes between them included."""
+INT64_MAX: Final = (1 << 63) - 1
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -42,6 +43,12 @@ class ReadPlan:
     """The furthest file byte any range reaches (0 for no ranges)."""
 
 
+def ends_past_int64(offsets: Int64Array, lengths: Int64Array) -> Int64Array:
+    """Indices of the ranges whose end, ``offsets[i] + lengths[i]``, is past 2**63 - 1 (an
+    int64 sum would wrap to a negative end). ``lengths`` must be non-negative."""
+    return np.flatnonzero(offsets > INT64_MAX - lengths)
+
+
 def plan_reads(
     offsets: Int64Array, lengths: Int64Array, max_gap_bytes: int = MAX_GAP_BYTES
 ) -> ReadPlan:
@@ -51,9 +58,19 @@ def plan_reads(
         offsets: Non-negative byte offsets, in any order.
         lengths: Non-negative byte counts, one per offset.
         max_gap_bytes: Largest gap between ranges that one run spans.
+
+    Raises:
+        ValueError: A range ends past 2**63 - 1 (its callers refuse those first).
     """
     n = len(offsets)
     assert len(lengths) == n and not (n and (offsets.min() < 0 or lengths.min() < 0)), "ranges"
+    wraps = ends_past_int64(offsets, lengths)
+    if len(wraps):
+        i = int(wraps[0])
+        raise ValueError(
+            f"the byte range at offset {int(offsets[i])} of {int(lengths[i])} bytes ends past "
+            "2**63 - 1"
+        )
     if n == 0:
         empty = np.zeros(0, np.int64)
         return ReadPlan(empty, empty, empty, empty, 0, 0)
