@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from batchd_server.catalog import migrate
-from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.copy_parser import PackedCopyParser
+from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.reader import _ColumnBuilder, load_split, split_query
 from batchd_server.catalog.schema import datasets, samples
 from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays

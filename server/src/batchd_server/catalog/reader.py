@@ -56,8 +56,8 @@ def split_query(
         split: The split's name.
         max_sample_id: Only rows with an id up to this (a snapshot's bound).
         packed: Postgres only. Select two columns, the numeric ones packed into fixed-width
-            hex (``copy_parser.PACKED`` is its layout) and then the path, for the vectorised COPY parse.
-            Otherwise select id, label, length, byte_offset, byte_length, weight, path.
+            hex (``copy_parser.PACKED`` is its layout) and then the path, for the vectorised
+            COPY parse. Otherwise select id, label, length, byte_offset, byte_length, weight, path.
     """
     c = samples.c
     label = sa.func.coalesce(c.label, -1)
