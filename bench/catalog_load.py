@@ -34,8 +34,9 @@ from sqlalchemy.engine import Engine
 from batchd_server.catalog import migrate
 from batchd_server.catalog.db import describe_url, is_postgres, make_engine
 from batchd_server.catalog.ingest import ingest_manifest
-from batchd_server.catalog.reader import SplitArrays, load_split, split_query
+from batchd_server.catalog.reader import load_split, split_query
 from batchd_server.catalog.schema import datasets
+from batchd_server.catalog.types import SplitArrays
 
 TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 DATASET = "bench-catalog-load"

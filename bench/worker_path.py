@@ -47,7 +47,8 @@ from torch.utils.data import default_collate
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
-from batchd_server.workers.task import BatchTask, SessionContext, SessionSpec, SlotField
+from batchd_server.workers.context import SessionContext
+from batchd_server.workers.task import BatchTask, SessionSpec, SlotField, SourceSpec
 
 _FIELD_ALIGN = 64
 _SLOT_ALIGN = 4096
@@ -94,10 +95,8 @@ def session(
         ring = registry.create("ring", _HEADER_BYTES + _SLOTS * slot_bytes, purpose="bench ring")
         spec = SessionSpec(
             session_id="bench",
-            root=str(root),
             pipeline_kind=kind,
             pipeline_options=options,
-            catalog_segment=catalog.name,
             ring_segment=ring.name,
             header_bytes=_HEADER_BYTES,
             slot_bytes=slot_bytes,
@@ -105,6 +104,7 @@ def session(
             batch_size=batch_size,
             seed=0,
             on_error="skip",
+            sources=(SourceSpec(catalog.name, str(root)),),
             shm_dir=str(registry.shm_dir),
         )
         context = SessionContext(spec)

@@ -12,17 +12,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from batchd_server.catalog import migrate
+from batchd_server.catalog.copy_parser import PackedCopyParser
 from batchd_server.catalog.db import make_engine
-from batchd_server.catalog.queries import DatasetRef
-from batchd_server.catalog.reader import (
-    Snapshot,
-    SplitArrays,
-    _ColumnBuilder,
-    _PackedCopyParser,
-    load_split,
-    split_query,
-)
+from batchd_server.catalog.reader import _ColumnBuilder, load_split, split_query
 from batchd_server.catalog.schema import datasets, samples
+from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays
 from batchd_server.errors import InvalidArgument, NotFound, SnapshotMismatch
 
 AWKWARD_PATHS = [
@@ -288,7 +282,7 @@ def test_copy_parser_is_safe_at_every_split_of_its_input(pg_engine: Engine) -> N
 
     def parse(piece_bytes: int, chunk_bytes: int) -> list[tuple[Any, ...]]:
         columns = _ColumnBuilder()
-        parser = _PackedCopyParser(columns, chunk_bytes=chunk_bytes)
+        parser = PackedCopyParser(columns, chunk_bytes=chunk_bytes)
         for start in range(0, len(data), piece_bytes):
             parser.write(data[start : start + piece_bytes])
         parser.close()

@@ -18,13 +18,8 @@ from batchd_server.pipelines import ArrayPipeline, TokensPipeline, build_pipelin
 from batchd_server.pipelines.base import BadSample, SampleInfo
 from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
-from batchd_server.workers.task import (
-    BatchResult,
-    BatchTask,
-    SessionContext,
-    SessionSpec,
-    SlotField,
-)
+from batchd_server.workers.context import SessionContext
+from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField, SourceSpec
 
 I64 = np.int64
 
@@ -169,10 +164,8 @@ def worker_session(
         ring = registry.create("ring", 4096 + slot_bytes, purpose="test ring")
         spec = SessionSpec(
             session_id="s",
-            root=str(root),
             pipeline_kind=kind,
             pipeline_options=options,
-            catalog_segment=catalog.name,
             ring_segment=ring.name,
             header_bytes=4096,
             slot_bytes=slot_bytes,
@@ -180,6 +173,7 @@ def worker_session(
             batch_size=batch_size,
             seed=3,
             on_error=on_error,
+            sources=(SourceSpec(catalog.name, str(root)),),
             shm_dir=str(registry.shm_dir),
         )
         context = SessionContext(spec)

@@ -93,7 +93,7 @@ def make_session(pool: FakePool, *, samples: int, slots: int) -> Session:
     return Session(
         session_id="s",
         options=options,
-        catalog=catalog,
+        sources=(catalog,),
         ring=ring,
         layout=layout,
         slot_bytes=slot_bytes,

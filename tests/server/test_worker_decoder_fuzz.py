@@ -21,7 +21,7 @@ from batchd_server.sessions.options import slot_layout
 from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
 from batchd_server.workers.pool import WorkerPool
-from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec
+from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SourceSpec
 
 from fuzzing import FORMATS, Fuzzed, write_fuzzed
 from serving import child_pids
@@ -70,10 +70,8 @@ def _session(
         yield (
             SessionSpec(
                 session_id=f"{fuzzed.fmt}-{'shard' if shard else 'files'}",
-                root=str(fuzzed.root),
                 pipeline_kind=kind,
                 pipeline_options=options,
-                catalog_segment=catalog.name,
                 ring_segment=ring.name,
                 header_bytes=4096,
                 slot_bytes=slot_bytes,
@@ -81,6 +79,7 @@ def _session(
                 batch_size=BATCH,
                 seed=SEED,
                 on_error="skip",
+                sources=(SourceSpec(catalog.name, str(fuzzed.root)),),
                 shm_dir=str(registry.shm_dir),
             ),
             paths,

@@ -20,14 +20,12 @@ from batchd_server.workers.deadline import (
     after_timeout,
 )
 from batchd_server.workers.respawn import RespawnPolicy
-from batchd_server.workers.task import BatchTask, SessionSpec
+from batchd_server.workers.task import BatchTask, SessionSpec, SourceSpec
 
 SPEC = SessionSpec(
     session_id="s1",
-    root="/data/set",
     pipeline_kind="array",
     pipeline_options={},
-    catalog_segment="c",
     ring_segment="r",
     header_bytes=4096,
     slot_bytes=4096,
@@ -35,6 +33,7 @@ SPEC = SessionSpec(
     batch_size=4,
     seed=0,
     on_error="skip",
+    sources=(SourceSpec(catalog_segment="c", root="/data/set"),),
 )
 TASK = BatchTask(SPEC, epoch=0, batch_index=7, slot=1, positions=b"")
 

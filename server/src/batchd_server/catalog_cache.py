@@ -1,9 +1,11 @@
 """Splits loaded from the catalog, each packed once into read-only shared memory.
 
-Opening a session asks the catalog for the split's current snapshot (one index-only
-aggregate) and reuses the packed arrays while that snapshot is unchanged, so a job whose
-ranks open sessions together, or a loader re-opened every epoch, reads the rows once. Idle
-splits stay cached (a few of them) until the shm budget needs their room.
+Opening a session asks the catalog for the current snapshot of each split it serves (one
+index-only aggregate each; a mix's sources are splits like any other) and reuses the packed
+arrays while that snapshot is unchanged, so a job whose ranks open sessions together, a
+loader re-opened every epoch, or two mixes sharing a source, read the rows once. Idle
+splits stay cached (a few of them) until the shm budget needs their room. A segment holds
+``SplitArrays.columns()``; workers map it (``workers/context.py``).
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import numpy.typing as npt
+from typing import TYPE_CHECKING
 
 from batchd_server import metrics
-from batchd_server.catalog.queries import DatasetRef
-from batchd_server.catalog.reader import Snapshot, SplitArrays, current_snapshot, load_split
+from batchd_server.catalog.reader import current_snapshot, load_split
+from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays
 from batchd_server.errors import ResourceExhausted
 from batchd_server.shm import Segment, ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
@@ -38,6 +38,8 @@ _LOAD_POLL_S = 1.0
 
 @dataclass(eq=False)
 class CatalogEntry:
+    """One split at one snapshot: its arrays, their segment, and the sessions holding it."""
+
     key: tuple[int, str, str]
     arrays: SplitArrays
     segment: Segment
@@ -106,18 +108,10 @@ class CatalogCache:
         started = time.monotonic()
         arrays = load_split(self._engine, dataset, split, version=ref.version, snapshot=wanted)
         metrics.CATALOG_LOAD_SECONDS.labels(dataset=ref.name).observe(time.monotonic() - started)
-        columns: dict[str, npt.NDArray[Any]] = {
-            "ids": arrays.ids,
-            "labels": arrays.labels,
-            "lengths": arrays.lengths,
-            "weights": arrays.weights,
-            "byte_offsets": arrays.byte_offsets,
-            "byte_lengths": arrays.byte_lengths,
-            "path_bytes": arrays.path_bytes,
-            "path_offsets": arrays.path_offsets,
-        }
         purpose = f"the catalog rows of {dataset!r} split {split!r} ({len(arrays)} samples)"
-        segment = self._with_room(lambda: pack_arrays(self._registry, columns, purpose=purpose))
+        segment = self._with_room(
+            lambda: pack_arrays(self._registry, arrays.columns(), purpose=purpose)
+        )
         logger.info(
             "loaded %s/%s split %s: %d samples at snapshot %s in %.2f s",
             ref.name,

@@ -102,20 +102,13 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         mode=_SAMPLING[request.sampling],
     )
     kind, options = _pipeline(request.pipeline)
-    mix = _mix(request) if request.HasField("mix") else None
-    if mix is None:
-        check_name("dataset", request.dataset)
-        check_name("version", request.version, required=False)
-        check_name("split", request.split, required=False)
-    elif sampler.mode != "uniform":
-        raise InvalidArgument(
-            f"sampling={sampler.mode!r} cannot be used with a mix: the mix's weights decide how "
-            "samples are drawn; use sampling 'uniform'"
-        )
+    dataset, version, split, mix = (
+        _mix_target(request, sampler) if request.HasField("mix") else _split_target(request)
+    )
     return SessionOptions(
-        dataset=request.dataset if mix is None else mix.label,
-        version=request.version or None,
-        split=(request.split or "train") if mix is None else "",
+        dataset=dataset,
+        version=version,
+        split=split,
         sampler=sampler,
         pipeline_kind=kind,
         pipeline_options=options,
@@ -127,8 +120,20 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
     )
 
 
-def _mix(request: pb.OpenSessionRequest) -> MixOptions:
-    """``request.mix`` as validated options."""
+_Target = tuple[str, str | None, str, MixOptions | None]
+"""What a session serves: dataset (a mix's label), version, split, and the mix if any."""
+
+
+def _split_target(request: pb.OpenSessionRequest) -> _Target:
+    """``request``'s dataset, version and split, checked."""
+    check_name("dataset", request.dataset)
+    check_name("version", request.version, required=False)
+    check_name("split", request.split, required=False)
+    return request.dataset, request.version or None, request.split or "train", None
+
+
+def _mix_target(request: pb.OpenSessionRequest, sampler: SamplerOptions) -> _Target:
+    """``request.mix`` as validated options, under its label."""
     if request.dataset or request.version or request.split:
         raise InvalidArgument(
             "OpenSession got a mix and a dataset, version or split besides; a mixed session "
@@ -150,7 +155,13 @@ def _mix(request: pb.OpenSessionRequest) -> MixOptions:
                 pipeline_options=options,
             )
         )
-    return MixOptions(sources=tuple(sources), stop_samples=request.mix.stop_samples)
+    mix = MixOptions(sources=tuple(sources), stop_samples=request.mix.stop_samples)
+    if sampler.mode != "uniform":
+        raise InvalidArgument(
+            f"sampling={sampler.mode!r} cannot be used with a mix: the mix's weights decide how "
+            "samples are drawn; use sampling 'uniform'"
+        )
+    return mix.label, None, "", mix
 
 
 def open_session(
@@ -160,6 +171,7 @@ def open_session(
     options = session_options(request)
     session = sessions.open(options, client)
     ring = session.ring
+    version, sources = _served(session)
     return pb.OpenSessionResponse(
         session_id=session.id,
         num_batches=session.num_batches,
@@ -177,18 +189,20 @@ def open_session(
             doorbell=sessions.doorbell,
         ),
         lease_timeout_s=sessions.lease_timeout_s,
-        version=session.catalog.arrays.dataset.version if options.mix is None else "",
+        version=version,
         split=options.split,
         prefetch=options.prefetch,
-        sources=_mix_sources(session),
+        sources=sources,
     )
 
 
-def _mix_sources(session: Session) -> list[pb.MixSource]:
+def _served(session: Session) -> tuple[str, list[pb.MixSource]]:
+    """The reply's ``version`` and ``sources``: a split's version and no sources, or, for a
+    mix (whose sources each have a version), "" and every source as the server resolved it."""
     mix = session.options.mix
     if mix is None:
-        return []
-    return [
+        return session.catalogs[0].arrays.dataset.version, []
+    return "", [
         pb.MixSource(
             dataset=source.dataset,
             version=entry.arrays.dataset.version,

@@ -11,6 +11,7 @@ from sqlalchemy.engine import Engine
 from batchd_server.catalog.db import connect
 from batchd_server.catalog.migrate import require_schema
 from batchd_server.catalog.schema import datasets, samples
+from batchd_server.catalog.types import DatasetRef
 from batchd_server.errors import NotFound
 
 __all__ = [
@@ -21,16 +22,6 @@ __all__ = [
     "list_datasets",
     "resolve_dataset",
 ]
-
-
-@dataclass(frozen=True)
-class DatasetRef:
-    """One row of ``datasets``: what a reader needs to find a dataset's files."""
-
-    id: int
-    name: str
-    version: str
-    root: str
 
 
 @dataclass(frozen=True)

@@ -1,41 +1,36 @@
 """Load one split of a dataset into compact numpy arrays.
 
-A session starts by reading every verified row of its split, in id order, once. The rows
-land in a handful of flat numpy arrays (48 bytes per sample plus the path bytes), never in
-one Python object per sample, so the result can be placed in shared memory for the workers
-without pickling and without copy-on-write growth.
+A session starts by reading every verified row of each split it serves, in id order, once.
+The rows land in a handful of flat numpy arrays (48 bytes per sample plus the path bytes;
+``types.SplitArrays``), never in one Python object per sample, so the result can be placed in
+shared memory for the workers without pickling and without copy-on-write growth.
 
-On Postgres the rows come out of one ``COPY (SELECT ...) TO STDOUT``. The numeric columns
-are packed by the query into one fixed-width hex field (see ``split_query``), so the client
-parses each chunk of output with a few vectorised numpy passes: find the newlines, gather
-the hex, reinterpret it as big-endian integers and floats, and cut out the paths. Only rows
-whose path needed a COPY escape (a backslash, tab, newline, ...) take a per-row slow path.
-Elsewhere (the embedded SQLite catalog) the same rows come from one streamed SELECT.
+On Postgres the rows come out of one ``COPY (SELECT ...) TO STDOUT``, the numeric columns
+packed by the query into one fixed-width hex field (see ``split_query``) and parsed with a
+few vectorised numpy passes (``copy_parser.py``). Elsewhere (the embedded SQLite catalog)
+the same rows come from one streamed SELECT.
 """
 
 from __future__ import annotations
 
 import functools
-import re
-from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 import sqlalchemy as sa
-from numpy.lib.stride_tricks import sliding_window_view
 from sqlalchemy.engine import Engine
 
+from batchd_server.catalog.copy_parser import PackedCopyParser
 from batchd_server.catalog.db import connect, is_postgres
 from batchd_server.catalog.migrate import require_schema
-from batchd_server.catalog.queries import DatasetRef, resolve_dataset
+from batchd_server.catalog.queries import resolve_dataset
 from batchd_server.catalog.schema import samples
+from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays
 from batchd_server.errors import InvalidArgument, NotFound, SnapshotMismatch
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
-    "Snapshot",
-    "SplitArrays",
     "current_snapshot",
     "load_split",
     "split_query",
@@ -44,147 +39,8 @@ __all__ = [
 DEFAULT_CHUNK_BYTES: Final = 32 << 20
 """Query output parsed at a time; bounds the transient memory of a load."""
 
-_INT64_MAX: Final = (1 << 63) - 1
-_TOKEN_RE: Final = re.compile(r"s1\.([0-9]{1,19})\.([0-9]{1,19})")
-
-# Numeric columns as the Postgres query packs them: big-endian, in this order. Nulls are
-# COALESCEd to -1 in SQL, so every record has the same width.
-_PACKED: Final = np.dtype(
-    [
-        ("id", ">i8"),
-        ("label", ">i8"),
-        ("byte_offset", ">i8"),
-        ("byte_length", ">i8"),
-        ("weight", ">f8"),
-        ("length", ">i4"),
-    ]
-)
-_HEX_WIDTH: Final = 2 * _PACKED.itemsize
-_HEX_DIGITS: Final = np.frombuffer(b"0123456789abcdef", np.uint8).astype(np.uint16)
-_HEX_PAIR: Final = np.zeros(1 << 16, np.uint8)
-"""Byte value of two hex characters read as one little-endian uint16."""
-_HEX_PAIR[_HEX_DIGITS[:, None] | (_HEX_DIGITS[None, :] << 8)] = np.arange(256).reshape(16, 16)
-
-# Escapes that COPY's text format writes for a backslash and for control characters.
-_COPY_ESCAPES: Final = {
-    ord("b"): b"\b",
-    ord("f"): b"\f",
-    ord("n"): b"\n",
-    ord("r"): b"\r",
-    ord("t"): b"\t",
-    ord("v"): b"\v",
-}
-_COPY_ESCAPE_RE: Final = re.compile(rb"\\(.)", re.DOTALL)
-
 # Rough Python memory per fetched row on the SQLite path, to turn chunk_bytes into rows.
 _FETCHED_ROW_BYTES: Final = 1024
-
-Int64Array = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Which rows of a split a load saw: the verified ones with ``id <= max_sample_id``.
-
-    Rows are immutable and ids only grow, so passing a snapshot back pins every rank of a job
-    to the same rows while new ones are ingested; ``row_count`` detects the rows that a
-    snapshot cannot pin (deleted, or no longer verified).
-    """
-
-    max_sample_id: int
-    row_count: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.row_count <= self.max_sample_id <= _INT64_MAX:
-            raise InvalidArgument(
-                f"snapshot max_sample_id={self.max_sample_id}, row_count={self.row_count} "
-                f"is impossible: need 0 <= row_count <= max_sample_id <= {_INT64_MAX}"
-            )
-
-    def token(self) -> str:
-        """The snapshot as an opaque string for the wire, e.g. ``"s1.1048576.1000000"``."""
-        return f"s1.{self.max_sample_id}.{self.row_count}"
-
-    @classmethod
-    def parse(cls, token: str) -> Snapshot:
-        """The snapshot ``token()`` wrote.
-
-        Raises:
-            InvalidArgument: ``token`` is not a snapshot token.
-        """
-        match = _TOKEN_RE.fullmatch(token) if isinstance(token, str) else None
-        if match is None:
-            raise InvalidArgument(
-                f"snapshot token {token!r} is not of the form s1.<max_sample_id>.<row_count>; "
-                "pass the token an earlier load returned, or none to read the split as it is now"
-            )
-        return cls(max_sample_id=int(match[1]), row_count=int(match[2]))
-
-
-@dataclass(frozen=True, eq=False)
-class SplitArrays:
-    """The verified rows of one split, in id order, as read-only column arrays.
-
-    Nullable columns hold -1 for null: ``labels``, ``lengths``, and ``byte_offsets`` /
-    ``byte_lengths`` (-1 there means "the whole file"). Paths, relative to ``dataset.root``,
-    are UTF-8 concatenated in ``path_bytes``; sample ``i``'s are
-    ``path_bytes[path_offsets[i]:path_offsets[i + 1]]``.
-    """
-
-    dataset: DatasetRef
-    split: str
-    snapshot: Snapshot
-    ids: Int64Array
-    labels: Int64Array
-    lengths: npt.NDArray[np.int32]
-    weights: npt.NDArray[np.float32]
-    byte_offsets: Int64Array
-    byte_lengths: Int64Array
-    path_bytes: npt.NDArray[np.uint8]
-    path_offsets: Int64Array
-
-    def __post_init__(self) -> None:
-        n = len(self.ids)
-        for array in self._arrays():
-            assert array.ndim == 1, "column arrays are flat"
-            array.setflags(write=False)
-        per_sample = (self.labels, self.lengths, self.weights, self.byte_offsets)
-        assert all(len(a) == n for a in (*per_sample, self.byte_lengths)), "one row per id"
-        assert len(self.path_offsets) == n + 1, "path_offsets has n + 1 entries"
-        assert self.path_offsets[-1] == len(self.path_bytes), "path_offsets ends at the bytes"
-
-    def _arrays(self) -> tuple[npt.NDArray[Any], ...]:
-        return (
-            self.ids,
-            self.labels,
-            self.lengths,
-            self.weights,
-            self.byte_offsets,
-            self.byte_lengths,
-            self.path_bytes,
-            self.path_offsets,
-        )
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def path(self, i: int) -> str:
-        """Sample ``i``'s path relative to the dataset root (``i`` is a position, not an id)."""
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sample index {i} is out of range for a split of {n} samples")
-        i %= n
-        start, end = self.path_offsets[i], self.path_offsets[i + 1]
-        return self.path_bytes[start:end].tobytes().decode("utf-8")
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by all the arrays together."""
-        return sum(a.nbytes for a in self._arrays())
-
-    def bytes_per_sample_beyond_paths(self) -> float:
-        """Array bytes per sample, not counting ``path_bytes`` (``path_offsets`` counts)."""
-        return (self.nbytes - self.path_bytes.nbytes) / max(len(self), 1)
 
 
 def split_query(
@@ -200,8 +56,8 @@ def split_query(
         split: The split's name.
         max_sample_id: Only rows with an id up to this (a snapshot's bound).
         packed: Postgres only. Select two columns, the numeric ones packed into fixed-width
-            hex (``_PACKED`` is its layout) and then the path, for the vectorised COPY parse.
-            Otherwise select id, label, length, byte_offset, byte_length, weight, path.
+            hex (``copy_parser.PACKED`` is its layout) and then the path, for the vectorised
+            COPY parse. Otherwise select id, label, length, byte_offset, byte_length, weight, path.
     """
     c = samples.c
     label = sa.func.coalesce(c.label, -1)
@@ -442,7 +298,7 @@ def _copy_packed_rows(
         dialect=conn.dialect
     )
     dbapi_conn: Any = conn.connection.dbapi_connection
-    parser = _PackedCopyParser(columns, chunk_bytes=chunk_bytes)
+    parser = PackedCopyParser(columns, chunk_bytes=chunk_bytes)
     with dbapi_conn.cursor() as cur:
         if dbapi_conn.encoding != "UTF8":
             # Paths are stored as UTF-8 in the arrays; LOCAL ends with this transaction.
@@ -452,94 +308,3 @@ def _copy_packed_rows(
         # One statement sees one snapshot of the table: the rows are mutually consistent.
         cur.copy_expert(b"COPY (" + select_sql + b") TO STDOUT", parser)
     parser.close()
-
-
-class _PackedCopyParser:
-    """A file-like sink for the text ``COPY`` output of ``split_query(packed=True)``.
-
-    psycopg2 calls ``write`` with whatever pieces of output it has (in practice one row
-    each). Once ``chunk_bytes`` are pending, every complete line is parsed with numpy and
-    handed to the builder; an incomplete last line waits for the next write.
-    """
-
-    def __init__(self, columns: _ColumnBuilder, *, chunk_bytes: int) -> None:
-        self._columns = columns
-        self._chunk_bytes = chunk_bytes
-        self._pending = bytearray()
-
-    def write(self, data: bytes) -> None:
-        self._pending += data
-        if len(self._pending) >= self._chunk_bytes:
-            self._parse_complete_lines()
-
-    def close(self) -> None:
-        self._parse_complete_lines()
-        assert not self._pending, f"COPY output ended inside a row: {bytes(self._pending)[:80]!r}"
-
-    def _parse_complete_lines(self) -> None:
-        end = self._pending.rfind(b"\n") + 1
-        if end == 0:
-            return
-        # Swap buffers rather than delete in place: numpy views pin the old one's size.
-        data, self._pending = self._pending, self._pending[end:]
-        self._parse(np.frombuffer(data, np.uint8, count=end))
-
-    def _parse(self, buf: npt.NDArray[np.uint8]) -> None:
-        line_ends = np.flatnonzero(buf == ord("\n"))
-        starts = np.empty_like(line_ends)
-        starts[0] = 0
-        starts[1:] = line_ends[:-1] + 1
-        path_starts = starts + (_HEX_WIDTH + 1)
-        assert (path_starts <= line_ends).all(), "every line has the packed prefix"
-        assert (buf[starts + _HEX_WIDTH] == ord("\t")).all(), "the prefix is one field"
-
-        # Each row's hex is 88 contiguous bytes: gather them as rows of a sliding window, then
-        # decode two characters at a time through a table of every hex pair.
-        hex_rows = sliding_window_view(buf, _HEX_WIDTH)[starts]
-        records = _HEX_PAIR[hex_rows.view("<u2")].view(_PACKED).reshape(-1)
-        # The paths are what remains without each row's hex, tab and newline. (The windows do
-        # not overlap, and would be harmless if they did: they all write False.)
-        is_path = np.ones(buf.size, bool)
-        sliding_window_view(is_path, _HEX_WIDTH + 1, writeable=True)[starts] = False
-        is_path[line_ends] = False
-        path_lengths = line_ends - path_starts
-        path_bytes = _unescape_paths(buf[is_path], path_lengths)
-        self._columns.add(
-            ids=records["id"],
-            labels=records["label"],
-            lengths=records["length"],
-            weights=records["weight"],
-            byte_offsets=records["byte_offset"],
-            byte_lengths=records["byte_length"],
-            path_bytes=path_bytes,
-            path_lengths=path_lengths,
-        )
-
-
-def _unescape_paths(escaped: npt.NDArray[np.uint8], lengths: Int64Array) -> npt.NDArray[np.uint8]:
-    """Undo COPY's text escapes in the concatenated paths; ``lengths`` is updated in place.
-
-    Every escape starts with a backslash, and paths rarely hold one, so only the paths that
-    do are decoded one by one.
-    """
-    backslashes = np.flatnonzero(escaped == ord("\\"))
-    if backslashes.size == 0:
-        return escaped
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    rows = np.unique(np.searchsorted(offsets, backslashes, side="right") - 1)
-    pieces = []
-    done = 0
-    for row in rows.tolist():
-        start, end = int(offsets[row]), int(offsets[row + 1])
-        path = _COPY_ESCAPE_RE.sub(_unescape_one, escaped[start:end].tobytes())
-        pieces += [escaped[done:start], np.frombuffer(path, np.uint8)]
-        lengths[row] = len(path)
-        done = end
-    pieces.append(escaped[done:])
-    return np.concatenate(pieces)
-
-
-def _unescape_one(match: re.Match[bytes]) -> bytes:
-    char = match[1]
-    return _COPY_ESCAPES.get(char[0], char)

@@ -1,2 +1,3 @@
-"""Planning: which samples each batch holds — the epoch order of one split (``sampling``)
-and of a mix of sources (``mixing``), pure functions of the request."""
+"""Planning: which samples each batch holds, a pure function of the request. A session's
+sources make its epochs (``mixing.Mixing``): a weighted mix of splits (``mixing``), or one
+split as a mix of one (``one_split``) in the order of ``sampling``."""

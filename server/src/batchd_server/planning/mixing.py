@@ -45,7 +45,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -60,12 +60,16 @@ from batchd_server.planning.sampling import (
     rest_of_order,
 )
 
+if TYPE_CHECKING:
+    from batchd_server.catalog.types import SplitArrays
+
 __all__ = [
     "MAX_EPOCH_SAMPLES",
     "MAX_MIX_SOURCES",
     "SHARE_RESOLUTION",
     "MixOptions",
     "MixSourceOptions",
+    "Mixing",
     "deal_blocks",
     "group_by_source",
     "mix_counts",
@@ -115,6 +119,61 @@ class MixSourceOptions:
         """``dataset:split``, with ``@version`` when one is asked for."""
         version = f"@{self.version}" if self.version else ""
         return f"{self.dataset}:{self.split}{version}"
+
+
+class Mixing(Protocol):
+    """How a session's sources make its epochs: a weighted mix of splits (``MixOptions``),
+    or the one split of a session that asked for no mix, a mix of one
+    (``one_split.OneSplit``). A session's task positions are global over its sources' rows
+    concatenated in order, whichever it is."""
+
+    @property
+    def sources(self) -> tuple[MixSourceOptions, ...]:
+        """The sources, in order."""
+        ...
+
+    @property
+    def labels_rows(self) -> bool:
+        """Whether each batch says which source each row came from (its ``source`` field)."""
+        ...
+
+    def counts(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        """Samples of each source in one epoch (all ranks), from each source's rows.
+
+        Raises:
+            FailedPrecondition, InvalidArgument: the sources cannot make an epoch.
+        """
+        ...
+
+    def plan(
+        self,
+        splits: Sequence[SplitArrays],
+        options: SamplerOptions,
+        epoch: int,
+        *,
+        start: int,
+        order_world_size: int,
+    ) -> EpochPlan:
+        """This rank's batches of ``epoch`` from global entry ``start`` on (an elastic resume),
+        the order built for ``order_world_size`` ranks where it depends on them.
+
+        Raises:
+            InvalidArgument, FailedPrecondition: as the planning function says.
+        """
+        ...
+
+    def pins(self, token: str | None) -> Sequence[tuple[str | None, str | None]]:
+        """Each source's (version, snapshot token) that the session's snapshot ``token``
+        pins, None where it pins none; all None without a token.
+
+        Raises:
+            InvalidArgument: ``token`` is not a snapshot of this kind of session.
+        """
+        ...
+
+    def token(self, pins: Sequence[tuple[str, str]]) -> str:
+        """The session's snapshot token, from each source's (version, snapshot token)."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +226,42 @@ class MixOptions:
     def label(self) -> str:
         """The mix in logs and metric labels: its datasets joined by ``+``."""
         return "+".join(s.dataset for s in self.sources)
+
+    # -- as a ``Mixing`` ---------------------------------------------------------------------
+
+    @property
+    def labels_rows(self) -> bool:
+        return True
+
+    def counts(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        """``mix_counts`` of the mix, a source without rows named."""
+        for source, n in zip(self.sources, sizes, strict=True):
+            if n <= 0:
+                raise FailedPrecondition(
+                    f"mix source {source.name!r} has no verified samples; ingest or verify "
+                    "samples of that split, or leave it out of the mix"
+                )
+        return mix_counts(sizes, self.units, self.stop_samples)
+
+    def plan(
+        self,
+        splits: Sequence[SplitArrays],
+        options: SamplerOptions,
+        epoch: int,
+        *,
+        start: int,
+        order_world_size: int,
+    ) -> EpochPlan:
+        """``plan_mix_epoch``; a mix's order never depends on the world size."""
+        return plan_mix_epoch([len(s) for s in splits], self, options, epoch, start=start)
+
+    def pins(self, token: str | None) -> Sequence[tuple[str | None, str | None]]:
+        if token is None:
+            return [(None, None)] * len(self.sources)
+        return parse_mix_token(token, len(self.sources))
+
+    def token(self, pins: Sequence[tuple[str, str]]) -> str:
+        return mix_token(pins)
 
 
 def source_starts(sizes: Sequence[int]) -> Int64Array:

@@ -1,8 +1,10 @@
 """Sessions: what a client opened, the ring of slots it reads, and the streams it runs.
 
-``options.py`` validates a request and lays out its ring; ``slots.py`` holds the slot
-states (NOTE [ Slot lifecycle ]); ``session.py`` runs one session's streams; ``manager.py``
-opens, finds, closes and expires sessions. Domain code: nothing here imports grpc.
+``options.py`` validates a request and lays out its ring; ``sources.py`` acquires the
+catalog entries of its sources (one split is a mix of one); ``slots.py`` holds the slot
+states (NOTE [ Slot lifecycle ]); ``session.py`` runs one session's streams;
+``error_budget.py`` decides how many bad samples they let through; ``manager.py`` opens,
+finds, closes and expires sessions. Domain code: nothing here imports grpc.
 """
 
 from __future__ import annotations

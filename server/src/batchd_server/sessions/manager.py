@@ -110,7 +110,9 @@ class SessionManager:
         pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
         check_source_pipelines(options, pipeline)
         layout, slot_bytes = slot_layout(
-            pipeline.fields(), options.sampler.batch_size, mixed=options.mix is not None
+            pipeline.fields(),
+            options.sampler.batch_size,
+            labels_rows=options.mixing.labels_rows,
         )
         if slot_bytes > MAX_SLOT_BYTES:
             raise InvalidArgument(
@@ -186,7 +188,6 @@ class SessionManager:
     ) -> Session:
         ring_bytes = slot_offset(slots, slot_bytes)
         entries = acquire_sources(self._catalog, options)
-        entry = entries[0]
         try:
             for source in entries:
                 name, root = source.arrays.dataset.name, source.arrays.dataset.root
@@ -211,14 +212,13 @@ class SessionManager:
             session = Session(
                 session_id=session_id,
                 options=options,
-                catalog=entry,
+                sources=entries,
                 ring=ring,
                 layout=layout,
                 slot_bytes=slot_bytes,
                 token=token,
                 pool=self._pool,
                 record_errors=self._record_errors,
-                sources=entries if options.mix is not None else (),
             )
             if session.num_batches == 0:
                 raise FailedPrecondition(
@@ -235,12 +235,13 @@ class SessionManager:
             self._owners[session_id] = (client, ring_bytes)
             metrics.SESSIONS.set(len(self._sessions))
         logger.info(
-            "session %s opened for %s: %s/%s split %s, %d batches of %d on rank %d/%d, ring %s",
+            "session %s opened for %s: %s, %d batches of %d on rank %d/%d, ring %s",
             session_id,
             client or "an unnamed client",
-            options.dataset,
-            entry.arrays.dataset.version,
-            options.split,
+            " + ".join(
+                f"{e.arrays.dataset.name}/{e.arrays.dataset.version} split {e.arrays.split}"
+                for e in entries
+            ),
             session.num_batches,
             options.sampler.batch_size,
             options.sampler.rank,

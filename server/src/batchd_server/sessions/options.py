@@ -12,9 +12,10 @@ from batchd._wire.specs import ON_ERROR_CHOICES
 from batchd_server.errors import InvalidArgument
 from batchd_server.limits import MAX_PREFETCH
 from batchd_server.pipelines.base import FieldSpec
-from batchd_server.planning.mixing import MixOptions
+from batchd_server.planning.mixing import Mixing, MixOptions, MixSourceOptions
+from batchd_server.planning.one_split import OneSplit
 from batchd_server.planning.sampling import SamplerOptions
-from batchd_server.workers.task import SlotField
+from batchd_server.workers.task import ROW_FIELDS, SOURCE_FIELD, SlotField
 
 __all__ = ["SessionOptions", "ring_slots", "slot_layout"]
 
@@ -44,7 +45,7 @@ class SessionOptions:
     max_error_fraction: float = 0.01
     mix: MixOptions | None = None
     """A weighted mix of splits; ``dataset`` is then the mix's label and ``split`` empty,
-    and ``snapshot`` a mix's token."""
+    and ``snapshot`` a mix's token. None: the session serves ``dataset``'s ``split``."""
 
     def __post_init__(self) -> None:
         if not self.dataset:
@@ -59,6 +60,17 @@ class SessionOptions:
             raise InvalidArgument(
                 f"max_error_fraction={self.max_error_fraction} must be between 0 and 1"
             )
+
+    @property
+    def mixing(self) -> Mixing:
+        """The session's sources and how they make its epochs: the mix asked for, or the
+        split asked for as a mix of one (weight 1, decoded with the session's pipeline)."""
+        if self.mix is not None:
+            return self.mix
+        split = MixSourceOptions(
+            dataset=self.dataset, version=self.version, split=self.split, weight=1.0
+        )
+        return OneSplit(split)
 
 
 def ring_slots(prefetch: int, slot_bytes: int) -> int:
@@ -76,11 +88,12 @@ def ring_slots(prefetch: int, slot_bytes: int) -> int:
 
 
 def slot_layout(
-    fields: list[FieldSpec], batch_size: int, *, mixed: bool = False
+    fields: list[FieldSpec], batch_size: int, *, labels_rows: bool = False
 ) -> tuple[tuple[SlotField, ...], int]:
-    """Place every field (plus ``sample_id`` and ``label``, and ``source`` in a mix) in a slot,
-    as ``batchd._wire.ring`` lays slots out; return the fields' places and the slot's size."""
-    ours = ["sample_id", "label", *(["source"] if mixed else [])]
+    """Place every field (plus ``sample_id`` and ``label``, and ``source`` where the batches
+    say each row's source: ``Mixing.labels_rows``) in a slot, as ``batchd._wire.ring`` lays
+    slots out; return the fields' places and the slot's size."""
+    ours = [*ROW_FIELDS, *((SOURCE_FIELD,) if labels_rows else ())]
     every = [*fields, *(FieldSpec(name, np.dtype("<i8"), ()) for name in ours)]
     names = [f.name for f in every]
     if len(set(names)) != len(names):

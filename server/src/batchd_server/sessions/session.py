@@ -1,6 +1,9 @@
-"""A session: one client's view of one split, its ring of slots, and the epochs it streams.
+"""A session: one client's view of its sources, its ring of slots, and the epochs it streams.
 
-How slots move between states is NOTE [ Slot lifecycle ] in ``slots.py``.
+A session serves one or more sources, each a split at a snapshot (``sources.py``); one split
+is a mix of one (``planning.mixing.Mixing``). Its task positions are global over the sources'
+rows concatenated in order. How slots move between states is NOTE [ Slot lifecycle ] in
+``slots.py``; how many bad samples it lets through, ``error_budget.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import numpy as np
 
@@ -24,19 +27,14 @@ from batchd._wire.ring import HEADER_BYTES, slot_offset
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
-from batchd_server.planning.mixing import mix_counts, plan_mix_epoch, source_starts
-from batchd_server.planning.sampling import EpochPlan, plan_epoch
+from batchd_server.planning.mixing import source_starts
+from batchd_server.planning.sampling import EpochPlan
+from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
 from batchd_server.workers.deadline import HungBatch
-from batchd_server.workers.task import (
-    BatchResult,
-    BatchTask,
-    MixSourceSpec,
-    SessionSpec,
-    SlotField,
-)
+from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField, SourceSpec
 
 __all__ = ["Bell", "FieldView", "ReadyBatch", "Session", "Stream", "SubmitsTasks"]
 
@@ -116,54 +114,49 @@ class Session:
         *,
         session_id: str,
         options: SessionOptions,
-        catalog: CatalogEntry,
+        sources: tuple[CatalogEntry, ...],
         ring: Segment,
         layout: tuple[SlotField, ...],
         slot_bytes: int,
         token: bytes,
         pool: SubmitsTasks,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
-        sources: tuple[CatalogEntry, ...] = (),
     ) -> None:
-        """``catalog`` is the split's entry; for a mix (``options.mix``), ``sources`` are
-        every source's entries, in the mix's order, and ``catalog`` is the first."""
+        """``sources``: the catalog entry of each of ``options.mixing.sources``, in order."""
         self.id = session_id
         self.options = options
-        self.catalog = catalog
-        self.catalogs = sources or (catalog,)
+        self._mixing = options.mixing
+        self.catalogs = sources
         """Every entry the session holds (the manager releases them all)."""
-        assert (options.mix is None) == (not sources), "sources come with a mix"
-        assert self.catalogs[0] is catalog, "a mix's first source is the catalog"
-        self.source_rows = tuple(len(entry.arrays) for entry in self.catalogs)
+        assert len(sources) == len(self._mixing.sources), "one entry per source"
+        self.source_rows = tuple(len(entry.arrays) for entry in sources)
         """Rows of each source in its snapshot."""
-        self.ring = ring
-        self.layout = layout
-        self.slot_bytes = slot_bytes
-        self.token = token
-        self._pool = pool
-        self._record_errors = record_errors
-        arrays = catalog.arrays
-        mix = options.mix
-        self.source_samples = (
-            (len(arrays),)
-            if mix is None
-            else mix_counts(self.source_rows, mix.units, mix.stop_samples)
-        )
-        """Samples of each source in one epoch (all ranks): the rows, or a mix's counts."""
+        self.source_samples = self._mixing.counts(self.source_rows)
+        """Samples of each source in one epoch (all ranks): a split's rows, a mix's counts."""
         self.num_rows = sum(self.source_samples)
-        """Rows of the split in the catalog snapshot (before padding or dropping); a mix's
-        samples per epoch."""
+        """Samples of one epoch (all ranks, before padding or dropping): the split's rows in
+        the catalog snapshot, or a mix's samples per epoch."""
         sampler = options.sampler
         probe = self._make_plan(0, 0, sampler.world_size)
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
         self._plans: dict[tuple[int, int, int], EpochPlan] = {(0, 0, sampler.world_size): probe}
+        self.ring = ring
+        self.layout = layout
+        self.slot_bytes = slot_bytes
+        self.token = token
+        self._pool = pool
+        self._errors = ErrorBudget(
+            session_id=session_id,
+            dataset=options.dataset,
+            max_error_fraction=options.max_error_fraction,
+            epoch_samples=self.num_samples,
+            record_errors=record_errors,
+        )
         self.spec = SessionSpec(
             session_id=session_id,
-            root=arrays.dataset.root,
             pipeline_kind=options.pipeline_kind,
             pipeline_options=options.pipeline_options,
-            catalog_segment=catalog.segment.name,
             ring_segment=ring.name,
             header_bytes=HEADER_BYTES,
             slot_bytes=slot_bytes,
@@ -171,10 +164,8 @@ class Session:
             batch_size=sampler.batch_size,
             seed=sampler.seed,
             on_error=options.on_error,
-            shm_dir=str(ring.path.parent),
-            dataset=options.dataset,
             sources=tuple(
-                MixSourceSpec(
+                SourceSpec(
                     entry.segment.name,
                     entry.arrays.dataset.root,
                     int(start),
@@ -182,12 +173,11 @@ class Session:
                     source.pipeline_options,
                 )
                 for entry, start, source in zip(
-                    sources,
-                    source_starts(self.source_rows),
-                    mix.sources if mix is not None else (),
-                    strict=False,
+                    sources, source_starts(self.source_rows), self._mixing.sources, strict=True
                 )
             ),
+            shm_dir=str(ring.path.parent),
+            dataset=options.dataset,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
@@ -201,37 +191,24 @@ class Session:
         self.bell: Bell | None = None
         """The client's doorbell connection, once it said hello (shm sessions)."""
         self._stream: Stream | None = None
-        self._errors_by_epoch: dict[int, int] = {}
         self.closed = False
         self.last_used = time.monotonic()
         self.opened_at = self.last_used
         self._delivered_any = False
 
-    def _sampling_columns(self) -> dict[str, Any]:
-        mode = self.options.sampler.mode
-        arrays = self.catalog.arrays
-        return {
-            "weights": arrays.weights if mode == "weighted" else None,
-            "labels": arrays.labels if mode == "class_balanced" else None,
-            "lengths": arrays.lengths if mode == "bucketed" else None,
-        }
-
     def _make_plan(self, epoch: int, start: int, order_world_size: int) -> EpochPlan:
-        sampler = self.options.sampler
-        if self.options.mix is not None:
-            return plan_mix_epoch(self.source_rows, self.options.mix, sampler, epoch, start=start)
-        return plan_epoch(
-            self.num_rows,
-            sampler,
+        return self._mixing.plan(
+            [entry.arrays for entry in self.catalogs],
+            self.options.sampler,
             epoch,
             start=start,
             order_world_size=order_world_size,
-            **self._sampling_columns(),
         )
 
     def plan(self, epoch: int, start: int = 0, order_world_size: int = 0) -> EpochPlan:
         """This rank's plan of ``epoch`` from global entry ``start`` on (an elastic resume;
-        see ``sampling``), the order built for ``order_world_size`` (0: the session's)."""
+        see ``planning.sampling``), the order built for ``order_world_size`` (0: the
+        session's)."""
         sampler = self.options.sampler
         key = (epoch, start, order_world_size or sampler.world_size)
         with self._cond:
@@ -484,7 +461,7 @@ class Session:
                 raise DataLoss(f"{e}. Samples it hung on: {named or 'none known'}") from e
 
     def _describe_position(self, position: int) -> str:
-        """``sample <id> (<path>)`` of a task position (over a mix's sources in order)."""
+        """``sample <id> (<path>)`` of a task position (global over the sources in order)."""
         starts = source_starts(self.source_rows)
         index = int(np.searchsorted(starts, position, side="right")) - 1
         arrays = self.catalogs[index].arrays
@@ -494,7 +471,7 @@ class Session:
     def _ready(self, stream: Stream, result: BatchResult, lease: int) -> ReadyBatch:
         failures = result.failures
         if failures:
-            self._account_errors(stream.epoch, result, stream.stride)
+            self._errors.account(stream.epoch, result, stream.stride)
         views = []
         for f in self.layout:
             shape = result.shapes[f.name]
@@ -511,43 +488,6 @@ class Session:
             [x.sample_id for x in failures],
             lease,
         )
-
-    def _account_errors(self, epoch: int, result: BatchResult, stride: int = 1) -> None:
-        for failure in result.failures:
-            metrics.SAMPLE_ERRORS.labels(dataset=self.options.dataset, kind=failure.kind).inc()
-            logger.warning(
-                "session %s: sample %d (%s) failed: %s: %s%s",
-                self.id,
-                failure.sample_id,
-                failure.path,
-                failure.kind,
-                failure.message,
-                "" if failure.replaced_by is None else f"; replaced by {failure.replaced_by}",
-            )
-        try:
-            self._record_errors([(x.sample_id, x.kind, x.message) for x in result.failures])
-        except Exception:  # the catalog being down must not stop training
-            logger.exception("could not record sample errors in the catalog")
-        first = result.failures[0]
-        if result.fatal:
-            raise DataLoss(
-                f"sample {first.sample_id} ({first.path}) failed: {first.kind}: "
-                f"{first.message} (on_error='raise'; use 'skip' or 'replace' to go on past "
-                "bad samples)"
-            )
-        with self._cond:
-            count = self._errors_by_epoch.get(epoch, 0) + len(result.failures)
-            self._errors_by_epoch[epoch] = count
-        # A striped stream serves 1/stride of the epoch and sees that share of its errors.
-        limit = self.options.max_error_fraction * self.num_samples / stride
-        if count > limit:
-            raise DataLoss(
-                f"{count} samples of epoch {epoch} failed, more than max_error_fraction="
-                f"{self.options.max_error_fraction:g} of its {self.num_samples}; latest: "
-                f"sample {first.sample_id} ({first.path}): {first.kind}: {first.message}. "
-                "Fix or un-verify the bad samples (the catalog's sample_errors table lists "
-                "them), or raise max_error_fraction"
-            )
 
     # -- closing --------------------------------------------------------------------------
 

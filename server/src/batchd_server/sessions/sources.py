@@ -1,8 +1,9 @@
-"""The catalog entries a session serves: one split, or every source of a weighted mix.
+"""The catalog entries a session serves: every source of its ``Mixing``, in order.
 
-Each source of a mix is a split like any other: its own entry in the catalog cache (shared
-with single-split sessions on the same snapshot) and its own snapshot. A mixed session's
-snapshot token pins every source's version and rows at once (``mixing.mix_token``).
+A session on one split serves it as its one source; a mix's sources are splits like any
+other. Each is its own entry in the catalog cache (shared with every session on the same
+split and snapshot) at its own snapshot; the session's snapshot token pins them all at once
+(``Mixing.token``: the split's own token, or a mix's ``mixing.mix_token``).
 """
 
 from __future__ import annotations
@@ -12,35 +13,29 @@ from collections.abc import Sequence
 import numpy as np
 
 from batchd_server.catalog_cache import CatalogCache, CatalogEntry
-from batchd_server.errors import FailedPrecondition, InvalidArgument
+from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.base import Pipeline
 from batchd_server.pipelines.registry import build_pipeline
-from batchd_server.planning.mixing import mix_token, parse_mix_token
 from batchd_server.sessions.options import SessionOptions
 
 __all__ = ["acquire_sources", "check_source_pipelines", "release_sources", "snapshot_token"]
 
 
 def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[CatalogEntry, ...]:
-    """The entries of every split ``options`` serves, in source order, each referenced once.
+    """The entries of every source ``options`` serves, in order, each referenced once.
 
     Raises:
-        InvalidArgument: a mix's snapshot is not one of this mix, or pins another version
-            than a source asks for.
-        FailedPrecondition: a mix's source has no verified samples.
+        InvalidArgument: the snapshot is not one of this session's kind or number of
+            sources, or pins another version than a source asks for.
         NotFound, SnapshotMismatch, ResourceExhausted, Unavailable: as ``CatalogCache.acquire``.
     """
-    mix = options.mix
-    if mix is None:
-        return (cache.acquire(options.dataset, options.version, options.split, options.snapshot),)
-    count = len(mix.sources)
-    pins = parse_mix_token(options.snapshot, count) if options.snapshot else None
+    mixing = options.mixing
+    pins = mixing.pins(options.snapshot)
     entries: list[CatalogEntry] = []
     try:
-        for index, source in enumerate(mix.sources):
-            version, snapshot = source.version, None
-            if pins is not None:
-                pinned_version, snapshot = pins[index]
+        for source, (pinned_version, snapshot) in zip(mixing.sources, pins, strict=True):
+            version = source.version
+            if pinned_version is not None:
                 if version is not None and version != pinned_version:
                     raise InvalidArgument(
                         f"mix source {source.name!r} asks for version {version!r}, but the "
@@ -48,13 +43,7 @@ def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[Catal
                         "mix, or none"
                     )
                 version = pinned_version
-            entry = cache.acquire(source.dataset, version, source.split, snapshot)
-            entries.append(entry)
-            if len(entry.arrays) == 0:
-                raise FailedPrecondition(
-                    f"mix source {source.name!r} has no verified samples; ingest or verify "
-                    "samples of that split, or leave it out of the mix"
-                )
+            entries.append(cache.acquire(source.dataset, version, source.split, snapshot))
     except BaseException:
         release_sources(cache, entries)
         raise
@@ -67,11 +56,11 @@ def release_sources(cache: CatalogCache, entries: Sequence[CatalogEntry]) -> Non
         cache.release(entry)
 
 
-def snapshot_token(options: SessionOptions, entries: tuple[CatalogEntry, ...]) -> str:
-    """What ``OpenSessionResponse.snapshot`` says: the split's snapshot, or the mix's token."""
-    if options.mix is None:
-        return entries[0].arrays.snapshot.token()
-    return mix_token([(e.arrays.dataset.version, e.arrays.snapshot.token()) for e in entries])
+def snapshot_token(options: SessionOptions, entries: Sequence[CatalogEntry]) -> str:
+    """What ``OpenSessionResponse.snapshot`` says: the token that pins every source."""
+    return options.mixing.token(
+        [(e.arrays.dataset.version, e.arrays.snapshot.token()) for e in entries]
+    )
 
 
 def check_source_pipelines(options: SessionOptions, pipeline: Pipeline) -> None:
@@ -84,11 +73,9 @@ def check_source_pipelines(options: SessionOptions, pipeline: Pipeline) -> None:
         InvalidArgument: which source, and how its fields differ.
         InvalidArgument, NotFound: a source's pipeline cannot be built (as ``build_pipeline``).
     """
-    if options.mix is None:
-        return
     wanted = _schema(pipeline)
     session_pipeline = (options.pipeline_kind, options.pipeline_options)
-    for source in options.mix.sources:
+    for source in options.mixing.sources:
         if source.pipeline_kind is None:
             continue
         own = build_pipeline(source.pipeline_kind, source.pipeline_options)

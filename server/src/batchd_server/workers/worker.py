@@ -90,8 +90,7 @@ def worker_main(
 
     import numpy as np
 
-    from batchd_server.workers.mixed import run_task
-    from batchd_server.workers.task import SessionContext
+    from batchd_server.workers.context import SessionContext, run_batch
 
     where = np.zeros(2, np.int64) if progress is None else np.frombuffer(progress, np.int64)
     contexts: dict[str, SessionContext] = {}
@@ -114,7 +113,7 @@ def worker_main(
             where[1] = -1
             where[0] = task_id
             try:
-                result: object = run_task(contexts, task, where[1:])
+                result: object = run_batch(contexts, task, where[1:])
             except Exception as e:  # a bug: report it, stay alive for the next task
                 result = WorkerError(type(e).__name__, str(e), traceback.format_exc())
             conn.send((task_id, result))

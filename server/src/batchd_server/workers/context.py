@@ -1,0 +1,348 @@
+"""How a worker fills a slot: one session's open handles, over each of its sources.
+
+A session serves one or more sources (a split, or a mix's splits). Its task positions are
+global over the sources' rows concatenated in order, and the plan groups each batch's rows
+by source (NOTE [ Mixed order ] in ``planning/mixing.py``), so a batch is a few runs of rows
+of one source each, one run for a session on one split. Each run is filled with its
+source's catalog columns, files and pipeline: byte-range records in one vectorised read and
+decode (``Pipeline.decode_batch``), anything else sample by sample; the session's pipeline
+then finishes the whole batch. A replacement under ``on_error="replace"`` is drawn from the
+bad sample's own source. Where the layout has a ``source`` field (a mix's batches), each
+row's source index goes there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from batchd._wire.ring import slot_offset
+from batchd_server.catalog.types import SampleColumns
+from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
+from batchd_server.pipelines.files import SampleFiles
+from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.shm.arrays import attach_arrays
+from batchd_server.shm.segments import Attachment, attach
+from batchd_server.workers.task import (
+    ROW_FIELDS,
+    SOURCE_FIELD,
+    BatchResult,
+    BatchTask,
+    SampleFailure,
+    SessionSpec,
+    SourceSpec,
+    StageTimes,
+)
+
+__all__ = ["SessionContext", "run_batch"]
+
+_REPLACE_ATTEMPTS: Final = 8
+"""Substitutes tried for one bad sample under on_error="replace" before it is skipped."""
+_OWN_FIELDS: Final = (*ROW_FIELDS, SOURCE_FIELD)
+"""Fields the context fills, not the pipeline (``source`` only where the layout has it)."""
+
+
+@dataclass(eq=False)
+class _Source:
+    """One source's open handles in a worker: its catalog columns, files and pipeline."""
+
+    start: int
+    """Its first task position."""
+    columns: SampleColumns
+    files: SampleFiles
+    pipeline: Pipeline
+    attachment: Attachment
+
+    def path(self, position: int) -> str:
+        start, end = self.columns.path_offsets[position], self.columns.path_offsets[position + 1]
+        return self.columns.path_bytes[start:end].tobytes().decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self.files.close()
+        self.attachment.close()
+
+
+class SessionContext:
+    """A worker's open handles for one session: every source's catalog columns, files and
+    pipeline, the ring's mapping and the session's pipeline."""
+
+    def __init__(self, spec: SessionSpec) -> None:
+        self.spec = spec
+        self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
+        """The session's: it finishes every batch."""
+        self._sources: list[_Source] = []
+        self._ring: Attachment | None = None
+        try:
+            for source in spec.sources:
+                self._sources.append(self._open(source))
+            self._ring = attach(spec.ring_segment, writable=True, shm_dir=Path(spec.shm_dir))
+        except BaseException:
+            self.close()
+            raise
+        self._later_starts = np.array([s.start for s in self._sources[1:]], np.int64)
+        """Every source's first position but the first's (which is 0)."""
+        self._read_s = 0.0
+        self._decode_s = 0.0
+        """Time spent in the current task's reads and decodes (see ``StageTimes``)."""
+        self._blocks: dict[int, Block] = {}
+        """Each slot's field views, made on its first task (about 30 us a batch otherwise)."""
+        self.where: npt.NDArray[np.int64] = np.zeros(1, np.int64)
+        """Where the current task is: the position being read or decoded, -1 for a step of
+        the whole batch. The worker points this into memory its pool reads when the task
+        overruns its deadline (``workers/deadline.py``)."""
+        self._hung: frozenset[int] = frozenset()
+
+    def _open(self, source: SourceSpec) -> _Source:
+        arrays, attachment = attach_arrays(source.catalog_segment, shm_dir=Path(self.spec.shm_dir))
+        try:
+            pipeline = self.pipeline
+            if source.pipeline_kind:
+                pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
+            columns = SampleColumns.of(arrays)
+            return _Source(source.start, columns, SampleFiles(source.root), pipeline, attachment)
+        except BaseException:
+            attachment.close()
+            raise
+
+    def slot_block(self, slot: int) -> Block:
+        """Every field of ``slot`` as a ``(batch_size, *shape)`` array over the ring."""
+        cached = self._blocks.get(slot)
+        if cached is None:
+            cached = self._blocks[slot] = self._make_block(slot)
+        return dict(cached)
+
+    def _make_block(self, slot: int) -> Block:
+        assert self._ring is not None, "the ring is mapped while the context is open"
+        base = slot_offset(slot, self.spec.slot_bytes, self.spec.header_bytes)
+        block: Block = {}
+        for f in self.spec.fields:
+            count = self.spec.batch_size * int(np.prod(f.shape, dtype=np.int64))
+            flat = np.frombuffer(self._ring.buf, np.dtype(f.dtype), count, base + f.offset)
+            block[f.name] = flat.reshape(self.spec.batch_size, *f.shape)
+        return block
+
+    def close(self) -> None:
+        """Drop every handle; views into the mappings must be gone already. Idempotent."""
+        self._blocks = {}
+        sources, self._sources = self._sources, []
+        for source in sources:
+            source.close()
+        if self._ring is not None:
+            self._ring.close()
+
+    # -- filling a slot -----------------------------------------------------------------
+
+    def run(self, task: BatchTask) -> BatchResult:
+        started_at = time.monotonic()
+        self._read_s = self._decode_s = 0.0
+        positions = np.frombuffer(task.positions, np.int64)
+        block = self.slot_block(task.slot)
+        for source in self._sources:
+            source.files.begin_batch()
+        self._hung = frozenset(task.hung)  # task positions, as ``where`` reports them
+        self.where[0] = -1
+        one_by_one = task.one_by_one or bool(task.hung)
+        source_column = block.get(SOURCE_FIELD)
+        fill = {name: array for name, array in block.items() if name != SOURCE_FIELD}
+        rows = 0
+        failures: list[SampleFailure] = []
+        fatal = False
+        for index, local in self._runs(positions):
+            source = self._sources[index]
+            # A run's rows start where the previous run's ended (after skipped samples).
+            view = {name: array[rows:] for name, array in fill.items()} if rows else fill
+            got = None if one_by_one else self._read_records(source, local, view)
+            if got is None:
+                got, run_failures, fatal = self._decode_each(source, task.epoch, local, view)
+                failures += run_failures
+            if source_column is not None:
+                source_column[rows : rows + got] = index
+            rows += got
+            if fatal:
+                break
+        self.where[0] = -1
+        finish_start = time.perf_counter()
+        ours = [name for name in _OWN_FIELDS if name in block]
+        pipeline_block = {k: v for k, v in block.items() if k not in ours}
+        shapes = self.pipeline.finish(pipeline_block, rows)
+        shapes.update((name, (rows,)) for name in ours)
+        # No view of the ring may outlive the task.
+        del block, pipeline_block, fill, source_column
+        times = StageTimes(
+            started_at=started_at,
+            read_s=self._read_s,
+            decode_s=self._decode_s,
+            collate_s=time.perf_counter() - finish_start,
+        )
+        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
+
+    def _runs(self, positions: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[Any]]]:
+        """The task's positions as runs of one source each: (source index, the run's rows in
+        that source). The plan groups a batch by source, so each source has one run."""
+        if positions.size == 0:
+            return
+        source_of = np.searchsorted(self._later_starts, positions, side="right")
+        cuts = np.flatnonzero(source_of[1:] != source_of[:-1]) + 1
+        for a, b in itertools.pairwise([0, *cuts.tolist(), positions.size]):
+            index = int(source_of[a])
+            start = self._sources[index].start
+            yield index, positions[a:b] - start if start else positions[a:b]
+
+    def _read_records(
+        self, source: _Source, positions: npt.NDArray[np.int64], block: Block
+    ) -> int | None:
+        """A run of byte-range samples: read in a few reads, decoded in one go
+        (``Pipeline.decode_batch``), no Python call per sample. None when the run does not
+        qualify or a sample in it is not right; then each sample is read on its own, which
+        also finds and reports whichever sample is bad."""
+        columns = source.columns
+        offsets = columns.byte_offsets[positions]
+        lengths = columns.byte_lengths[positions]
+        if offsets.min() < 0 or lengths.min() < 0:  # whole files, or "to the end"
+            return None
+        read_start = time.perf_counter()
+        paths, files = self._batch_paths(source, positions)
+        try:
+            data, starts = source.files.read_ranges(paths, files, offsets, lengths)
+        except BadSample:
+            return None
+        finally:
+            self._read_s += time.perf_counter() - read_start
+        rows = len(positions)
+        decode_start = time.perf_counter()
+        decoded = source.pipeline.decode_batch(data, starts, lengths, block)
+        self._decode_s += time.perf_counter() - decode_start
+        if not decoded:
+            return None
+        block["sample_id"][:rows] = columns.ids[positions]
+        block["label"][:rows] = columns.labels[positions]
+        return rows
+
+    @staticmethod
+    def _batch_paths(
+        source: _Source, positions: npt.NDArray[np.int64]
+    ) -> tuple[list[str], npt.NDArray[Any]]:
+        """The distinct paths of the samples at ``positions``, and each sample's index in them."""
+        raw = source.columns.path_bytes
+        starts = source.columns.path_offsets[positions]
+        ends = source.columns.path_offsets[positions + 1]
+        width = int(ends[0] - starts[0])
+        if (ends - starts == width).all():  # the usual run: one shard for all its samples
+            names = raw[starts[:, None] + np.arange(width)]
+            if (names == names[0]).all():
+                return [source.path(int(positions[0]))], np.zeros(len(positions), np.intp)
+        seen: dict[bytes, int] = {}
+        files = np.fromiter(
+            (
+                seen.setdefault(raw[a:b].tobytes(), len(seen))
+                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+            ),
+            np.intp,
+            len(positions),
+        )
+        return [k.decode("utf-8", "replace") for k in seen], files
+
+    def _decode_one(self, source: _Source, position: int, epoch: int, row: Block) -> None:
+        self.where[0] = source.start + position
+        columns = source.columns
+        sample_id = int(columns.ids[position])
+        info = SampleInfo(
+            sample_id=sample_id,
+            label=int(columns.labels[position]),
+            path=source.path(position),
+            length=int(columns.lengths[position]),
+            seed=self.spec.seed,
+            epoch=epoch,
+        )
+        if source.start + position in self._hung:
+            raise BadSample(
+                "timeout",
+                f"{info.path}: reading or decoding it hung past the server's task deadline "
+                "(--task-timeout-s) twice, and the worker was killed each time; check the "
+                "file and the file system it is on",
+            )
+        read_start = time.perf_counter()
+        try:
+            data = source.files.read(
+                info.path, int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
+            )
+        finally:
+            decode_start = time.perf_counter()
+            self._read_s += decode_start - read_start
+        try:
+            source.pipeline.decode_into(data, info, row)
+            row["sample_id"][...] = sample_id
+            row["label"][...] = info.label
+        finally:
+            self._decode_s += time.perf_counter() - decode_start
+
+    def _decode_each(
+        self, source: _Source, epoch: int, positions: npt.NDArray[np.int64], block: Block
+    ) -> tuple[int, list[SampleFailure], bool]:
+        policy = self.spec.on_error
+        failures: list[SampleFailure] = []
+        rows = 0
+        for position in positions.tolist():
+            row = {name: array[rows, ...] for name, array in block.items()}
+            try:
+                self._decode_one(source, position, epoch, row)
+                rows += 1
+                continue
+            except BadSample as e:
+                sample_id = int(source.columns.ids[position])
+                failure = SampleFailure(sample_id, source.path(position), e.kind, str(e))
+            if policy == "raise":
+                return rows, [failure], True
+            if policy == "replace":
+                substitute = self._replace(source, sample_id, epoch, row, failures)
+                failure = SampleFailure(
+                    failure.sample_id, failure.path, failure.kind, failure.message, substitute
+                )
+                if substitute is not None:
+                    rows += 1
+            failures.append(failure)
+        return rows, failures, False
+
+    def _replace(
+        self, source: _Source, sample_id: int, epoch: int, row: Block, failures: list[SampleFailure]
+    ) -> int | None:
+        """Decode a substitute from the bad sample's source, drawn from (seed, epoch, sample
+        id), into ``row``."""
+        rng = sample_rng(self.spec.seed, epoch, sample_id)
+        ids = source.columns.ids
+        for _ in range(_REPLACE_ATTEMPTS):
+            position = int(rng.integers(len(ids)))
+            try:
+                self._decode_one(source, position, epoch, row)
+            except BadSample as e:
+                failures.append(
+                    SampleFailure(int(ids[position]), source.path(position), e.kind, str(e))
+                )
+                continue
+            return int(ids[position])
+        return None
+
+
+def run_batch(
+    contexts: dict[str, SessionContext],
+    task: BatchTask,
+    where: npt.NDArray[np.int64] | None = None,
+) -> BatchResult:
+    """Fill ``task``'s slot, opening the session's handles on its first task here.
+
+    ``where``: one int64 the context keeps up to date with the position it works on (see
+    ``SessionContext.where``).
+    """
+    context = contexts.get(task.spec.session_id)
+    if context is None:
+        context = contexts[task.spec.session_id] = SessionContext(task.spec)
+    if where is not None:
+        context.where = where
+    return context.run(task)
