@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchd_server import cli, metrics
+from batchd_server import cli, cli_serve, metrics
 from batchd_server.api.admission import Admission
 from batchd_server.config import ServerConfig
 from batchd_server.errors import ResourceExhausted
@@ -61,7 +61,7 @@ def test_serve_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path:
         seen.append(args.config)
         return 0
 
-    monkeypatch.setattr(cli, "_cmd_serve", fake_serve)
+    monkeypatch.setattr(cli_serve, "cmd_serve", fake_serve)
     monkeypatch.setenv("BATCHD_CLIENT_MAX_CALLS", "3")
     code = cli.main(
         [

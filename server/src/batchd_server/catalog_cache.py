@@ -26,7 +26,7 @@ from batchd_server.shm import Segment, ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Engine
+    from batchd_server.catalog.db import Engine
 
 __all__ = ["CatalogCache", "CatalogEntry"]
 

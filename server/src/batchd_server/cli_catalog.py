@@ -1,5 +1,6 @@
-"""The catalog commands of ``batchd-server``: ingest (manifest, image folder, tar shards),
-demo-data and datasets. ``cli.py`` parses the command line and calls these."""
+"""The catalog commands of ``batchd-server``: migrate, ingest (manifest, image folder, tar
+shards), demo-data and datasets; their arguments and what they do. ``cli.py`` parses the
+command line and calls these."""
 
 from __future__ import annotations
 
@@ -7,21 +8,134 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
     from batchd_server.catalog.db import Engine
 
 __all__ = [
+    "add_commands",
     "cmd_datasets",
     "cmd_demo_data",
     "cmd_ingest_imagefolder",
     "cmd_ingest_manifest",
     "cmd_ingest_tar",
+    "cmd_migrate",
 ]
 
 PROG = "batchd-server"
 log = logging.getLogger(PROG)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _dataset_args(p: argparse.ArgumentParser, *, dataset_default: str | None = None) -> None:
+    if dataset_default is None:
+        p.add_argument("--dataset", required=True, help="dataset name")
+    else:
+        p.add_argument("--dataset", default=dataset_default, help="dataset name (%(default)s)")
+    p.add_argument(
+        "--version",
+        dest="dataset_version",
+        default="1",
+        metavar="V",
+        help="dataset version (default %(default)s); rows of a version never change, so "
+        "changed data goes into a new version",
+    )
+
+
+def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add migrate, ingest, demo-data and datasets to the subcommands ``sub`` (argparse's
+    ``add_subparsers`` object), each with the options of ``common``."""
+    p = sub.add_parser(
+        "migrate", parents=[common], help="upgrade the catalog schema to the newest revision"
+    )
+    p.add_argument("--downgrade", metavar="REVISION", help="downgrade instead (base: remove all)")
+    p.set_defaults(func=cmd_migrate)
+
+    ingest = sub.add_parser("ingest", help="add samples to the catalog")
+    kinds = ingest.add_subparsers(dest="kind", required=True, metavar="KIND")
+    p = kinds.add_parser(
+        "imagefolder",
+        parents=[common],
+        help="images under ROOT/<split>/<class>/ (or ROOT/<class>/ with --split)",
+    )
+    _dataset_args(p)
+    p.add_argument("--root", required=True, help="the image tree's top directory")
+    p.add_argument("--split", help="the whole tree is this split: ROOT/<class>/<image>")
+    p.add_argument("--description")
+    p.set_defaults(func=cmd_ingest_imagefolder)
+
+    p = kinds.add_parser(
+        "manifest", parents=[common], help="rows of a JSONL (.jsonl/.ndjson) or CSV manifest"
+    )
+    _dataset_args(p)
+    p.add_argument("--root", required=True, help="directory the manifest's paths are under")
+    p.add_argument("--split", help="split of rows that have none")
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="trust the manifest: do not stat files (every row is verified, byte_size is "
+        "byte_length)",
+    )
+    p.add_argument("--description")
+    p.add_argument("manifest", metavar="FILE")
+    p.set_defaults(func=cmd_ingest_manifest)
+
+    p = kinds.add_parser(
+        "tar",
+        parents=[common],
+        help="WebDataset tar shards: samples as byte ranges inside them (nothing extracted)",
+    )
+    _dataset_args(p)
+    p.add_argument("--root", required=True, help="directory the shards are under")
+    p.add_argument("--split", help="split of every sample (default: train/val/test in the name)")
+    p.add_argument(
+        "--label-key", default="label", help="field of a .json member with the label (label)"
+    )
+    p.add_argument("--description")
+    p.add_argument(
+        "shards",
+        metavar="SHARD",
+        nargs="+",
+        help="shard files, globs or brace ranges (shard-{000..099}.tar), relative to --root",
+    )
+    p.set_defaults(func=cmd_ingest_tar)
+
+    p = sub.add_parser("demo-data", parents=[common], help="write synthetic JPEGs and ingest them")
+    _dataset_args(p, dataset_default="demo")
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write the images")
+    p.add_argument("--images", required=True, type=_positive_int, metavar="N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--classes", type=_positive_int, default=4)
+    p.set_defaults(func=cmd_demo_data)
+
+    p = sub.add_parser("datasets", parents=[common], help="list datasets and their splits")
+    p.set_defaults(func=cmd_datasets)
+
+
+def cmd_migrate(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog import migrate
+    from batchd_server.catalog.db import describe_url
+
+    if args.downgrade:
+        migrate.downgrade(engine, args.downgrade)
+    else:
+        migrate.upgrade(engine)
+    revision = migrate.current_revision(engine)
+    where = describe_url(str(engine.url))
+    if revision is None:
+        print(f"{where}: at base (no batchd schema)")
+    else:
+        head = " (head)" if revision == migrate.head_revision() else ""
+        print(f"{where}: at revision {revision}{head}")
+    return 0
 
 
 def cmd_ingest_manifest(args: argparse.Namespace, engine: Engine) -> int:

@@ -1,19 +1,46 @@
-"""Server configuration, read from the environment in exactly one place."""
+"""Server configuration: every setting declared once, on its :class:`ServerConfig` field, and
+read from the environment in exactly one place (:meth:`ServerConfig.from_env`).
+
+Each field carries its flag, environment variable, help, parser and check
+(:mod:`batchd_server.settings`); the command line, the environment loader, the checks and
+the reference page ``docs/reference/server-settings.md`` are derived from it. Regenerate the
+page after changing a setting::
+
+    python -m batchd_server.config > docs/reference/server-settings.md
+"""
 
 from __future__ import annotations
 
 import os
-import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+
+from batchd_server.settings import (
+    EVERY_COMMAND,
+    Check,
+    Setting,
+    at_least,
+    check_values,
+    from_environ,
+    host_port,
+    markdown_table,
+    one_of,
+    parse_bool,
+    parse_bytes,
+    setting,
+    setting_of,
+    split_host_port,
+    within,
+)
 
 __all__ = [
     "DEFAULT_GRACE_S",
     "DEFAULT_LISTEN",
     "DEFAULT_MIN_FREE_SHM_BYTES",
     "LOG_FORMATS",
+    "REGENERATE_DOC",
     "ServerConfig",
     "available_cpus",
     "batchd_home",
@@ -21,6 +48,7 @@ __all__ = [
     "parse_bool",
     "parse_bytes",
     "reserved_rpcs",
+    "settings_table",
     "split_host_port",
 ]
 
@@ -31,27 +59,10 @@ bytes plus labels and ids, 55.2 MiB, rounded up. Health says NOT_SERVING below i
 DEFAULT_GRACE_S = 20.0
 """Below Kubernetes' default terminationGracePeriodSeconds (30), so the pod exits by itself."""
 LOG_FORMATS = ("text", "json")
+REGENERATE_DOC = "python -m batchd_server.config > docs/reference/server-settings.md"
+"""The command that writes the settings reference page from the declarations below."""
 _GiB = 1 << 30
-_UNITS = {
-    "": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "ki": 1 << 10,
-    "mib": 1 << 20,
-    "mi": 1 << 20,
-    "gib": 1 << 30,
-    "gi": 1 << 30,
-    "tib": 1 << 40,
-    "ti": 1 << 40,
-}
-_BYTES_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
+_MiB = 1 << 20
 
 
 def batchd_home(environ: Mapping[str, str] | None = None) -> Path:
@@ -78,206 +89,347 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def parse_bytes(text: str) -> int:
-    """``"1073741824"``, ``"512MiB"``, ``"1g"``, ``"1.5GB"`` → bytes (SI and binary units).
-
-    Raises:
-        ValueError: the text is not a size.
-    """
-    match = _BYTES_RE.fullmatch(text)
-    unit = match[2].lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size in bytes; write e.g. 1073741824, 512MiB or 2GiB")
-    return int(float(match[1]) * _UNITS[unit])
-
-
-def split_host_port(text: str, what: str = "address") -> tuple[str, int]:
-    """``"0.0.0.0:9400"`` -> ``("0.0.0.0", 9400)``; ``"[::1]:9400"`` -> ``("::1", 9400)``.
-
-    Raises:
-        ValueError: ``text`` is not HOST:PORT with a port in 0..65535.
-    """
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(
-            f"{what}={text!r} is not HOST:PORT; write e.g. 127.0.0.1:9400, 0.0.0.0:9400 or "
-            "[::]:9400"
-        )
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def parse_bool(text: str) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off`` (any case).
-
-    Raises:
-        ValueError: anything else.
-    """
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{text!r} is not a boolean; write 1 or 0")
-
-
 def reserved_rpcs(max_concurrent_rpcs: int) -> int:
     """Of ``max_concurrent_rpcs`` calls, those kept for CloseSession and health checks: an
     eighth, at least 1 and at most 8."""
     return max(1, min(8, max_concurrent_rpcs // 8))
 
 
-def _parse_paths(text: str) -> tuple[Path, ...]:
-    return tuple(Path(p) for p in text.split(os.pathsep) if p)
+def _url_problem(url: str) -> str | None:
+    scheme = url.split(":", 1)[0]
+    if scheme.startswith("postgresql") or scheme.startswith("sqlite"):
+        return None
+    return (
+        f"has the scheme {scheme!r}, which batchd does not support; use postgresql://... "
+        "or sqlite:///path"
+    )
+
+
+def _relative_root(roots: tuple[Path, ...]) -> str | None:
+    bad = next((root for root in roots if not root.is_absolute()), None)
+    return None if bad is None else f"holds {str(bad)!r}, which is not an absolute path"
+
+
+_SERVE_AND_CHECK = ("serve", "healthcheck")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """Everything the server needs to know, validated on construction."""
+    """Everything the server needs to know, validated on construction.
 
-    database_url: str = field(default_factory=default_database_url)
-    """SQLAlchemy URL of the catalog (``postgresql+psycopg2://...`` or ``sqlite:///...``)."""
-    listen: str = DEFAULT_LISTEN
-    """``unix:///path/batchd.sock`` or ``host:port``."""
-    workers: int = field(default_factory=available_cpus)
-    """Decode processes; default: the CPUs this process may use."""
-    shm_budget_bytes: int = _GiB
-    """Shared memory all sessions' rings and catalog arrays may reserve together."""
-    lease_timeout_s: float = 30.0
-    """A session with no open stream for this long is closed and its ring freed."""
-    metrics_port: int | None = None
-    """Serve Prometheus metrics on this port, on the host of ``listen`` (127.0.0.1 for a unix
-    socket); ``metrics_listen`` wins. None (and no ``metrics_listen``): no metrics endpoint."""
-    metrics_listen: str | None = None
-    """``HOST:PORT`` to serve Prometheus metrics on (``0.0.0.0:9400`` for every interface)."""
-    max_sessions: int = 256
-    """Open sessions at most; more is RESOURCE_EXHAUSTED."""
-    max_concurrent_rpcs: int = 128
-    """gRPC calls served at once, each on a thread of its own (an open inline stream holds
-    one for its whole life); more is RESOURCE_EXHAUSTED at once. A few are kept for
-    CloseSession and health checks (``reserved_rpcs``), which the other calls never take."""
-    client_max_calls: int = 32
-    """gRPC calls one client may have running at once (its streams count for their life)."""
-    client_max_sessions: int = 64
-    """Open sessions one client may hold."""
-    client_shm_quota_bytes: int | None = None
-    """Ring bytes one client's sessions may hold together; None: half of ``shm_budget_bytes``."""
-    shm_dir: Path = Path("/dev/shm")
-    """Where shared-memory segments live (Linux's shm_open directory)."""
-    min_free_shm_bytes: int = DEFAULT_MIN_FREE_SHM_BYTES
-    """Health is NOT_SERVING while ``shm_dir`` has less than this free."""
-    grace_s: float = DEFAULT_GRACE_S
-    """On SIGTERM, everything (streams, workers, segments) is done within this many seconds."""
-    health_interval_s: float = 2.0
-    """Seconds between health checks (shm, workers) and between catalog probes."""
-    catalog_timeout_s: float = 5.0
-    """A catalog probe that has not answered after this long makes the server NOT_SERVING."""
-    log_format: str = "text"
-    """``text`` (one human line per record) or ``json`` (one object per line)."""
-    tls_cert: Path | None = None
-    """PEM certificate chain the TCP listener presents (TLS); needs ``tls_key``."""
-    tls_key: Path | None = None
-    """PEM private key of ``tls_cert``."""
-    tls_client_ca: Path | None = None
-    """PEM CA bundle: clients must present a certificate it signed (mutual TLS)."""
-    auth_token_file: Path | None = None
-    """File holding the bearer token every call must carry (health and reflection exempt)."""
-    insecure: bool = False
-    """Allow a non-loopback TCP listener with neither TLS nor a token."""
-    data_roots: tuple[Path, ...] = ()
-    """Directories dataset roots must lie in; a catalog row pointing elsewhere is refused.
-    Empty: any root (the catalog is trusted)."""
-    task_timeout_s: float = 60.0
-    """A decode task running longer than this gets its worker killed and is redone; a sample
-    that hangs twice is a bad sample of kind ``timeout`` (``workers/deadline.py``)."""
-    heartbeat_interval_s: float = 5.0
-    """While a doorbell stream waits for batches, a heartbeat frame goes out after this long
-    without another frame, so the client can tell a silent server from a slow batch. 0: none."""
+    Each field's ``setting(...)`` says what it does, how to set it and what it allows; the
+    reference page (:func:`settings_table`) shows them all.
+    """
+
+    database_url: str = field(
+        default_factory=default_database_url,
+        metadata=setting(
+            "SQLAlchemy URL of the catalog: postgresql://... or sqlite:///path",
+            flag="--database-url",
+            env="BATCHD_DATABASE_URL",
+            metavar="URL",
+            check=Check("postgresql://... or sqlite:///...", _url_problem),
+            default_text="a SQLite file catalog.db under $BATCHD_HOME",
+            default_in=default_database_url,
+            commands=(EVERY_COMMAND,),
+            secret=True,
+        ),
+    )
+    listen: str = field(
+        default=DEFAULT_LISTEN,
+        metadata=setting(
+            "where to serve gRPC: unix:///path/batchd.sock or host:port (port 0 picks a free one)",
+            flag="--listen",
+            env="BATCHD_LISTEN",
+            metavar="ADDRESS",
+        ),
+    )
+    workers: int = field(
+        default_factory=available_cpus,
+        metadata=setting(
+            "decode processes",
+            flag="--workers",
+            env="BATCHD_WORKERS",
+            parse=int,
+            check=at_least(1),
+            metavar="N",
+            default_text="the CPUs this process may use",
+        ),
+    )
+    shm_budget_bytes: int = field(
+        default=_GiB,
+        metadata=setting(
+            "shared memory all sessions' rings and catalog arrays may reserve together, e.g. 2GiB",
+            flag="--shm-budget",
+            env="BATCHD_SHM_BUDGET",
+            parse=parse_bytes,
+            check=at_least(_MiB, size=True),
+            metavar="BYTES",
+        ),
+    )
+    lease_timeout_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "seconds a session may go without an open stream before it is closed and its "
+            "ring freed",
+            flag="--lease-timeout-s",
+            env="BATCHD_LEASE_TIMEOUT_S",
+            parse=float,
+            check=within(0, 86400, low_open=True),
+            metavar="S",
+        ),
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata=setting(
+            "serve Prometheus metrics on this port, on the --listen host (127.0.0.1 for a "
+            "unix socket); --metrics-listen wins",
+            flag="--metrics-port",
+            env="BATCHD_METRICS_PORT",
+            parse=int,
+            check=within(0, 65535),
+            metavar="P",
+        ),
+    )
+    metrics_listen: str | None = field(
+        default=None,
+        metadata=setting(
+            "serve Prometheus metrics at http://HOST:PORT/metrics (0.0.0.0:9400 for every "
+            "interface)",
+            flag="--metrics-listen",
+            env="BATCHD_METRICS_LISTEN",
+            check=host_port,
+            metavar="HOST:PORT",
+        ),
+    )
+    max_sessions: int = field(
+        default=256,
+        metadata=setting(
+            "open sessions at most; more is RESOURCE_EXHAUSTED",
+            flag="--max-sessions",
+            env="BATCHD_MAX_SESSIONS",
+            parse=int,
+            check=at_least(1),
+            metavar="N",
+        ),
+    )
+    max_concurrent_rpcs: int = field(
+        default=128,
+        metadata=setting(
+            "gRPC calls served at once, each on a thread of its own (an open inline stream "
+            "holds one for its whole life); more is RESOURCE_EXHAUSTED at once. An eighth "
+            "(1 to 8) is kept for CloseSession and health checks, which the other calls "
+            "never take",
+            flag="--max-concurrent-rpcs",
+            env="BATCHD_MAX_CONCURRENT_RPCS",
+            parse=int,
+            check=at_least(2, why=": one for CloseSession and health checks, one for the rest"),
+            metavar="N",
+        ),
+    )
+    client_max_calls: int = field(
+        default=32,
+        metadata=setting(
+            "gRPC calls one client may have running at once (its streams count for their life)",
+            flag="--client-max-calls",
+            env="BATCHD_CLIENT_MAX_CALLS",
+            parse=int,
+            check=at_least(1),
+            metavar="N",
+        ),
+    )
+    client_max_sessions: int = field(
+        default=64,
+        metadata=setting(
+            "open sessions one client may hold",
+            flag="--client-max-sessions",
+            env="BATCHD_CLIENT_MAX_SESSIONS",
+            parse=int,
+            check=at_least(1),
+            metavar="N",
+        ),
+    )
+    client_shm_quota_bytes: int | None = field(
+        default=None,
+        metadata=setting(
+            "ring memory one client's sessions may hold together",
+            flag="--client-shm-quota",
+            env="BATCHD_CLIENT_SHM_QUOTA",
+            parse=parse_bytes,
+            check=at_least(_MiB, size=True),
+            metavar="BYTES",
+            default_text="half of the shm budget",
+        ),
+    )
+    shm_dir: Path = field(
+        default=Path("/dev/shm"),
+        metadata=setting(
+            "where shared-memory segments live (Linux's shm_open directory)",
+            flag="--shm-dir",
+            env="BATCHD_SHM_DIR",
+            parse=Path,
+            metavar="DIR",
+            commands=_SERVE_AND_CHECK,
+        ),
+    )
+    min_free_shm_bytes: int = field(
+        default=DEFAULT_MIN_FREE_SHM_BYTES,
+        metadata=setting(
+            "health is NOT_SERVING while the shared-memory directory has less than this "
+            "free; the default holds one image session of 64 224x224 images",
+            flag="--min-free-shm",
+            env="BATCHD_MIN_FREE_SHM",
+            parse=parse_bytes,
+            check=at_least(0),
+            metavar="BYTES",
+            commands=_SERVE_AND_CHECK,
+        ),
+    )
+    grace_s: float = field(
+        default=DEFAULT_GRACE_S,
+        metadata=setting(
+            "on SIGTERM, end streams, stop workers and remove segments within this many "
+            "seconds; the default is below Kubernetes' terminationGracePeriodSeconds (30)",
+            flag="--grace-s",
+            env="BATCHD_GRACE_S",
+            parse=float,
+            check=within(0, 3600, low_open=True),
+            metavar="S",
+        ),
+    )
+    health_interval_s: float = field(
+        default=2.0,
+        metadata=setting(
+            "seconds between health checks (shm, workers) and between catalog probes",
+            env="BATCHD_HEALTH_INTERVAL_S",
+            parse=float,
+            check=within(0, 600, low_open=True),
+        ),
+    )
+    catalog_timeout_s: float = field(
+        default=5.0,
+        metadata=setting(
+            "seconds a catalog probe may go unanswered before the server says NOT_SERVING",
+            env="BATCHD_CATALOG_TIMEOUT_S",
+            parse=float,
+            check=within(0, 600, low_open=True),
+        ),
+    )
+    log_format: str = field(
+        default="text",
+        metadata=setting(
+            "log to stderr as text (one line per record) or json (one object per line, "
+            "for log collectors)",
+            flag="--log-format",
+            env="BATCHD_LOG_FORMAT",
+            check=one_of(LOG_FORMATS),
+            metavar="{" + ",".join(LOG_FORMATS) + "}",
+            commands=(EVERY_COMMAND,),
+        ),
+    )
+    tls_cert: Path | None = field(
+        default=None,
+        metadata=setting(
+            "serve TCP with TLS: the PEM certificate chain to present (with --tls-key)",
+            flag="--tls-cert",
+            env="BATCHD_TLS_CERT",
+            parse=Path,
+            metavar="PEM",
+        ),
+    )
+    tls_key: Path | None = field(
+        default=None,
+        metadata=setting(
+            "the PEM private key of --tls-cert",
+            flag="--tls-key",
+            env="BATCHD_TLS_KEY",
+            parse=Path,
+            metavar="PEM",
+        ),
+    )
+    tls_client_ca: Path | None = field(
+        default=None,
+        metadata=setting(
+            "mutual TLS: require client certificates signed by this PEM CA bundle",
+            flag="--tls-client-ca",
+            env="BATCHD_TLS_CLIENT_CA",
+            parse=Path,
+            metavar="PEM",
+        ),
+    )
+    auth_token_file: Path | None = field(
+        default=None,
+        metadata=setting(
+            "every call must carry the bearer token held in FILE (health and reflection exempt)",
+            flag="--auth-token-file",
+            env="BATCHD_AUTH_TOKEN_FILE",
+            parse=Path,
+            metavar="FILE",
+        ),
+    )
+    insecure: bool = field(
+        default=False,
+        metadata=setting(
+            "allow a non-loopback TCP listener with neither TLS nor a token",
+            flag="--insecure",
+            env="BATCHD_INSECURE",
+            parse=parse_bool,
+        ),
+    )
+    data_roots: tuple[Path, ...] = field(
+        default=(),
+        metadata=setting(
+            "serve only datasets whose root lies under one of these directories; a catalog "
+            "row pointing elsewhere is refused",
+            flag="--data-root",
+            env="BATCHD_DATA_ROOTS",
+            parse=Path,
+            check=Check("absolute paths", _relative_root),
+            metavar="DIR",
+            default_text="any root the catalog names",
+            many=os.pathsep,
+        ),
+    )
+    task_timeout_s: float = field(
+        default=60.0,
+        metadata=setting(
+            "kill a decode worker whose task runs longer than this many seconds (a hung read "
+            "or decode) and redo the task; a sample that hangs twice is a bad sample of kind "
+            "'timeout'",
+            flag="--task-timeout-s",
+            env="BATCHD_TASK_TIMEOUT_S",
+            parse=float,
+            check=within(0, 86400, low_open=True),
+            metavar="S",
+        ),
+    )
+    heartbeat_interval_s: float = field(
+        default=5.0,
+        metadata=setting(
+            "while a doorbell stream waits for batches, send a heartbeat after this many "
+            "seconds without another frame, so clients tell a silent server from a slow "
+            "batch; 0: none",
+            flag="--heartbeat-interval-s",
+            env="BATCHD_HEARTBEAT_INTERVAL_S",
+            parse=float,
+            check=within(0, 600, note=", 0 for none"),
+            metavar="S",
+        ),
+    )
 
     def __post_init__(self) -> None:
-        scheme = self.database_url.split(":", 1)[0]
-        if not (scheme.startswith("postgresql") or scheme.startswith("sqlite")):
-            raise ValueError(
-                f"database URL scheme {scheme!r} is not supported; use postgresql://... "
-                "or sqlite:///path (set BATCHD_DATABASE_URL)"
-            )
-        if self.workers < 1:
-            raise ValueError(f"workers={self.workers} must be >= 1 (--workers, BATCHD_WORKERS)")
-        if self.shm_budget_bytes < 1 << 20:
-            raise ValueError(
-                f"shm_budget_bytes={self.shm_budget_bytes} must be at least 1 MiB "
-                "(--shm-budget, BATCHD_SHM_BUDGET)"
-            )
-        if not 0 < self.lease_timeout_s <= 86400:
-            raise ValueError(
-                f"lease_timeout_s={self.lease_timeout_s} must be in (0, 86400] "
-                "(--lease-timeout-s, BATCHD_LEASE_TIMEOUT_S)"
-            )
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(
-                f"metrics_port={self.metrics_port} must be in 0..65535 "
-                "(--metrics-port, BATCHD_METRICS_PORT)"
-            )
-        if self.max_sessions < 1:
-            raise ValueError(f"max_sessions={self.max_sessions} must be >= 1")
-        if self.max_concurrent_rpcs < 2:
-            raise ValueError(
-                f"max_concurrent_rpcs={self.max_concurrent_rpcs} must be >= 2: one for "
-                "CloseSession and health checks, one for the rest (--max-concurrent-rpcs, "
-                "BATCHD_MAX_CONCURRENT_RPCS)"
-            )
-        for name, flag in (
-            ("client_max_calls", "--client-max-calls, BATCHD_CLIENT_MAX_CALLS"),
-            ("client_max_sessions", "--client-max-sessions, BATCHD_CLIENT_MAX_SESSIONS"),
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 ({flag})")
-        if self.client_shm_quota_bytes is not None and self.client_shm_quota_bytes < 1 << 20:
-            raise ValueError(
-                f"client_shm_quota_bytes={self.client_shm_quota_bytes} must be at least 1 MiB "
-                "(--client-shm-quota, BATCHD_CLIENT_SHM_QUOTA)"
-            )
-        if self.metrics_listen is not None:
-            split_host_port(self.metrics_listen, "metrics_listen (--metrics-listen)")
-        if self.min_free_shm_bytes < 0:
-            raise ValueError(
-                f"min_free_shm_bytes={self.min_free_shm_bytes} must be >= 0 "
-                "(--min-free-shm, BATCHD_MIN_FREE_SHM)"
-            )
-        if not 0 < self.grace_s <= 3600:
-            raise ValueError(f"grace_s={self.grace_s} must be in (0, 3600] (--grace-s)")
-        if not 0 < self.task_timeout_s <= 86400:
-            raise ValueError(
-                f"task_timeout_s={self.task_timeout_s} must be in (0, 86400] "
-                "(--task-timeout-s, BATCHD_TASK_TIMEOUT_S)"
-            )
-        if not 0 <= self.heartbeat_interval_s <= 600:
-            raise ValueError(
-                f"heartbeat_interval_s={self.heartbeat_interval_s} must be in [0, 600], 0 for "
-                "none (--heartbeat-interval-s, BATCHD_HEARTBEAT_INTERVAL_S)"
-            )
-        for name in ("health_interval_s", "catalog_timeout_s"):
-            value = getattr(self, name)
-            if not 0 < value <= 600:
-                raise ValueError(f"{name}={value} must be in (0, 600] (BATCHD_{name.upper()})")
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(
-                f"log_format={self.log_format!r} must be one of {', '.join(LOG_FORMATS)} "
-                "(--log-format, BATCHD_LOG_FORMAT)"
-            )
+        check_values(self)
+        cert, key = _setting("tls_cert"), _setting("tls_key")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError(
-                "TLS needs both a certificate and its key: set --tls-cert and --tls-key "
-                "(BATCHD_TLS_CERT, BATCHD_TLS_KEY) together"
+                f"TLS needs both a certificate and its key: set {cert.flag} and {key.flag} "
+                f"({cert.env}, {key.env}) together"
             )
-        for root in self.data_roots:
-            if not root.is_absolute():
-                raise ValueError(
-                    f"--data-root {str(root)!r} must be an absolute path (BATCHD_DATA_ROOTS)"
-                )
         if self.tls_client_ca is not None and self.tls_cert is None:
+            ca = _setting("tls_client_ca")
             raise ValueError(
-                "--tls-client-ca (BATCHD_TLS_CLIENT_CA) asks for mutual TLS, which needs the "
-                "server's own --tls-cert and --tls-key"
+                f"{ca.flag} ({ca.env}) asks for mutual TLS, which needs the server's own "
+                f"{cert.flag} and {key.flag}"
             )
 
     @property
@@ -307,62 +459,42 @@ class ServerConfig:
     def from_env(
         cls, environ: Mapping[str, str] | None = None, **overrides: object
     ) -> ServerConfig:
-        """Build a config from ``BATCHD_*`` variables; keyword overrides (not None) win.
-
-        ``BATCHD_DATABASE_URL``, ``BATCHD_LISTEN``, ``BATCHD_WORKERS``, ``BATCHD_SHM_BUDGET``
-        (bytes, ``512MiB``, ``2GiB``), ``BATCHD_LEASE_TIMEOUT_S``, ``BATCHD_METRICS_PORT``,
-        ``BATCHD_MAX_SESSIONS``, ``BATCHD_SHM_DIR``, ``BATCHD_METRICS_LISTEN``,
-        ``BATCHD_MIN_FREE_SHM`` (bytes), ``BATCHD_GRACE_S``, ``BATCHD_HEALTH_INTERVAL_S``,
-        ``BATCHD_CATALOG_TIMEOUT_S``, ``BATCHD_LOG_FORMAT``, ``BATCHD_TLS_CERT``,
-        ``BATCHD_TLS_KEY``, ``BATCHD_TLS_CLIENT_CA``, ``BATCHD_AUTH_TOKEN_FILE``,
-        ``BATCHD_INSECURE`` (1 or 0), ``BATCHD_DATA_ROOTS`` (directories separated by ``:``),
-        ``BATCHD_TASK_TIMEOUT_S``, ``BATCHD_HEARTBEAT_INTERVAL_S``,
-        ``BATCHD_MAX_CONCURRENT_RPCS``, ``BATCHD_CLIENT_MAX_CALLS``,
-        ``BATCHD_CLIENT_MAX_SESSIONS``, ``BATCHD_CLIENT_SHM_QUOTA`` (bytes).
+        """Build a config from each setting's ``BATCHD_*`` variable (``environ``, default
+        ``os.environ``; an empty variable is unset); keyword overrides (not None) win.
 
         Raises:
-            ValueError: a variable does not parse; the message names it.
+            ValueError: a variable does not parse, or a value breaks its rule; the message
+                names the variable or the flag.
         """
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {
-            "database_url": env.get("BATCHD_DATABASE_URL") or default_database_url(env)
-        }
-        parsers: dict[str, tuple[str, Any]] = {
-            "listen": ("BATCHD_LISTEN", str),
-            "workers": ("BATCHD_WORKERS", int),
-            "shm_budget_bytes": ("BATCHD_SHM_BUDGET", parse_bytes),
-            "lease_timeout_s": ("BATCHD_LEASE_TIMEOUT_S", float),
-            "metrics_port": ("BATCHD_METRICS_PORT", int),
-            "max_sessions": ("BATCHD_MAX_SESSIONS", int),
-            "shm_dir": ("BATCHD_SHM_DIR", Path),
-            "metrics_listen": ("BATCHD_METRICS_LISTEN", str),
-            "min_free_shm_bytes": ("BATCHD_MIN_FREE_SHM", parse_bytes),
-            "grace_s": ("BATCHD_GRACE_S", float),
-            "health_interval_s": ("BATCHD_HEALTH_INTERVAL_S", float),
-            "catalog_timeout_s": ("BATCHD_CATALOG_TIMEOUT_S", float),
-            "log_format": ("BATCHD_LOG_FORMAT", str),
-            "tls_cert": ("BATCHD_TLS_CERT", Path),
-            "tls_key": ("BATCHD_TLS_KEY", Path),
-            "tls_client_ca": ("BATCHD_TLS_CLIENT_CA", Path),
-            "auth_token_file": ("BATCHD_AUTH_TOKEN_FILE", Path),
-            "insecure": ("BATCHD_INSECURE", parse_bool),
-            "data_roots": ("BATCHD_DATA_ROOTS", _parse_paths),
-            "task_timeout_s": ("BATCHD_TASK_TIMEOUT_S", float),
-            "heartbeat_interval_s": ("BATCHD_HEARTBEAT_INTERVAL_S", float),
-            "max_concurrent_rpcs": ("BATCHD_MAX_CONCURRENT_RPCS", int),
-            "client_max_calls": ("BATCHD_CLIENT_MAX_CALLS", int),
-            "client_max_sessions": ("BATCHD_CLIENT_MAX_SESSIONS", int),
-            "client_shm_quota_bytes": ("BATCHD_CLIENT_SHM_QUOTA", parse_bytes),
-        }
-        for name, (var, parse) in parsers.items():
-            text = env.get(var)
-            if text:
-                try:
-                    values[name] = parse(text)
-                except ValueError as e:
-                    raise ValueError(f"{var}={text!r} is not valid: {e}") from e
+        values = from_environ(cls, env)
         known = {f.name for f in fields(cls)}
-        values.update({k: v for k, v in overrides.items() if v is not None and k in known})
         unknown = set(overrides) - known
         assert not unknown, f"unknown ServerConfig fields {unknown}"
+        values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def _setting(name: str) -> Setting:
+    return setting_of(ServerConfig, name)
+
+
+def settings_table() -> str:
+    """The settings reference page (Markdown), generated from :class:`ServerConfig`'s
+    declarations; committed as ``docs/reference/server-settings.md``."""
+    return f"""# Server settings
+
+<!-- Generated from ServerConfig in server/src/batchd_server/config.py; do not edit.
+     Regenerate with: {REGENERATE_DOC} -->
+
+Every setting of `batchd-server` can be given as a flag or as an environment variable;
+a flag wins over its variable, and an empty variable counts as unset. Flags go to `serve`
+unless the table names other commands. Sizes in bytes read `1073741824`, `512MiB`, `2GiB`
+or `1.5GB`; booleans `1`/`0`, `true`/`false`, `yes`/`no` or `on`/`off`. A value outside
+*Allowed* stops the server with a message that names the flag and the variable.
+
+{markdown_table(ServerConfig)}"""
+
+
+if __name__ == "__main__":
+    sys.stdout.write(settings_table())

@@ -1,4 +1,6 @@
-"""Bind and start the gRPC server, refusing addresses that someone else holds.
+"""The gRPC face of the server: put the Loader, health and reflection services over the
+parts :mod:`batchd_server.assembly` builds, then bind and start, refusing addresses that
+someone else holds.
 
 gRPC's defaults would let a second server share a TCP port (SO_REUSEPORT is on) and would
 silently unlink a unix socket a live server is listening on and take its place. Neither is
@@ -11,21 +13,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
 import socket
 import stat
 import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd._wire.lifetime import Closeable
-from batchd_server import metrics
 from batchd_server.api.admission import Admission, AdmissionInterceptor
 from batchd_server.api.health import LOADER_SERVICE, HealthService
 from batchd_server.api.security import (
@@ -37,20 +36,14 @@ from batchd_server.api.security import (
     server_credentials,
 )
 from batchd_server.api.servicer import LoaderServicer
-from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, ping
-from batchd_server.catalog.sample_errors import SampleErrorWriter
-from batchd_server.catalog_cache import CatalogCache
+from batchd_server.assembly import Parts, assemble
 from batchd_server.config import ServerConfig, reserved_rpcs
-from batchd_server.delivery.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.health import HealthMonitor
 from batchd_server.limits import MAX_REQUEST_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.sessions import SessionManager
-from batchd_server.shm import PREFIX, ShmRegistry
+from batchd_server.shm import ShmRegistry
 from batchd_server.workers.pool import WorkerPool
-
-if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
-    from sqlalchemy.engine import Engine
 
 __all__ = ["ListenAddress", "RunningServer", "build_server"]
 
@@ -120,15 +113,13 @@ class RunningServer(Closeable):
         self,
         server: grpc.Server,
         executor: futures.ThreadPoolExecutor,
-        engine: Engine,
         address: str,
         port: int | None,
-        parts: _Parts,
+        parts: Parts,
         admission: Admission,
     ) -> None:
         self._server = server
         self._executor = executor
-        self._engine = engine
         self._parts = parts
         self.admission = admission
         """The calls in progress, in all and per client (see ``api/admission.py``)."""
@@ -199,7 +190,6 @@ class RunningServer(Closeable):
             # At least a second for the workers to exit on their own before they are
             # terminated: a worker killed mid-write is harmless, but a clean exit is nicer.
             self._parts.close(left(floor=1.0))
-            self._engine.dispose()
             logger.info("batchd-server stopped in %.1f s", time.monotonic() - started)
 
     def wait_for_termination(self, timeout_s: float | None = None) -> bool:
@@ -305,122 +295,6 @@ def _add_port(
     return bound
 
 
-@dataclass
-class _Parts:
-    """What a server owns besides gRPC, in the order it is built (and reversed to close)."""
-
-    registry: ShmRegistry
-    pool: WorkerPool
-    catalog: CatalogCache
-    sessions: SessionManager
-    doorbell: DoorbellServer
-    monitor: HealthMonitor
-    sample_errors: SampleErrorWriter
-    metrics_endpoint: metrics.MetricsEndpoint | None = None
-
-    def end_sessions(self, timeout_s: float) -> None:
-        """End every stream and session at once (the doorbell's too), freeing their rings."""
-        self.doorbell.close()
-        self.sessions.close_all(timeout_s=timeout_s)
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop everything within about ``timeout_s`` seconds (stuck workers are killed)."""
-        deadline = time.monotonic() + timeout_s
-
-        def left() -> float:
-            return max(0.0, deadline - time.monotonic())
-
-        try:
-            self.monitor.stop()
-            if self.metrics_endpoint is not None:
-                self.metrics_endpoint.close()
-            self.end_sessions(left())
-            self.catalog.close()
-            self.sample_errors.close()
-        finally:
-            try:
-                self.pool.stop(timeout_s=left())
-            finally:
-                self.registry.close()
-
-
-def _start_parts(config: ServerConfig, engine: Engine, health: HealthService) -> _Parts:
-    """Shared memory, then the workers, then the session machinery and the health checks;
-    undone on failure."""
-    registry = ShmRegistry(budget_bytes=config.shm_budget_bytes, shm_dir=config.shm_dir)
-    try:
-        pool = WorkerPool(
-            config.workers,
-            task_timeout_s=config.task_timeout_s,
-            on_restart=metrics.WORKER_RESTARTS.inc,
-            on_timeout=metrics.WORKER_TIMEOUTS.inc,
-            on_result=metrics.observe_worker_result,
-        )
-        pool.start()
-    except BaseException:
-        registry.close()
-        raise
-    metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
-    metrics.WORKERS_CONFIGURED.set(config.workers)
-    metrics.WORKERS_CRASH_LOOP.set_function(lambda: pool.crash_loop is not None)
-    metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
-    metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
-    metrics.SHM_BUDGET_BYTES.set_function(registry.effective_budget_bytes)
-    catalog = CatalogCache(engine, registry)
-    sample_errors = SampleErrorWriter(engine)
-    bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
-    sessions = SessionManager(
-        catalog=catalog,
-        pool=pool,
-        registry=registry,
-        lease_timeout_s=config.lease_timeout_s,
-        max_sessions=config.max_sessions,
-        client_max_sessions=config.client_max_sessions,
-        client_shm_quota_bytes=config.client_shm_quota,
-        record_errors=sample_errors.submit,
-        doorbell=bell_path.name,
-        data_roots=config.data_roots,
-    )
-    monitor = HealthMonitor(
-        space=registry.space,
-        min_free_shm_bytes=config.min_free_shm_bytes,
-        catalog_probe=lambda: ping(engine),
-        catalog_timeout_s=config.catalog_timeout_s,
-        workers_wanted=config.workers,
-        workers_alive=lambda: pool.alive,
-        dispatcher_alive=lambda: pool.dispatcher_alive,
-        crash_loop=lambda: pool.crash_loop,
-        interval_s=config.health_interval_s,
-        on_change=health.publish,
-    )
-    health.attach(monitor)
-    try:
-        doorbell = DoorbellServer(bell_path, sessions, heartbeat_s=config.heartbeat_interval_s)
-    except BaseException:
-        sessions.close_all()
-        catalog.close()
-        sample_errors.close()
-        pool.stop()
-        registry.close()
-        raise
-    parts = _Parts(registry, pool, catalog, sessions, doorbell, monitor, sample_errors)
-    try:
-        address = config.metrics_address()
-        if address is not None:
-            try:
-                parts.metrics_endpoint = metrics.serve(*address)
-            except OSError as e:
-                raise FailedPrecondition(
-                    f"cannot serve metrics on {address[0]}:{address[1]}: {e.strerror or e}; "
-                    "choose another --metrics-listen"
-                ) from e
-        monitor.start()
-    except BaseException:
-        parts.close()
-        raise
-    return parts
-
-
 def build_server(
     config: ServerConfig, listen: str | None = None, *, max_workers: int | None = None
 ) -> RunningServer:
@@ -462,13 +336,9 @@ def build_server(
         tls = credentials is not None
         check_exposure(where.host, tls=tls, token=token is not None, insecure=config.insecure)
 
-    engine = make_engine(config.database_url, statement_timeout_s=SERVING_STATEMENT_TIMEOUT_S)
     health = HealthService()
-    try:
-        parts = _start_parts(config, engine, health)
-    except BaseException:
-        engine.dispose()
-        raise
+    parts = assemble(config, on_health_change=health.publish)
+    health.attach(parts.monitor)  # before the server starts, so before any health check
     # One thread per call gRPC lets in, so a call never waits in the executor's queue;
     # gRPC refuses the rest. CloseSession and health checks always find a thread: the other
     # calls never hold the reserve (api/admission.py).
@@ -486,7 +356,7 @@ def build_server(
         maximum_concurrent_rpcs=max_workers,
         interceptors=interceptors,
     )
-    servicer = LoaderServicer(engine, parts.sessions, draining=lambda: parts.monitor.draining)
+    servicer = LoaderServicer(parts.engine, parts.sessions, draining=lambda: parts.monitor.draining)
     loader_pb2_grpc.add_LoaderServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     services = (LOADER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
@@ -508,7 +378,6 @@ def build_server(
         server.stop(None)
         executor.shutdown(wait=False, cancel_futures=True)
         parts.close()
-        engine.dispose()
         raise
 
     if where.unix_path is not None:
@@ -516,4 +385,4 @@ def build_server(
     else:
         address, port = f"{where.host}:{bound}", bound
     logger.info("batchd-server listening on %s", address)
-    return RunningServer(server, executor, engine, address, port, parts, admission)
+    return RunningServer(server, executor, address, port, parts, admission)

@@ -17,8 +17,8 @@ from batchd_server.errors import InvalidArgument, Unavailable
 from batchd_server.limits import check_name
 from batchd_server.sessions import SessionManager
 
-if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy at run time
-    from sqlalchemy.engine import Engine
+if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
+    from batchd_server.catalog.db import Engine
 
 __all__ = ["LoaderServicer"]
 

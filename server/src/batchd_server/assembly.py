@@ -1,0 +1,174 @@
+"""The composition root: the one place that builds the server's parts from a
+:class:`~batchd_server.config.ServerConfig` and wires them together (the catalog engine,
+shared memory, the decode workers, the catalog cache, the sample-error writer, the session
+manager, the doorbell, the health monitor and the metrics endpoint), and the one place that
+takes them down again, in the reverse order.
+
+It imports no gRPC: grpcio is not fork-safe, and the decode workers are started here before
+any gRPC object exists. ``api/server.py`` puts the gRPC face (servicer, health service,
+admission, credentials, the listener) over the :class:`Parts` built here.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from batchd_server import metrics
+from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, ping
+from batchd_server.catalog.sample_errors import SampleErrorWriter
+from batchd_server.catalog_cache import CatalogCache
+from batchd_server.config import ServerConfig
+from batchd_server.delivery.doorbell import DoorbellServer
+from batchd_server.errors import FailedPrecondition
+from batchd_server.health import HealthMonitor, HealthReport
+from batchd_server.sessions import SessionManager
+from batchd_server.settings import setting_of
+from batchd_server.shm import PREFIX, ShmRegistry
+from batchd_server.workers.pool import WorkerPool
+
+if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
+    from batchd_server.catalog.db import Engine
+
+__all__ = ["Parts", "assemble"]
+
+
+@dataclass
+class Parts:
+    """What a server owns besides gRPC, in the order it is built (and reversed to close)."""
+
+    engine: Engine
+    registry: ShmRegistry
+    pool: WorkerPool
+    catalog: CatalogCache
+    sessions: SessionManager
+    doorbell: DoorbellServer
+    monitor: HealthMonitor
+    sample_errors: SampleErrorWriter
+    metrics_endpoint: metrics.MetricsEndpoint | None = None
+
+    def end_sessions(self, timeout_s: float) -> None:
+        """End every stream and session at once (the doorbell's too), freeing their rings."""
+        self.doorbell.close()
+        self.sessions.close_all(timeout_s=timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop everything within about ``timeout_s`` seconds (stuck workers are killed)."""
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        try:
+            self.monitor.stop()
+            if self.metrics_endpoint is not None:
+                self.metrics_endpoint.close()
+            self.end_sessions(left())
+            self.catalog.close()
+            self.sample_errors.close()
+        finally:
+            try:
+                self.pool.stop(timeout_s=left())
+            finally:
+                try:
+                    self.registry.close()
+                finally:
+                    self.engine.dispose()
+
+
+def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
+    pool = WorkerPool(
+        config.workers,
+        task_timeout_s=config.task_timeout_s,
+        on_restart=metrics.WORKER_RESTARTS.inc,
+        on_timeout=metrics.WORKER_TIMEOUTS.inc,
+        on_result=metrics.observe_worker_result,
+    )
+    pool.start()
+    metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
+    metrics.WORKERS_CONFIGURED.set(config.workers)
+    metrics.WORKERS_CRASH_LOOP.set_function(lambda: pool.crash_loop is not None)
+    metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
+    metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
+    metrics.SHM_BUDGET_BYTES.set_function(registry.effective_budget_bytes)
+    return pool
+
+
+def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport], None]) -> Parts:
+    """Build and start every part ``config`` asks for: the catalog engine, shared memory
+    (sweeping what a dead earlier run left), then the workers, then the session machinery,
+    the metrics endpoint and the health checks, whose every new report goes to
+    ``on_health_change``. What was built is undone when a later step fails.
+
+    Raises:
+        FailedPrecondition: the metrics address cannot be bound.
+    """
+    engine = make_engine(config.database_url, statement_timeout_s=SERVING_STATEMENT_TIMEOUT_S)
+    try:
+        registry = ShmRegistry(budget_bytes=config.shm_budget_bytes, shm_dir=config.shm_dir)
+    except BaseException:
+        engine.dispose()
+        raise
+    try:
+        pool = _start_workers(config, registry)
+    except BaseException:
+        registry.close()
+        engine.dispose()
+        raise
+    catalog = CatalogCache(engine, registry)
+    sample_errors = SampleErrorWriter(engine)
+    bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
+    sessions = SessionManager(
+        catalog=catalog,
+        pool=pool,
+        registry=registry,
+        lease_timeout_s=config.lease_timeout_s,
+        max_sessions=config.max_sessions,
+        client_max_sessions=config.client_max_sessions,
+        client_shm_quota_bytes=config.client_shm_quota,
+        record_errors=sample_errors.submit,
+        doorbell=bell_path.name,
+        data_roots=config.data_roots,
+    )
+    monitor = HealthMonitor(
+        space=registry.space,
+        min_free_shm_bytes=config.min_free_shm_bytes,
+        catalog_probe=lambda: ping(engine),
+        catalog_timeout_s=config.catalog_timeout_s,
+        workers_wanted=config.workers,
+        workers_alive=lambda: pool.alive,
+        dispatcher_alive=lambda: pool.dispatcher_alive,
+        crash_loop=lambda: pool.crash_loop,
+        interval_s=config.health_interval_s,
+        on_change=on_health_change,
+    )
+    try:
+        doorbell = DoorbellServer(bell_path, sessions, heartbeat_s=config.heartbeat_interval_s)
+    except BaseException:
+        sessions.close_all()
+        catalog.close()
+        sample_errors.close()
+        pool.stop()
+        registry.close()
+        engine.dispose()
+        raise
+    parts = Parts(engine, registry, pool, catalog, sessions, doorbell, monitor, sample_errors)
+    try:
+        address = config.metrics_address()
+        if address is not None:
+            try:
+                parts.metrics_endpoint = metrics.serve(*address)
+            except OSError as e:
+                flag = setting_of(ServerConfig, "metrics_listen").flag
+                raise FailedPrecondition(
+                    f"cannot serve metrics on {address[0]}:{address[1]}: {e.strerror or e}; "
+                    f"choose another {flag}"
+                ) from e
+        monitor.start()
+    except BaseException:
+        parts.close()
+        raise
+    return parts
