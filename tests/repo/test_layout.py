@@ -3,7 +3,8 @@
 1. The server enters the client distribution only through ``batchd._wire``, ``batchd._proto``
    and ``batchd.errors`` (Python runs the package ``batchd`` first, as their parent).
 2. grpc reaches the server only through ``batchd_server.api``, which only the entry point
-   (``batchd_server.cli``) imports: domain code and the decode workers never load it.
+   (``batchd_server.cli`` and ``cli_serve``) imports: domain code and the decode workers
+   never load it.
 3. SQLAlchemy and alembic are imported only by ``batchd_server.catalog`` and its migrations.
 4. Only ``batchd_server.shm`` creates or unlinks shared-memory segments.
 5. No import cycle: ``test_codebase.py``.
@@ -81,11 +82,12 @@ GRPC_ONLY_IN_API = ImportRule(
     forbidden=is_grpc,
 )
 API_ONLY_FROM_CLI = ImportRule(
-    "only the entry point (batchd_server.cli) imports batchd_server.api: anything else that "
+    "only the entry point (batchd_server.cli, batchd_server.cli_serve) imports "
+    "batchd_server.api: anything else that "
     "does brings grpc into domain code, and into the decode workers",
     applies=lambda module: (
         under(module, "batchd_server")
-        and not under(module, "batchd_server.api", "batchd_server.cli")
+        and not under(module, "batchd_server.api", "batchd_server.cli", "batchd_server.cli_serve")
     ),
     forbidden=lambda name: under(name, "batchd_server.api"),
 )

@@ -42,6 +42,8 @@ PINNED: dict[str, tuple[str | None, str, Any]] = {
     "insecure": ("--insecure", "BATCHD_INSECURE", False),
     "data_roots": ("--data-root", "BATCHD_DATA_ROOTS", ()),
     "task_timeout_s": ("--task-timeout-s", "BATCHD_TASK_TIMEOUT_S", 60.0),
+    "max_sample_bytes": ("--max-sample-bytes", "BATCHD_MAX_SAMPLE_BYTES", 256 << 20),
+    "reflection": ("--reflection", "BATCHD_REFLECTION", False),
     "heartbeat_interval_s": ("--heartbeat-interval-s", "BATCHD_HEARTBEAT_INTERVAL_S", 5.0),
 }
 """Every setting's flag, variable and default as operators and deployments know them."""
@@ -55,6 +57,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "metrics_listen": ("0.0.0.0:9400", "0.0.0.0:9400"),
     "log_format": ("json", "json"),
     "insecure": ("1", True),
+    "reflection": ("1", True),
+    "max_sample_bytes": ("64MiB", 64 << 20),
     "data_roots": ("/data", (Path("/data"),)),
 }
 """A valid text for each setting whose type alone does not give one."""

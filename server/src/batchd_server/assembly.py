@@ -132,6 +132,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         record_errors=sample_errors.submit,
         doorbell=bell_path.name,
         data_roots=config.data_roots,
+        max_sample_bytes=config.max_sample_bytes,
     )
     monitor = HealthMonitor(
         space=registry.space,

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.settings import (
     EVERY_COMMAND,
     Check,
@@ -401,6 +402,29 @@ class ServerConfig:
             parse=float,
             check=within(0, 86400, low_open=True),
             metavar="S",
+        ),
+    )
+    max_sample_bytes: int = field(
+        default=MAX_SAMPLE_BYTES,
+        metadata=setting(
+            "a sample larger than this many bytes (a runaway or sparse file, a range past the "
+            "file) is not read: it is a bad sample of kind 'too_large', handled by the "
+            "session's on_error",
+            flag="--max-sample-bytes",
+            env="BATCHD_MAX_SAMPLE_BYTES",
+            parse=parse_bytes,
+            check=at_least(1),
+            metavar="BYTES",
+        ),
+    )
+    reflection: bool = field(
+        default=False,
+        metadata=setting(
+            "serve gRPC reflection (grpcurl can then list the services); it needs the token "
+            "like every call but the health Check",
+            flag="--reflection",
+            env="BATCHD_REFLECTION",
+            parse=parse_bool,
         ),
     )
     heartbeat_interval_s: float = field(

@@ -18,6 +18,7 @@ from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from batchd_server.limits import MAX_SLOT_BYTES
+from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.session import Session
@@ -72,7 +73,9 @@ class SessionManager:
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         doorbell: str = "",
         data_roots: tuple[Path, ...] = (),
+        max_sample_bytes: int = MAX_SAMPLE_BYTES,
     ) -> None:
+        self._max_sample_bytes = max_sample_bytes
         self._catalog = catalog
         self._pool = pool
         self._registry = registry
@@ -219,6 +222,7 @@ class SessionManager:
                 token=token,
                 pool=self._pool,
                 record_errors=self._record_errors,
+                max_sample_bytes=self._max_sample_bytes,
             )
             if session.num_batches == 0:
                 raise FailedPrecondition(

@@ -27,6 +27,7 @@ from batchd._wire.ring import HEADER_BYTES, slot_offset
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
+from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import source_starts
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.error_budget import ErrorBudget
@@ -121,6 +122,7 @@ class Session:
         token: bytes,
         pool: SubmitsTasks,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
+        max_sample_bytes: int = MAX_SAMPLE_BYTES,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order."""
         self.id = session_id
@@ -178,6 +180,7 @@ class Session:
             ),
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
+            max_sample_bytes=max_sample_bytes,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes

@@ -106,7 +106,13 @@ class SessionContext:
             if source.pipeline_kind:
                 pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
             columns = SampleColumns.of(arrays)
-            return _Source(source.start, columns, SampleFiles(source.root), pipeline, attachment)
+            return _Source(
+                source.start,
+                columns,
+                SampleFiles(source.root, max_sample_bytes=self.spec.max_sample_bytes),
+                pipeline,
+                attachment,
+            )
         except BaseException:
             attachment.close()
             raise

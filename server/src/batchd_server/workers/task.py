@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+
 __all__ = [
     "ROW_FIELDS",
     "SOURCE_FIELD",
@@ -83,6 +85,8 @@ class SessionSpec:
     shm_dir: str = "/dev/shm"
     dataset: str = ""
     """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
+    max_sample_bytes: int = MAX_SAMPLE_BYTES
+    """The most bytes one sample may have (``--max-sample-bytes``); more is ``too_large``."""
 
     def __post_init__(self) -> None:
         assert self.sources and self.sources[0].start == 0, "sources start at position 0"
