@@ -361,7 +361,7 @@ class ServerConfig:
     auth_token_file: Path | None = field(
         default=None,
         metadata=setting(
-            "every call must carry the bearer token held in FILE (health and reflection exempt)",
+            "every call but the health Check must carry the bearer token held in FILE",
             flag="--auth-token-file",
             env="BATCHD_AUTH_TOKEN_FILE",
             parse=Path,
