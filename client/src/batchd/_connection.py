@@ -1,8 +1,9 @@
-"""What a Loader holds outside Python: its channel, its open session, its live stream.
+"""What a Loader holds outside Python on each server: a channel, a session, a live stream.
 
-A :class:`Connection` is closed by the Loader's ``weakref.finalize``, never by the Loader
-itself, so a Loader that is garbage-collected without ``close()`` still frees its ring
-mapping, its doorbell and its session on the server.
+A Loader has one :class:`Connection` per replica it draws from (one on one server; see
+``batchd._lanes``). They are closed by the Loader's ``weakref.finalize``, never by the
+Loader itself, so a Loader that is garbage-collected without ``close()`` still frees its
+ring mappings, its doorbells and its sessions on the servers.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class SessionHandle:
 
 
 class Connection:
-    """A Loader's channel to ``target``, its session and its live stream."""
+    """A Loader's channel to the server at ``target``, its session there and its live
+    stream."""
 
     def __init__(
         self,

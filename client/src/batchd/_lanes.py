@@ -358,10 +358,12 @@ class Lanes:
             lost_at: When it failed (monotonic).
 
         Raises:
-            Unavailable, ResourceExhausted: no replica took a session in time.
+            Unavailable, ResourceExhausted: no replica took a session in time, or the last
+                one kept failing its streams until then.
             BatchdError: a replica refused the session or the stream.
         """
         failures: dict[_Lane, int] = {}
+        reconnect_timeout_s = self._options.reconnect_timeout_s
         try:
             while True:
                 if not self._live:
@@ -369,7 +371,7 @@ class Lanes:
                     retry_until(
                         self._reopen_any,
                         target=self._targets(),
-                        timeout_s=self._options.reconnect_timeout_s,
+                        timeout_s=reconnect_timeout_s,
                         lost_at=lost_at,
                         cause=cause,
                     )
@@ -391,6 +393,14 @@ class Lanes:
                     self.abandon_streams()
                     cause, lost_at = e, time.monotonic() if lost_at is None else lost_at
                     tries = failures[lane] = failures.get(lane, 0) + 1
+                    waited_s = time.monotonic() - lost_at
+                    if len(self._live) == 1 and tries > 1 and waited_s >= reconnect_timeout_s:
+                        # The last replica takes sessions but keeps failing their streams.
+                        raise Unavailable(
+                            f"the batchd server at {lane.conn.target!r} failed {tries} streams "
+                            f"in a row, each on a new session, for {waited_s:.1f} s "
+                            f"(reconnect_timeout_s={reconnect_timeout_s:g}); the last: {e}"
+                        ) from e
                     self._recover(lane, e, cursor.next_batch, give_up=tries >= _MAX_RECOVERIES)
         except BaseException:
             self.abandon_streams()

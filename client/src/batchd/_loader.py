@@ -284,7 +284,8 @@ class Loader(Closeable):
                 stream.ack(acks, clock.take_pending())
                 position.next_batch = index + 1
                 self.last_failed_sample_ids = batch.failed_sample_ids
-                # The loop must not keep the batch's slot alive while it holds the tensors.
+                # Only the tensors may keep the slot: it goes back when the training loop drops
+                # them (see NOTE [ Slot lifecycle on the client ] in batchd._device).
                 del batch
                 index, previous, lost_at = index + 1, conn, None
                 yield out
