@@ -65,7 +65,8 @@ not stall the others' batches, or an iteration's start, for the full ``timeout_s
 _RESOLVE_EVERY_S: Final = 30.0
 """A DNS target is resolved again at an iteration's start at most this often."""
 _MAX_RECOVERIES: Final = 3
-"""A replica that takes a new session but fails its stream this often in a row is dropped."""
+"""A replica that takes a new session but fails its stream this often before the loop gets a
+batch is dropped (while other replicas are live)."""
 
 
 @dataclass(eq=False)
@@ -111,6 +112,11 @@ class Lanes:
         self._reference: loader_pb2.OpenSessionResponse | None = None
         """The primary's OpenSession answer: the snapshot, version and plan all must share."""
         self._resolved_at = time.monotonic()
+        self._outage_at: float | None = None
+        """When the loop last lost a batch that has not arrived since (the ``lost_at`` of
+        the latest failure)..."""
+        self._failures: dict[_Lane, int] = {}
+        """...and how often each lane failed since then."""
 
     def _connect(self, address: str) -> Connection:
         options: list[tuple[str, Any]] = []
@@ -362,8 +368,6 @@ class Lanes:
                 one kept failing its streams until then.
             BatchdError: a replica refused the session or the stream.
         """
-        failures: dict[_Lane, int] = {}
-        reconnect_timeout_s = self._options.reconnect_timeout_s
         try:
             while True:
                 if not self._live:
@@ -371,9 +375,10 @@ class Lanes:
                     retry_until(
                         self._reopen_any,
                         target=self._targets(),
-                        timeout_s=reconnect_timeout_s,
+                        timeout_s=self._options.reconnect_timeout_s,
                         lost_at=lost_at,
                         cause=cause,
+                        failed_before=max(self._failures.values(), default=1) - 1,
                     )
                 lanes = list(self._live)
                 lane = lanes[0]
@@ -392,16 +397,7 @@ class Lanes:
                     logger.info("batchd: stream on %r failed (%s); reopening", lane.conn.target, e)
                     self.abandon_streams()
                     cause, lost_at = e, time.monotonic() if lost_at is None else lost_at
-                    tries = failures[lane] = failures.get(lane, 0) + 1
-                    waited_s = time.monotonic() - lost_at
-                    if len(self._live) == 1 and tries > 1 and waited_s >= reconnect_timeout_s:
-                        # The last replica takes sessions but keeps failing their streams.
-                        raise Unavailable(
-                            f"the batchd server at {lane.conn.target!r} failed {tries} streams "
-                            f"in a row, each on a new session, for {waited_s:.1f} s "
-                            f"(reconnect_timeout_s={reconnect_timeout_s:g}); the last: {e}"
-                        ) from e
-                    self._recover(lane, e, cursor.next_batch, give_up=tries >= _MAX_RECOVERIES)
+                    self._recover(lane, e, cursor.next_batch, lost_at)
         except BaseException:
             self.abandon_streams()
             raise
@@ -418,22 +414,39 @@ class Lanes:
         replica that fails ]; the lanes striped again from that batch, as :meth:`stripe`."""
         self.abandon_streams()
         lane = next(lane for lane in self._lanes if lane.conn is conn)
-        self._recover(lane, cause, cursor.next_batch)
+        self._recover(lane, cause, cursor.next_batch, lost_at)
         return self.stripe(cursor, num_batches, cause=cause, lost_at=lost_at)
 
-    def _recover(
-        self, lane: _Lane, cause: BaseException, index: int, *, give_up: bool = False
-    ) -> None:
-        """After ``lane``'s stream failed: while other lanes are live, ask it once, at once,
-        for a new session; else (or when that fails, or ``give_up``) drop it."""
+    def _recover(self, lane: _Lane, cause: BaseException, index: int, lost_at: float) -> None:
+        """After ``lane``'s stream failed where batch ``index`` was due, in the outage that
+        began at ``lost_at``: while other lanes are live, ask it once, at once, for a new
+        session; else (or when that fails, or it failed too often) drop it.
+
+        Raises:
+            Unavailable: the lane is the last one, and keeps failing on new sessions past
+                ``reconnect_timeout_s`` after ``lost_at``.
+        """
         target = lane.conn.target
+        if lost_at != self._outage_at:
+            self._outage_at, self._failures = lost_at, {}
+        tries = self._failures[lane] = self._failures.get(lane, 0) + 1
         others = [other.conn.target for other in self._live if other is not lane]
         if not others:
+            waited_s = time.monotonic() - lost_at
+            timeout_s = self._options.reconnect_timeout_s
+            if tries > 1 and waited_s >= timeout_s:
+                # It takes new sessions, but no batch comes (retry_until cannot tell: its
+                # attempts succeed).
+                raise Unavailable(
+                    f"the batchd server at {target!r} took new sessions but lost each before "
+                    f"a batch came ({tries - 1} times in {waited_s:.1f} s, reconnect_timeout_s="
+                    f"{timeout_s:g} s); the last failure: {cause}. Check the server's log"
+                ) from cause
             self._drop(lane)  # stripe() waits for any replica, this one included
             return
         try:
-            if give_up:
-                raise Unavailable(f"its streams failed {_MAX_RECOVERIES} times in a row")
+            if tries >= _MAX_RECOVERIES:
+                raise Unavailable(f"its streams failed {tries} times in a row")
             self._open_on(lane, timeout_s=_RETRY_TIMEOUT_S)
         except BatchdError as e:
             self._drop(lane)
