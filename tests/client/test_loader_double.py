@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -19,9 +20,11 @@ from batchd.errors import (
     InvalidArgument,
     NotFound,
     SnapshotMismatch,
+    Unavailable,
 )
 
 from resume import assert_resume_yields_the_rest, sample_ids
+from wire_double import WireDouble, serve_double
 
 
 def _loader(address: str, **options: Any) -> batchd.Loader:
@@ -46,7 +49,7 @@ def test_an_epoch_yields_every_batch_with_exactly_its_fields(double: Any, transp
             assert b["array"].tolist() == [[i, -i] for i in b["sample_id"].tolist()]
         assert loader.batches_served == 4 and loader.last_failed_sample_ids == ()
         assert 0 <= server.acked_wait_s <= loader.wait_s and loader.wait_s > 0
-        session_id = loader._conn.session.reply.session_id
+        session_id = loader._lanes.primary.session.reply.session_id
     assert server.closed == [session_id]
 
 
@@ -135,7 +138,7 @@ def test_load_state_dict_reopens_the_session_on_the_saved_snapshot(double: Any) 
     """Another snapshot reopens the session pinned to it; a vanished one leaves it as it was."""
     server, address = double
     with _loader(address) as loader:
-        first = loader._conn.session.reply.session_id
+        first = loader._lanes.primary.session.reply.session_id
         loader.load_state_dict({**loader.state_dict(), "snapshot": "snap-0", "consumed": 3})
         assert server.opened[-1].snapshot == "snap-0" and loader.snapshot == "snap-0"
         assert server.closed == [first]
@@ -155,6 +158,33 @@ def test_server_errors_arrive_as_batchd_errors(double: Any) -> None:
     with _loader(address) as loader, pytest.raises(DataLoss, match="batch 2"):
         sample_ids(loader)
     assert loader.batches_served == 2
+
+
+def _forget_every_stream(self: WireDouble, request_iterator: Any, context: Any) -> Any:
+    """A StreamBatches that finds the session gone, whatever the session."""
+    self.starts.append(next(request_iterator).start)
+    context.abort(grpc.StatusCode.NOT_FOUND, "session expired")
+    yield  # a generator, as the real method
+
+
+@pytest.mark.parametrize("reconnect_timeout_s", [0.0, 1.0])
+@pytest.mark.timeout(60)
+def test_a_server_that_forgets_every_new_session_fails_the_loop_once_time_is_up(
+    monkeypatch: pytest.MonkeyPatch, reconnect_timeout_s: float
+) -> None:
+    """Every reopen succeeds and every stream finds its session gone: the Loader keeps
+    reopening until reconnect_timeout_s (with 0: once), then raises Unavailable; it never
+    loops on."""
+    monkeypatch.setattr(WireDouble, "StreamBatches", _forget_every_stream)
+    with serve_double() as (server, address):
+        with (
+            _loader(address, reconnect_timeout_s=reconnect_timeout_s) as loader,
+            pytest.raises(Unavailable, match="lost each before a batch came"),
+        ):
+            next(iter(loader))
+        assert len(server.opened) == len(server.starts) >= 2
+        if reconnect_timeout_s == 0:
+            assert len(server.opened) == 2
 
 
 def test_failed_sample_ids_of_the_latest_batch_are_exposed(double: Any) -> None:

@@ -111,3 +111,28 @@ def test_a_refusal_from_a_server_that_is_back_is_retried_until_the_deadline() ->
     message = str(caught.value)
     assert "still refused" in message and "reconnect_timeout_s=10" in message
     assert "--client-max-sessions=1 reached" in message
+
+
+def test_tries_whose_sessions_were_lost_before_a_batch_keep_their_backoff() -> None:
+    """A reopen that succeeded but lost its session before any batch counts: the next try
+    waits as the third would (about 0.2 s, not at once), and a deadline that passes meanwhile
+    says the server took sessions but lost them, not that it could not be reached."""
+    clock = FakeClock()
+    cause = errors.NotFound("expired")
+
+    def retry(attempt: Callable[[float], str], lost_at: float, failed_before: int) -> str:
+        return retry_until(
+            attempt,
+            target="t",
+            timeout_s=10,
+            lost_at=lost_at,
+            cause=cause,
+            failed_before=failed_before,
+            clock=clock,
+            sleep=clock.sleep,
+        )
+
+    assert retry(scripted(["session"]), clock.now, failed_before=2) == "session"
+    assert len(clock.sleeps) == 1 and 0.1 <= clock.sleeps[0] <= 0.2
+    with pytest.raises(errors.Unavailable, match=r"lost each before a batch came \(7 times"):
+        retry(scripted([]), clock.now - 10, failed_before=7)

@@ -1,5 +1,5 @@
 """Which targets a Loader stripes over: a list of replicas, or every address of a DNS name;
-anything naming one server keeps the single-server path (and its exact target string)."""
+anything naming one server is a stripe of one (with its exact target string)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from batchd._channel import ChannelSecurity
-from batchd._striping import Replicas, Stripes, replicas_of
+from batchd._lanes import Lanes
+from batchd._options import LoaderOptions
+from batchd._targets import Replicas, replicas_of
 from batchd.errors import InvalidArgument
 
 
@@ -45,15 +47,17 @@ def test_a_dns_name_with_several_addresses_becomes_one_replica_each_in_order() -
 def test_anything_naming_one_server_stays_the_single_target_it_was() -> None:
     """One address, an unresolvable name, a one-element list, a unix socket and host:port
     all go to the plain single-server path unchanged."""
-    assert replicas_of("dns:///one:50051", resolver=_resolver("10.0.0.7")) == "dns:///one:50051"
+    one = replicas_of("dns:///one:50051", resolver=_resolver("10.0.0.7"))
+    assert one == Replicas(("dns:///one:50051",))
 
     def fails(*_: Any, **__: Any) -> Any:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
-    assert replicas_of("dns:///later:50051", resolver=fails) == "dns:///later:50051"
-    assert replicas_of(["h1:50051"]) == "h1:50051"
-    assert replicas_of("unix:///run/batchd/batchd.sock") == "unix:///run/batchd/batchd.sock"
-    assert replicas_of("  h1:50051 ") == "h1:50051"
+    assert replicas_of("dns:///later:50051", resolver=fails) == Replicas(("dns:///later:50051",))
+    assert replicas_of(["h1:50051"]) == Replicas(("h1:50051",))
+    unix = "unix:///run/batchd/batchd.sock"
+    assert replicas_of(unix) == Replicas((unix,))
+    assert replicas_of("  h1:50051 ") == Replicas(("h1:50051",))
 
 
 def test_a_list_of_replicas_is_striped_and_mistakes_are_refused_by_name() -> None:
@@ -78,18 +82,20 @@ def test_resolving_again_adds_new_replicas_and_forgets_vanished_dropped_ones() -
     """A pool that scaled out is striped over from then on; an address the name no longer
     has is forgotten once it is out of the stripes (a live one stays until it fails)."""
     answers = [("10.0.0.1", "10.0.0.2")]
-    stripes = Stripes(
-        replicas_of("dns:///pool:1", resolver=_resolver(*answers[0])),  # type: ignore[arg-type]
+    lanes = Lanes(
+        replicas_of("dns:///pool:1", resolver=_resolver(*answers[0])),
         ChannelSecurity(),
+        LoaderOptions(dataset="d", batch_size=1, rank=0, world_size=1),
+        {"device": "cpu"},
         resolver=lambda *a, **k: _resolver(*answers[-1])(*a, **k),
     )
     try:
-        stripes._live = [stripes._replicas[0]]  # 10.0.0.2 is out of the stripes
+        lanes._live = [lanes._lanes[0]]  # 10.0.0.2 is out of the stripes
         answers.append(("10.0.0.1", "10.0.0.3"))
-        stripes._resolve_again()
-        assert [r.conn.target for r in stripes._replicas] == ["10.0.0.1:1", "10.0.0.3:1"]
+        lanes._resolve_again()
+        assert [lane.conn.target for lane in lanes._lanes] == ["10.0.0.1:1", "10.0.0.3:1"]
         answers.append(("10.0.0.3",))
-        stripes._resolve_again()
-        assert [r.conn.target for r in stripes._replicas] == ["10.0.0.1:1", "10.0.0.3:1"]
+        lanes._resolve_again()
+        assert [lane.conn.target for lane in lanes._lanes] == ["10.0.0.1:1", "10.0.0.3:1"]
     finally:
-        stripes.close()
+        lanes.close()

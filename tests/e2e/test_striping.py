@@ -1,4 +1,4 @@
-"""Striping one Loader over several replicas (DESIGN §7): batch k from replica k mod R, the
+"""Striping one Loader over several replicas: batch k from replica k mod R, the
 loop sees one server's epoch in order, and a replica killed mid-epoch loses and repeats no
 batch. Real ``batchd-server serve`` processes, one decode worker each."""
 
@@ -173,8 +173,7 @@ def test_a_replica_killed_mid_epoch_loses_and_repeats_no_batch(
             state = loader.state_dict()
             got += _epoch(loader)
             assert got == want, "a batch was lost, repeated or out of order"
-            assert loader._stripes is not None
-            assert loader._stripes.live_targets == [socks[0], socks[2]]
+            assert loader._lanes.live_targets == [socks[0], socks[2]]
             assert _epoch(loader) == want_next
         assert state["next_batch"] == 15 and state["consumed"] == 150
         with _loader(socks, transport) as resumed:
@@ -205,7 +204,7 @@ def test_a_dns_name_of_three_addresses_stripes_every_third_batch_to_each(
             sys.path[:0] = {sys.path!r}
             from test_striping import _epoch, _loader
             with _loader("dns:///batchd-pool:{port}") as loader:
-                print(json.dumps([loader._stripes.live_targets, _epoch(loader)]))
+                print(json.dumps([loader._lanes.live_targets, _epoch(loader)]))
         """)
         wrapper = 'mount --bind "$1" /etc/hosts || exit 97; shift; exec "$@"'
         unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", wrapper, "sh"]

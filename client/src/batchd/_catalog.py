@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -14,19 +13,17 @@ import grpc
 from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
 from batchd._status import error_from_rpc
+from batchd._targets import resolve_target
 from batchd._wire.lifetime import Closeable
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "TARGET_ENV",
     "Catalog",
     "DatasetInfo",
     "SplitInfo",
-    "resolve_target",
 ]
 
-TARGET_ENV = "BATCHD_TARGET"
 DEFAULT_TIMEOUT_S = 30.0
 
 
@@ -84,22 +81,6 @@ class DatasetInfo:
                 SplitInfo(name=s.name, samples=s.samples, verified=s.verified) for s in msg.splits
             ),
         )
-
-
-def resolve_target(target: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """The server address to use: ``target`` if given, else ``$BATCHD_TARGET``.
-
-    Raises:
-        InvalidArgument: neither is set.
-    """
-    env = os.environ if environ is None else environ
-    resolved = target if target is not None else env.get(TARGET_ENV, "")
-    if not resolved.strip():
-        raise InvalidArgument(
-            "no batchd server address: pass target= (for example 'unix:///run/batchd/grpc.sock' "
-            f"or 'localhost:50051') or set {TARGET_ENV}"
-        )
-    return resolved.strip()
 
 
 class Catalog(Closeable):

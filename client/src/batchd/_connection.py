@@ -1,8 +1,9 @@
-"""What a Loader holds outside Python: its channel, its open session, its live stream.
+"""What a Loader holds outside Python on each server: a channel, a session, a live stream.
 
-A :class:`Connection` is closed by the Loader's ``weakref.finalize``, never by the Loader
-itself, so a Loader that is garbage-collected without ``close()`` still frees its ring
-mapping, its doorbell and its session on the server.
+A Loader has one :class:`Connection` per replica it draws from (one on one server; see
+``batchd._lanes``). They are closed by the Loader's ``weakref.finalize``, never by the
+Loader itself, so a Loader that is garbage-collected without ``close()`` still frees its
+ring mappings, its doorbells and its sessions on the servers.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import grpc
 
 from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._device import Delivery, make_delivery
+from batchd._inline import InlineStream
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
-from batchd._shm import ShmRing
+from batchd._shm import ShmRing, ShmStream
+from batchd._state import Cursor
 from batchd._stats import BatchTiming
 from batchd._status import error_from_rpc
 from batchd._stream import BatchStream, ReceivedBatch
@@ -97,7 +100,8 @@ class SessionHandle:
 
 
 class Connection:
-    """A Loader's channel to ``target``, its session and its live stream."""
+    """A Loader's channel to the server at ``target``, its session there and its live
+    stream."""
 
     def __init__(
         self,
@@ -160,6 +164,70 @@ class Connection:
         if previous is not None and previous is not session:
             previous.close(self.stub, self.target)
 
+    def start_stream(self, cursor: Cursor, *, stride: int, timeout_s: float) -> BatchStream:
+        """Start the session's stream of every ``stride``-th batch of ``cursor``'s epoch from
+        its ``next_batch`` on (stride 1: every batch), without waiting for a batch (the
+        replicas a Loader stripes over start decoding together); it becomes :attr:`stream`.
+
+        A stream cancelled moments ago may not have ended on the server yet; the server ends
+        it when this one starts (one stream per session).
+
+        Raises:
+            NotFound: the server forgot the session (shm says so here; inline at the first
+                receive).
+            BatchdError: the server refused the stream, or (shm) did not accept it within
+                ``timeout_s``.
+        """
+        session = self.session
+        assert session is not None, "a stream starts on a session"
+        session.streams_started += 1
+        start = loader_pb2.StreamStart(
+            session_id=session.reply.session_id,
+            epoch=cursor.epoch,
+            start_batch=cursor.next_batch,
+            start_sample=cursor.start,
+            order_world_size=cursor.order_world_size,
+            transport=session.transport,
+            stride=stride,
+        )
+        stream: BatchStream
+        if session.ring is not None:
+            start.seq = session.streams_started
+            start.held_leases.extend(session.delivery.lent())
+            stream = ShmStream(start, ring=session.ring, accept_timeout_s=timeout_s)
+        else:
+            stream = InlineStream(self.stub, start, target=self.target, timeout_s=timeout_s)
+        self.stream = stream
+        return stream
+
+    def ack_ready(self) -> None:
+        """Ack what the delivery can give back without waiting (zero-copy slots of a batch
+        the loop has let go of, finished device copies)."""
+        session, stream = self.session, self.stream
+        if session is not None and stream is not None:
+            stream.ack(session.delivery.advance(wait=False), ())
+
+    def finish_stream(self, take_pending: Callable[[], Sequence[BatchTiming]]) -> None:
+        """After the last batch this stream had to serve: give back every slot, report the
+        pending timings and wait for the server's end of the stream.
+
+        Raises:
+            DataLoss: the server sent more batches than the epoch has.
+            BatchdError: the stream ended with an error (not Unavailable: every batch
+                arrived, only the goodbye was lost).
+        """
+        stream, session = self.stream, self.session
+        if stream is None or session is None:
+            return
+        self.stream = None
+        try:
+            stream.ack(session.delivery.drain(), ())
+            stream.finish(take_pending())
+        except Unavailable as e:
+            logger.info(
+                "batchd: the server at %r went away after its last batch: %s", self.target, e
+            )
+
     def abandon_stream(self) -> None:
         """Cancel the live stream, after device copies still reading its slots finish."""
         stream, self.stream = self.stream, None
@@ -184,7 +252,7 @@ def receive_batch(
     take_pending: Callable[[], Sequence[BatchTiming]],
     plan: tuple[str, int, int, int],
 ) -> ReceivedBatch:
-    """The next batch of ``stream``, in the epoch loops of the Loader and of striping.
+    """The next batch of ``stream``, in the Loader's epoch loop.
 
     The held batches' acks go out before blocking: they are the credits the server may need
     to produce the batch awaited. ``plan`` is (target, index due, batches, epoch), for errors.

@@ -1,15 +1,15 @@
 """``batchd.Loader``: batches from a batchd server, in place of ``torch.utils.data.DataLoader``.
 
-A Loader is one session on the server (opened in the constructor, so a wrong dataset name
-or a too-small ``/dev/shm`` fails at once and ``len()`` works) plus a cursor (epoch, next
-batch). Each iteration is one ``StreamBatches`` call that starts at the cursor and moves it
-as batches are handed out, so ``state_dict()`` at any moment says where the next iteration
-starts, and a fresh Loader given that state yields exactly the rest of the run.
+A Loader is a session on the server, or one on each replica it stripes over (opened in the
+constructor, so a wrong dataset name or a too-small ``/dev/shm`` fails at once and ``len()``
+works), plus a position (epoch, next batch; ``batchd._state``). Each iteration streams the
+epoch from the position, one stream per replica (``batchd._lanes``), and moves it as batches
+are handed out, so ``state_dict()`` at any moment says where the next iteration starts, and
+a fresh Loader given that state yields exactly the rest of the run.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import weakref
@@ -21,25 +21,20 @@ from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
 from batchd._device import Batch, resolve_device
-from batchd._inline import InlineStream
-from batchd._loader_info import LoaderInfo
+from batchd._lanes import Lanes
 from batchd._mix import Mix
-from batchd._options import MAX_BATCH_SIZE, LoaderOptions
+from batchd._options import LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
-from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S, retry_until
-from batchd._shm import ShmStream
+from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._specs import PipelineSpec, check_int
-from batchd._state import STATE_FORMAT, Cursor, SavedPosition, check_state
-from batchd._stats import LoopClock
-from batchd._stream import BatchStream, ReceivedBatch
-from batchd._striping import connect
-from batchd._version import __version__
-from batchd._wire.epoch import rest_of_epoch
+from batchd._state import Cursor, Position
+from batchd._stats import LoaderStats, LoopClock
+from batchd._stream import BatchStream
+from batchd._targets import replicas_of
+from batchd._wire.lifetime import Closeable
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
-__all__ = ["MAX_BATCH_SIZE", "STATE_FORMAT", "Loader"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["Loader"]
 
 _SUPERSEDED: Final = (
     "this iterator over the Loader was abandoned: a newer iter(loader), set_epoch(), "
@@ -47,7 +42,7 @@ _SUPERSEDED: Final = (
 )
 
 
-class Loader(LoaderInfo):
+class Loader(Closeable):
     """Batches of one split of a dataset, decoded by a batchd server.
 
     Args:
@@ -175,106 +170,43 @@ class Loader(LoaderInfo):
             sources=sources,
         )
         self._device = resolve_device(device)
-        self._conn, self._stripes = connect(target, ChannelSecurity.resolve(auth_token, tls_ca))
-        self._finalizer = weakref.finalize(self, (self._stripes or self._conn).close)
+        self._lanes = Lanes(
+            replicas_of(target),
+            ChannelSecurity.resolve(auth_token, tls_ca),
+            self._options,
+            {"device": self._device, "zero_copy": self._options.zero_copy, "h2d": self._h2d},
+        )
+        self._finalizer = weakref.finalize(self, self._lanes.close)
         self._closed = False
         self._iteration: object | None = None
-        self._lost: SessionHandle | None = None
-        """The session the server lost, while reconnecting has not replaced it."""
-        self._epoch = 0
-        self._next_batch = 0
-        # After an elastic resume, the epoch's plan is the rest of the epoch after this many
-        # entries of its global order, built for this world size (see batchd._state).
-        self._epoch_start = 0
-        self._order_world_size = 0
+        self._position = Position(self._options)
         self._clock = LoopClock()
         self.last_failed_sample_ids: tuple[int, ...] = ()
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
         or replaced (``"replace"``)."""
         try:
-            if self._stripes is None:
-                self._conn.replace_session(self._open_session())
-            else:
-                self._stripes.open(self)
+            self._lanes.open()
         except BaseException:
             self._finalizer()
             raise
 
-    # -- session ---------------------------------------------------------------------------
-
-    def _open_session(
-        self,
-        version: str | None = None,
-        snapshot: str | None = None,
-        *,
-        conn: Connection | None = None,
-        wait_for_ready: bool = False,
-        timeout_s: float | None = None,
-    ) -> SessionHandle:
-        options = self._options
-        return (conn or self._conn).open_session(
-            options.to_request(version=version, snapshot=snapshot),
-            transport=options.transport,
-            timeout_s=options.timeout_s if timeout_s is None else timeout_s,
-            wait_for_ready=wait_for_ready,
-            delivery_options={
-                "device": self._device,
-                "zero_copy": options.zero_copy,
-                "h2d": self._h2d,
-            },
-        )
-
     def _session(self) -> SessionHandle:
+        """The session that answers for the Loader (on a striped Loader, the primary's)."""
         if self._closed:
             raise FailedPrecondition(
                 f"this Loader for dataset {self._options.dataset!r} is closed; create a new one"
             )
-        if self._conn.session is None:
-            # A reconnect gave up (Unavailable was raised); try once more now.
-            assert self._lost is not None, "a Loader that is not closed has a session"
-            reply = self._lost.reply
-            session = self._open_session(reply.version, reply.snapshot)
-            self._conn.replace_session(session)
-            self._lost = None
-            return session
-        return self._conn.session
+        return self._lanes.session()
 
     def _abandon(self) -> None:
         self._iteration = None
-        (self._stripes or self._conn).abandon_stream()
+        self._lanes.abandon_streams()
 
     # -- iteration -------------------------------------------------------------------------
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same on every rank)."""
         return self._session().num_batches
-
-    def _epoch_batches(self) -> int:
-        """Batches of the current epoch's plan on this rank: ``len(self)``, or fewer for the
-        rest of an epoch after an elastic resume."""
-        session = self._session()
-        if self._epoch_start == 0:
-            return session.num_batches
-        options = self._options
-        assert options.world_size is not None  # set in LoaderOptions
-        return rest_of_epoch(
-            int(session.reply.num_rows),
-            self._epoch_start,
-            batch_size=options.batch_size,
-            world_size=options.world_size,
-            drop_last=options.drop_last,
-        )[1]
-
-    def _position(self) -> Cursor:
-        """Where the next iteration starts."""
-        n = self._epoch_batches()
-        if self._next_batch >= n and (n > 0 or self._epoch_start > 0):
-            return Cursor(self._epoch + 1)
-        return Cursor(self._epoch, self._next_batch, self._epoch_start, self._order_world_size)
-
-    def _move_to(self, cursor: Cursor) -> None:
-        self._epoch, self._next_batch = cursor.epoch, cursor.next_batch
-        self._epoch_start, self._order_world_size = cursor.start, cursor.order_world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Serve ``epoch``'s order from the next iteration on.
@@ -284,180 +216,91 @@ class Loader(LoaderInfo):
         starts at its first batch and abandons a live iteration.
         """
         epoch = check_int("epoch", epoch, 0, (1 << 63) - 1)
-        started = self._next_batch > 0 or self._epoch_start > 0
-        if epoch == self._epoch and started and self._next_batch < self._epoch_batches():
+        position = self._position
+        started = position.next_batch > 0 or position.start > 0
+        # Short-circuits: a Loader that has not started the epoch needs no session here.
+        if (
+            epoch == position.epoch
+            and started
+            and position.next_batch < position.epoch_batches(self._session().reply)
+        ):
             return
         if self._iteration is not None:
             self._abandon()
-        self._move_to(Cursor(epoch))
+        position.move_to(Cursor(epoch))
 
     def __iter__(self) -> Iterator[Batch]:
         self._session()
         self._abandon()
         token = object()
         self._iteration = token
-        many = self._stripes  # the replicas to stripe over (batchd._striping), or None
-        return self._iterate(token) if many is None else many.iterate(self, token, _SUPERSEDED)
+        return self._iterate(token)
 
     def _iterate(self, token: object) -> Iterator[Batch]:
+        """The one epoch loop: batches in order from the lanes, each lane serving every R-th
+        (one lane, every batch); see NOTE [ A replica that fails ] in ``batchd._lanes``."""
         if self._iteration is not token:
             raise FailedPrecondition(_SUPERSEDED)
-        session = self._session()
-        cursor = self._position()
-        self._move_to(cursor)
-        epoch, start = cursor.epoch, cursor.next_batch
-        num_batches = self._epoch_batches()
-        if start >= num_batches:  # an epoch without batches (drop_last, tiny split)
-            self._move_to(Cursor(epoch + 1))
+        lanes, position, clock = self._lanes, self._position, self._clock
+        reply = lanes.refresh().reply
+        cursor = position.cursor(reply)
+        position.move_to(cursor)
+        epoch, num_batches = cursor.epoch, position.epoch_batches(reply)
+        if cursor.next_batch >= num_batches:  # an epoch without batches (drop_last, tiny split)
+            position.move_to(Cursor(epoch + 1))
             return
-        clock = self._clock
         clock.iteration_started()
-        try:
-            stream, batch = self._open_stream(session, cursor)
-        except (NotFound, Unavailable) as e:
-            # The server forgot the session: it sat idle past the lease (a long evaluation
-            # between epochs) or the server restarted. Sampling is a pure function of the
-            # options and the snapshot, so a new session on the same snapshot serves exactly
-            # the batches the old one would have.
-            logger.info("batchd: session %s is gone (%s); reopening", session.reply.session_id, e)
-            stream, batch = self._resume(cursor, e, time.monotonic())
+        stripes = lanes.stripe(cursor, num_batches)
+        mine = _streams(stripes)
+        """This iteration's streams: only those are its to cancel."""
+        first, stride = cursor.next_batch, len(stripes)
         lost_at: float | None = None
-        """When the server went away, until a batch arrives again."""
+        """When a server went away, until a batch arrives again."""
+        previous: Connection | None = None
         finished = False
         try:
-            index = start
+            index = first
             while index < num_batches:
-                session = self._session()
-                delivery = session.delivery
-                plan = (self._conn.target, index, num_batches, epoch)
+                conn = stripes[(index - first) % stride]
+                session, stream = conn.session, conn.stream
+                assert session is not None and stream is not None, "a lane has a stream"
+                plan = (conn.target, index, num_batches, epoch)
                 try:
-                    if batch is None:
-                        batch = receive_batch(stream, session, clock.take_pending, plan)
+                    if previous is not conn and previous is not None:
+                        # Zero-copy slots of the batch the loop just let go of go back now.
+                        previous.ack_ready()
+                    batch = receive_batch(stream, session, clock.take_pending, plan)
                 except (NotFound, Unavailable) as e:
-                    # The server went away mid-epoch (killed, restarted, shutting down):
-                    # reopen at the first batch the loop has not seen.
-                    if lost_at is None:
-                        lost_at = time.monotonic()
-                    stream, batch = self._resume(replace(cursor, next_batch=index), e, lost_at)
+                    # The server went away or forgot the session: continue at the first
+                    # batch the loop has not seen.
+                    lost_at = time.monotonic() if lost_at is None else lost_at
+                    at = replace(cursor, next_batch=index)
+                    stripes = lanes.lost(conn, e, at, num_batches, lost_at)
+                    mine, first, stride, previous = _streams(stripes), index, len(stripes), None
                     continue
                 expect_batch(batch, plan)
-                out, acks = delivery.deliver(batch)
+                out, acks = session.delivery.deliver(batch)
                 clock.handed(batch.rows)
-                failed, batch, lost_at = batch.failed_sample_ids, None, None
                 stream.ack(acks, clock.take_pending())
-                self._next_batch = index + 1
-                self.last_failed_sample_ids = failed
-                index += 1
+                position.next_batch = index + 1
+                self.last_failed_sample_ids = batch.failed_sample_ids
+                # Only the tensors may keep the slot: it goes back when the training loop drops
+                # them (see NOTE [ Slot lifecycle on the client ] in batchd._device).
+                del batch
+                index, previous, lost_at = index + 1, conn, None
                 yield out
                 if self._iteration is not token:
                     raise FailedPrecondition(_SUPERSEDED)
                 clock.asked()
-            delivery = self._session().delivery
-            try:
-                stream.ack(delivery.drain(), ())
-                stream.finish(clock.take_pending())
-            except Unavailable as e:
-                # Every batch of the epoch arrived; only the goodbye was lost.
-                logger.info("batchd: the server went away after the epoch's last batch: %s", e)
+            for conn in stripes:
+                conn.finish_stream(clock.take_pending)
             finished = True
-            self._move_to(Cursor(epoch + 1))
+            position.move_to(Cursor(epoch + 1))
         finally:
-            if self._conn.stream is stream:
-                self._conn.stream = None
-                if not finished:
-                    if self._conn.session is not None:
-                        self._conn.session.delivery.drain()
-                    stream.cancel()
-            elif not finished:
-                stream.cancel()
+            if not finished:
+                lanes.abandon(mine)
             if self._iteration is token:
                 self._iteration = None
-
-    def _resume(
-        self, cursor: Cursor, cause: BaseException, lost_at: float
-    ) -> tuple[BatchStream, ReceivedBatch | None]:
-        """After the server went away (at ``lost_at``, monotonic): a new session on the same
-        snapshot and a stream from ``cursor`` (the first batch the loop has not seen),
-        retried with backoff until ``reconnect_timeout_s`` after ``lost_at`` while the server
-        is away or refuses the session (see :func:`batchd._reconnect.retry_until`).
-
-        Raises:
-            Unavailable: the server did not come back in time (names the target).
-            ResourceExhausted: it came back but still refused the session at the deadline.
-            NotFound, SnapshotMismatch, ...: the server came back and refused the session.
-        """
-        old = self._session()
-        self._conn.abandon_stream()
-        self._conn.session, self._lost = None, old
-        old.close(self._conn.stub, self._conn.target, quiet=True)
-        version, snapshot = old.reply.version, old.reply.snapshot
-        options = self._options
-
-        def attempt(left_s: float) -> tuple[BatchStream, ReceivedBatch | None]:
-            session = self._open_session(
-                version,
-                snapshot,
-                wait_for_ready=left_s > 0,
-                timeout_s=min(left_s, options.timeout_s) if left_s > 0 else None,
-            )
-            if session.num_batches != old.num_batches:
-                session.close(self._conn.stub, self._conn.target)
-                raise FailedPrecondition(
-                    f"the restarted server at {self._conn.target!r} plans "
-                    f"{session.num_batches} batches per epoch on snapshot {snapshot}, this "
-                    f"Loader had {old.num_batches}; create a new Loader"
-                )
-            self._conn.replace_session(session)
-            self._lost = None
-            try:
-                return self._open_stream(session, cursor)
-            except NotFound as e:  # gone again already: another restart
-                raise Unavailable(str(e)) from e
-
-        return retry_until(
-            attempt,
-            target=self._conn.target,
-            timeout_s=options.reconnect_timeout_s,
-            lost_at=lost_at,
-            cause=cause,
-        )
-
-    def _open_stream(
-        self, session: SessionHandle, cursor: Cursor
-    ) -> tuple[BatchStream, ReceivedBatch | None]:
-        """Start the epoch's stream at ``cursor`` and take its first batch.
-
-        A stream this Loader cancelled moments ago may not have ended on the server yet; the
-        server ends it when this one starts (one stream per session).
-        """
-        session.streams_started += 1
-        start = loader_pb2.StreamStart(
-            session_id=session.reply.session_id,
-            epoch=cursor.epoch,
-            start_batch=cursor.next_batch,
-            start_sample=cursor.start,
-            order_world_size=cursor.order_world_size,
-            transport=session.transport,
-        )
-        stream: BatchStream
-        if session.ring is not None:
-            start.seq = session.streams_started
-            start.held_leases.extend(session.delivery.lent())
-            stream = ShmStream(start, ring=session.ring, accept_timeout_s=self._options.timeout_s)
-        else:
-            stream = InlineStream(
-                self._conn.stub,
-                start,
-                target=self._conn.target,
-                timeout_s=self._options.timeout_s,
-            )
-        self._conn.stream = stream
-        try:
-            return stream, stream.receive()
-        except BaseException:
-            self._conn.stream = None
-            stream.cancel()
-            raise
 
     # -- state -----------------------------------------------------------------------------
 
@@ -469,33 +312,7 @@ class Loader(LoaderInfo):
         another world size); ``next_batch`` is this rank's batches of the epoch, for
         reading. Plain values only (JSON- and ``torch.save``-friendly).
         """
-        session = self._session()
-        cursor = self._position()
-        options = self._options
-        assert options.world_size is not None  # set in LoaderOptions
-        global_batch = options.batch_size * options.world_size
-        return {
-            "format": STATE_FORMAT,
-            "batchd_version": __version__,
-            "dataset": options.dataset,
-            "version": session.reply.version or options.version or "",
-            "split": session.reply.split or options.split,
-            "batch_size": options.batch_size,
-            "rank": options.rank,
-            "world_size": options.world_size,
-            "seed": options.seed,
-            "shuffle": options.shuffle,
-            "drop_last": options.drop_last,
-            "sampling": options.sampling,
-            "mix": options.mix_state(),
-            "epoch": cursor.epoch,
-            "consumed": cursor.start + cursor.next_batch * global_batch,
-            "order_world_size": cursor.order_world_size or options.world_size,
-            "next_batch": cursor.next_batch,
-            "num_batches": session.num_batches,
-            "rows": int(session.reply.num_rows),
-            "snapshot": session.reply.snapshot,
-        }
+        return self._position.get_state(self._session().reply)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next iteration start exactly where ``state`` (from :meth:`state_dict`) was.
@@ -513,58 +330,112 @@ class Loader(LoaderInfo):
             SnapshotMismatch: the catalog no longer has the snapshot's rows.
         """
         session = self._session()
-        mine = self.state_dict()
-        saved = check_state(state, mine, pinned_version=self._options.version)
+        saved = self._position.read_state(state, session.reply)
         self._abandon()
+        lanes = self._lanes
         candidate = session
-        if state["snapshot"] != mine["snapshot"] or state["version"] != mine["version"]:
-            candidate = self._open_session(state["version"] or None, state["snapshot"] or None)
+        if saved.reopen_on is not None:
+            version, snapshot = saved.reopen_on
+            candidate = lanes.open_session(version or None, snapshot or None)
         try:
-            cursor = self._cursor_for(saved, candidate)
+            self._position.reset(saved, candidate.reply, target=lanes.primary.target)
         except BaseException:
             if candidate is not session:
-                candidate.close(self._conn.stub, self._conn.target)
+                candidate.close(lanes.primary.stub, lanes.primary.target)
             raise
-        self._conn.replace_session(candidate)
-        self._move_to(cursor)
+        lanes.adopt(candidate)
 
-    def _cursor_for(self, saved: SavedPosition, session: SessionHandle) -> Cursor:
-        """The cursor that continues ``saved`` on ``session``."""
-        options = self._options
-        assert options.world_size is not None  # set in LoaderOptions
-        rows, num_batches = int(session.reply.num_rows), session.num_batches
-        global_batch = options.batch_size * options.world_size
-        if (saved.rows is not None and rows and saved.rows != rows) or (
-            saved.num_batches is not None
-            and saved.world_size == options.world_size
-            and saved.num_batches != num_batches
-        ):
-            raise InvalidArgument(
-                f"the state's split had rows={saved.rows}, num_batches={saved.num_batches}; "
-                f"this session has {rows} rows, {num_batches} batches per epoch: the state is "
-                "from another plan"
-            )
-        if saved.order_world_size == options.world_size and saved.consumed % global_batch == 0:
-            next_batch = saved.consumed // global_batch
-            if next_batch > num_batches:
-                raise InvalidArgument(
-                    f"state consumed={saved.consumed} is past this session's epoch of "
-                    f"{num_batches} batches of {global_batch}; the state is from another plan"
-                )
-            return Cursor(saved.epoch, next_batch)
-        if not rows:
-            raise FailedPrecondition(
-                f"the server at {self._conn.target!r} cannot resume a state saved at "
-                f"world_size={saved.world_size} on world_size={options.world_size} (it does "
-                "not report the split's rows); upgrade batchd-server, or resume with "
-                f"world_size={saved.world_size}"
-            )
-        return Cursor(saved.epoch, 0, saved.consumed, saved.order_world_size)
+    # -- what the loop waited for ----------------------------------------------------------
+
+    def stats(self) -> LoaderStats:
+        """The training loop's view of its data so far: batches and samples handed out, how
+        long ``next()`` waited and the steps in between took (totals and percentiles), the
+        stall ratio ``wait / (wait + step)``, and the time to the first batch. The server
+        exports the same per-batch numbers as ``batchd_client_wait_seconds``,
+        ``batchd_client_step_seconds`` and ``batchd_data_stall_ratio``."""
+        return self._clock.stats()
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the training loop spent blocked in ``next()``, in total."""
+        return self._clock.wait_s
+
+    @property
+    def batches_served(self) -> int:
+        """Batches handed to the training loop, in total."""
+        return self._clock.batches
+
+    # -- what the session is ---------------------------------------------------------------
+
+    @property
+    def target(self) -> str:
+        """The server answering for the Loader (striped: the primary replica)."""
+        return self._lanes.primary.target
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration serves."""
+        return self._position.cursor(self._session().reply).epoch
+
+    @property
+    def snapshot(self) -> str:
+        """The catalog snapshot served; pass it as ``snapshot=`` to pin other ranks."""
+        return self._session().reply.snapshot
+
+    @property
+    def version(self) -> str:
+        """The dataset version served ("" for a mix: see :attr:`mix_sources`)."""
+        return self._session().reply.version
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """A mix's source names in order, as the batches' ``source`` field numbers them
+        (``loader.sources[batch["source"][i]]``); ``()`` without a mix."""
+        mix = self._options.sources
+        return () if mix is None else mix.names
+
+    @property
+    def mix_sources(self) -> list[dict[str, Any]]:
+        """A mix's sources as the server resolved them, in order: ``dataset``, ``version``,
+        ``split``, ``weight``, ``rows`` (in the snapshot served) and ``epoch_samples`` (in one
+        epoch, all ranks together); ``[]`` without a mix."""
+        return [
+            {
+                "dataset": s.dataset,
+                "version": s.version,
+                "split": s.split,
+                "weight": s.weight,
+                "rows": int(s.rows),
+                "epoch_samples": int(s.epoch_samples),
+            }
+            for s in self._session().reply.sources
+        ]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per epoch on this rank, padding included."""
+        return int(self._session().reply.num_samples)
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` or ``"inline"``: what this session uses."""
+        return "shm" if self._session().transport == loader_pb2.TRANSPORT_SHM else "inline"
+
+    @property
+    def device(self) -> Any:
+        """``"cpu"`` or the ``torch.device`` batches are delivered to."""
+        return self._device
+
+    @property
+    def fields(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Field name → (dtype, one sample's largest shape), in slot order."""
+        reply = self._session().reply
+        return {f.name: (f.dtype, tuple(f.shape)) for f in reply.fields}
 
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Abandon a live iteration, close the session on the server, unmap, disconnect.
+        """Abandon a live iteration, close the sessions on the server, unmap, disconnect.
 
         Idempotent; after it, iterating raises FailedPrecondition.
         """
@@ -580,8 +451,13 @@ class Loader(LoaderInfo):
         )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"epoch {self._epoch}, batch {self._next_batch}"
+        position = self._position
+        state = "closed" if self._closed else f"epoch {position.epoch}, batch {position.next_batch}"
         return (
-            f"Loader(target={self._conn.target!r}, dataset={self._options.dataset!r}, "
+            f"Loader(target={self.target!r}, dataset={self._options.dataset!r}, "
             f"split={self._options.split!r}, batch_size={self._options.batch_size}) [{state}]"
         )
+
+
+def _streams(stripes: Sequence[Connection]) -> list[BatchStream]:
+    return [conn.stream for conn in stripes if conn.stream is not None]

@@ -33,6 +33,7 @@ def retry_until(
     timeout_s: float,
     lost_at: float,
     cause: BaseException,
+    failed_before: int = 0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> _T:
@@ -52,8 +53,10 @@ def retry_until(
         timeout_s: How long after ``lost_at`` to keep trying; 0: one try, and its error
             is raised as it is.
         lost_at: When the server was lost (``clock()`` time): a server that accepts a new
-            session but loses it again before any batch does not restart the clock.
+            session but loses it again before any batch does not restart the clock...
         cause: The failure that started the retrying.
+        failed_before: ...nor the backoff: tries of this outage that succeeded here but
+            failed before a batch came; the first try waits as if they had failed here.
 
     Raises:
         Unavailable: still failing at the deadline; the message names ``target``, the time
@@ -68,12 +71,17 @@ def retry_until(
     last: BaseException = cause
     tries = 0
     started = clock()
-    logger.warning(
-        "batchd: lost the server at %r; reconnecting, and the epoch resumes where it stopped: "
-        "nothing to do unless reconnecting fails (the error was: %s)",
-        target,
-        cause,
-    )
+    if failed_before == 0:
+        logger.warning(
+            "batchd: lost the server at %r; reconnecting, and the epoch resumes where it "
+            "stopped: nothing to do unless reconnecting fails (the error was: %s)",
+            target,
+            cause,
+        )
+    else:
+        delay = min(_FIRST_DELAY_S * 2 ** (failed_before - 1), _MAX_DELAY_S)
+        _pause(delay, deadline, clock, sleep)
+        delay = min(delay * 2, _MAX_DELAY_S)
     while True:
         left = deadline - clock()
         if left <= 0:
@@ -83,6 +91,12 @@ def retry_until(
                     f"but it still refused a new session for this Loader after "
                     f"reconnect_timeout_s={timeout_s:g} s ({tries} tries): {last}"
                 ) from last
+            if last is cause and failed_before:
+                raise Unavailable(
+                    f"the batchd server at {target!r} took new sessions but lost each before "
+                    f"a batch came ({failed_before} times within reconnect_timeout_s="
+                    f"{timeout_s:g} s); the last failure: {cause}. Check the server's log"
+                ) from cause
             raise Unavailable(
                 f"the batchd server at {target!r} went away ({cause}) and could not be "
                 f"reached again within reconnect_timeout_s={timeout_s:g} s ({tries} tries; "
@@ -97,9 +111,18 @@ def retry_until(
             logger.debug("batchd: reconnect try %d to %r failed: %s", tries, target, e)
         else:
             waited = clock() - started
-            logger.warning("batchd: back on %r after %.1f s (%d tries)", target, waited, tries)
+            level = logging.WARNING if failed_before == 0 else logging.DEBUG
+            logger.log(level, "batchd: back on %r after %.1f s (%d tries)", target, waited, tries)
             return result
-        pause = min(delay * random.uniform(0.5, 1.0), max(0.0, deadline - clock()))
-        if pause > 0:
-            sleep(pause)
+        _pause(delay, deadline, clock, sleep)
         delay = min(delay * 2, _MAX_DELAY_S)
+
+
+def _pause(
+    delay_s: float, deadline: float, clock: Callable[[], float], sleep: Callable[[float], None]
+) -> None:
+    """Sleep about ``delay_s`` (jittered, so clients lost together do not retry together),
+    never past ``deadline``."""
+    pause = min(delay_s * random.uniform(0.5, 1.0), max(0.0, deadline - clock()))
+    if pause > 0:
+        sleep(pause)

@@ -1,4 +1,9 @@
-"""What a Loader's saved state is, and whether a state fits a Loader.
+"""A Loader's position in its run, and the saved state that carries it: written and read here.
+
+:class:`Position` is where the next iteration starts. The Loader's epoch loop moves it as
+batches are handed out; :meth:`Position.get_state` writes it as ``Loader.state_dict()`` and
+:meth:`Position.read_state` with :meth:`Position.reset` read such a state back (the pair
+torchdata's ``BaseNode`` calls ``get_state`` and ``reset``).
 
 The cursor is global: ``consumed`` counts the entries of the epoch's global order that all
 ranks of the saving job served together (``batchd._wire.epoch``). It is the same on every rank
@@ -18,14 +23,17 @@ names them and the batchd that wrote them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from batchd._options import LoaderOptions
+from batchd._proto.batchd.v1 import loader_pb2
 from batchd._specs import check_int
 from batchd._version import __version__
-from batchd.errors import InvalidArgument
+from batchd._wire.epoch import rest_of_epoch
+from batchd.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["STATE_FORMAT", "Cursor", "SavedPosition", "check_state"]
+__all__ = ["STATE_FORMAT", "Cursor", "Position", "SavedPosition"]
 
 STATE_FORMAT: Final = 2
 _READS: Final = (1, 2)
@@ -80,18 +88,164 @@ class SavedPosition:
     """The split's rows when saved (format 2), to tell a state of another plan."""
     num_batches: int | None
     """Batches per epoch when saved (format 1 only)."""
+    reopen_on: tuple[str, str] | None = None
+    """(version, snapshot) of the saved rows when the Loader's session serves others: the
+    state resumes on a session opened on them ("" for the options' own)."""
 
 
-def check_state(
+class Position:
+    """Where a Loader is in its run: the epoch, and the batches of it handed out.
+
+    The attributes are the Loader's to move (its epoch loop sets ``next_batch`` after each
+    batch); ``reply`` arguments are the OpenSession answer of the session serving the run.
+
+    Args:
+        options: The Loader's options (the plan's batch size, world size and drop_last, and
+            what a saved state records).
+    """
+
+    def __init__(self, options: LoaderOptions) -> None:
+        assert options.world_size is not None  # set in LoaderOptions
+        self._options = options
+        self._world_size: int = options.world_size
+        self.epoch = 0
+        self.next_batch = 0
+        self.start = 0
+        """After an elastic resume, the epoch's plan is the rest of the epoch after this many
+        entries of its global order, built for ``order_world_size`` (0: the Loader's)."""
+        self.order_world_size = 0
+
+    def epoch_batches(self, reply: loader_pb2.OpenSessionResponse) -> int:
+        """Batches of the current epoch's plan on this rank: ``len(loader)``, or fewer for
+        the rest of an epoch after an elastic resume."""
+        if self.start == 0:
+            return int(reply.num_batches)
+        options = self._options
+        return rest_of_epoch(
+            int(reply.num_rows),
+            self.start,
+            batch_size=options.batch_size,
+            world_size=self._world_size,
+            drop_last=options.drop_last,
+        )[1]
+
+    def cursor(self, reply: loader_pb2.OpenSessionResponse) -> Cursor:
+        """Where the next iteration starts."""
+        n = self.epoch_batches(reply)
+        if self.next_batch >= n and (n > 0 or self.start > 0):
+            return Cursor(self.epoch + 1)
+        return Cursor(self.epoch, self.next_batch, self.start, self.order_world_size)
+
+    def move_to(self, cursor: Cursor) -> None:
+        self.epoch, self.next_batch = cursor.epoch, cursor.next_batch
+        self.start, self.order_world_size = cursor.start, cursor.order_world_size
+
+    def is_inside(self, epoch: int, reply: loader_pb2.OpenSessionResponse) -> bool:
+        """Whether ``epoch`` is the epoch this position is part way through."""
+        started = self.next_batch > 0 or self.start > 0
+        return epoch == self.epoch and started and self.next_batch < self.epoch_batches(reply)
+
+    # -- the saved state: written ----------------------------------------------------------
+
+    def get_state(self, reply: loader_pb2.OpenSessionResponse) -> dict[str, Any]:
+        """This position as a ``Loader.state_dict()``: plain values only (JSON- and
+        ``torch.save``-friendly); see ``Loader.state_dict`` for what they mean."""
+        cursor = self.cursor(reply)
+        options = self._options
+        global_batch = options.batch_size * self._world_size
+        return {
+            "format": STATE_FORMAT,
+            "batchd_version": __version__,
+            "dataset": options.dataset,
+            "version": reply.version or options.version or "",
+            "split": reply.split or options.split,
+            "batch_size": options.batch_size,
+            "rank": options.rank,
+            "world_size": self._world_size,
+            "seed": options.seed,
+            "shuffle": options.shuffle,
+            "drop_last": options.drop_last,
+            "sampling": options.sampling,
+            "mix": options.mix_state(),
+            "epoch": cursor.epoch,
+            "consumed": cursor.start + cursor.next_batch * global_batch,
+            "order_world_size": cursor.order_world_size or self._world_size,
+            "next_batch": cursor.next_batch,
+            "num_batches": int(reply.num_batches),
+            "rows": int(reply.num_rows),
+            "snapshot": reply.snapshot,
+        }
+
+    # -- the saved state: read -------------------------------------------------------------
+
+    def read_state(
+        self, state: Mapping[str, Any], reply: loader_pb2.OpenSessionResponse
+    ) -> SavedPosition:
+        """Check that ``state`` (a ``state_dict()``, any format this batchd reads) can resume
+        this Loader, whose session answered ``reply``; its position, for :meth:`reset`.
+
+        Raises:
+            InvalidArgument: ``state`` is not such a dict, is of a format this batchd cannot
+                read (the message names it), or was saved by a Loader with different options
+                (the message names the key).
+        """
+        mine = self.get_state(reply)
+        saved = _check_state(state, mine, pinned_version=self._options.version)
+        if state["snapshot"] != mine["snapshot"] or state["version"] != mine["version"]:
+            return replace(saved, reopen_on=(state["version"], state["snapshot"]))
+        return saved
+
+    def reset(
+        self, saved: SavedPosition, reply: loader_pb2.OpenSessionResponse, *, target: str
+    ) -> None:
+        """Move to where ``saved`` (from :meth:`read_state`) continues, on the session that
+        answered ``reply`` (on the saved rows). Nothing moves when it raises.
+
+        Raises:
+            InvalidArgument: the state is from another plan (other rows or batches).
+            FailedPrecondition: an elastic resume on a server (at ``target``) too old for it.
+        """
+        options = self._options
+        world_size = self._world_size
+        rows, num_batches = int(reply.num_rows), int(reply.num_batches)
+        global_batch = options.batch_size * world_size
+        if (saved.rows is not None and rows and saved.rows != rows) or (
+            saved.num_batches is not None
+            and saved.world_size == world_size
+            and saved.num_batches != num_batches
+        ):
+            raise InvalidArgument(
+                f"the state's split had rows={saved.rows}, num_batches={saved.num_batches}; "
+                f"this session has {rows} rows, {num_batches} batches per epoch: the state is "
+                "from another plan"
+            )
+        if saved.order_world_size == world_size and saved.consumed % global_batch == 0:
+            next_batch = saved.consumed // global_batch
+            if next_batch > num_batches:
+                raise InvalidArgument(
+                    f"state consumed={saved.consumed} is past this session's epoch of "
+                    f"{num_batches} batches of {global_batch}; the state is from another plan"
+                )
+            self.move_to(Cursor(saved.epoch, next_batch))
+            return
+        if not rows:
+            raise FailedPrecondition(
+                f"the server at {target!r} cannot resume a state saved at "
+                f"world_size={saved.world_size} on world_size={world_size} (it does not "
+                "report the split's rows); upgrade batchd-server, or resume with "
+                f"world_size={saved.world_size}"
+            )
+        self.move_to(Cursor(saved.epoch, 0, saved.consumed, saved.order_world_size))
+
+
+def _check_state(
     state: Mapping[str, Any], mine: Mapping[str, Any], *, pinned_version: str | None
 ) -> SavedPosition:
     """Check that ``state`` (a ``state_dict()``) can resume a Loader whose own state is
     ``mine``; return its position.
 
     Raises:
-        InvalidArgument: ``state`` is not such a dict, is of a format this batchd cannot
-            read (the message names it), or was saved by a Loader with different options
-            (the message names the key).
+        InvalidArgument: see :meth:`Position.read_state`.
     """
     if not isinstance(state, Mapping):
         raise InvalidArgument(f"state must be a dict from Loader.state_dict(), not {state!r}")

@@ -3,7 +3,8 @@
 Two transports implement :class:`BatchStream`: :class:`batchd._shm.ShmStream` (batches in the
 server's shared-memory ring, news of them on the session's doorbell socket) and
 :class:`batchd._inline.InlineStream` (batch bytes inside one gRPC ``StreamBatches`` call).
-``batchd._transport.select_transport`` picks one per session; the Loader is written
+``batchd._transport.select_transport`` picks one per session and
+``batchd._connection.Connection.start_stream`` starts it; the Loader's epoch loop is written
 against the protocol only.
 """
 
