@@ -188,3 +188,23 @@ def test_cancels_of_streams_that_are_over_leave_nothing_behind(
         for s in after.filter_traces(only).compare_to(before.filter_traces(only), "filename")
     )
     assert grown < 64 << 10, f"the doorbell holds {grown} more bytes after 20,000 cancels"
+
+
+def test_a_start_whose_seq_does_not_grow_is_refused_and_the_running_stream_goes_on(
+    server: RunningServer, opened: Any
+) -> None:
+    """START 5, then START 3: seq 3 ends at once with InvalidArgument; stream 5 is the one
+    accepted, untouched."""
+    with _connect(server) as sock:
+        reader = _hello(sock, opened)
+        sock.sendall(_start(opened, 5) + _start(opened, 3))
+        refusal, accepted = None, False
+        for kind, msg in _frames(reader):
+            assert (kind, msg.seq) != (END, 5), f"stream 5 ended: {msg}"
+            if (kind, msg.seq) == (END, 3):
+                refusal = msg
+            accepted = accepted or (kind, msg.seq) == (ACCEPTED, 5)
+            if refusal is not None and accepted:
+                break
+    assert refusal is not None
+    assert refusal.error_class == "InvalidArgument" and "seq=5" in refusal.message
