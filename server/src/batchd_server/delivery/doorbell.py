@@ -127,22 +127,16 @@ class ServerBell:
             self._last_sent = now
 
     def start(self, start: pb.StreamStart) -> None:
-        """Run the stream ``start`` asks for next, ending the one running."""
+        """Run the stream ``start`` asks for next, ending the one running. Every frame of an
+        earlier stream goes out before this one's ACCEPTED."""
         with self._lock:
             last = self._last_seq
-            if last is not None and start.seq <= last:
-                stale, replaced, running, spawn = True, None, None, None
-            else:
-                stale = False
+            stale = last is not None and start.seq <= last
+            if not stale:
                 self._last_seq = start.seq
-                replaced, self._pending = self._pending, start
+                replaced, self._pending = self._pending, None
                 running = self._stream
                 self._cancelled = self._running is not None
-                spawn = None
-                if self._runner is None:
-                    spawn = self._runner = threading.Thread(
-                        target=self._run, name="batchd-bell-stream", daemon=True
-                    )
         if stale:
             message = (
                 f"StreamStart seq={start.seq} does not follow seq={last} on the doorbell of "
@@ -158,6 +152,14 @@ class ServerBell:
             self.send(END, pb.DoorbellEnd(seq=replaced.seq))
         if running is not None:
             self._session.end_stream(running)
+        # Only the connection's reader calls start and cancel: nothing came between.
+        with self._lock:
+            self._pending = start
+            spawn = None
+            if self._runner is None:
+                spawn = self._runner = threading.Thread(
+                    target=self._run, name="batchd-bell-stream", daemon=True
+                )
         if spawn is not None:
             spawn.start()
 
