@@ -7,7 +7,10 @@ import contextlib
 import datetime
 import ipaddress
 import logging
+import os
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -30,6 +33,7 @@ from batchd_server.config import ServerConfig
 from serving import RECORD_FLOATS, batchd_segments, child_pids, record_dataset
 
 TOKEN = "s3cret-token-0123456789abcdef"
+HEALTHCHECK = [sys.executable, "-m", "batchd_server.cli", "healthcheck"]
 
 
 def _name(common_name: str) -> x509.Name:
@@ -183,6 +187,69 @@ def test_mutual_tls_needs_a_client_certificate_signed_by_the_client_ca(
         monkeypatch.setenv("BATCHD_TLS_CLIENT_CERT", str(pki["client"]))
         monkeypatch.setenv("BATCHD_TLS_CLIENT_KEY", str(pki["client-key"]))
         assert _epoch(server.address, tls_ca=pki["ca"], transport="inline") == 20
+
+
+def _healthcheck(target: str, *flags: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``batchd-server healthcheck --target target *flags``: its exit code and its line."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_TLS_")}
+    done = subprocess.run(
+        [*HEALTHCHECK, "--target", target, "--timeout-s", "10", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**environ, **(env or {})},
+    )
+    assert done.returncode in (0, 1), done
+    [line] = done.stdout.splitlines()
+    return done.returncode, line
+
+
+def test_the_healthcheck_probes_a_tls_server_with_the_ca_it_is_given(
+    engine: Engine, pki: dict[str, Path]
+) -> None:
+    """--tls-ca (or BATCHD_TLS_CA): SERVING over TLS. Without it the line says to pass it;
+    --tls-server-name checks the certificate against that name instead of the target's."""
+    ca = str(pki["ca"])
+    with tcp_server(engine, tls_cert=pki["server"], tls_key=pki["server-key"]) as server:
+        target = server.address
+        code, line = _healthcheck(target, "--tls-ca", ca)
+        assert code == 0 and line.endswith(f"; the server at {target} is SERVING"), line
+        assert _healthcheck(target, env={"BATCHD_TLS_CA": ca})[0] == 0
+        code, line = _healthcheck(target)
+        assert code == 1 and "--tls-ca" in line, line
+        assert _healthcheck(target, "--tls-ca", ca, "--tls-server-name", "localhost")[0] == 0
+        code, line = _healthcheck(target, "--tls-ca", ca, "--tls-server-name", "elsewhere.test")
+        assert code == 1 and "--tls-server-name" in line, line
+
+
+def test_the_healthcheck_presents_a_client_certificate_to_a_mutual_tls_server(
+    engine: Engine, pki: dict[str, Path]
+) -> None:
+    """--tls-client-ca on the server: the CA alone is refused, and the line names the client
+    certificate flags; with --tls-client-cert and --tls-client-key it is SERVING. An
+    unreadable file is one line naming it and its flag."""
+    config = {"tls_cert": pki["server"], "tls_key": pki["server-key"], "tls_client_ca": pki["ca"]}
+    ca = ["--tls-ca", str(pki["ca"])]
+    with tcp_server(engine, **config) as server:
+        code, line = _healthcheck(server.address, *ca)
+        assert code == 1 and "--tls-client-cert" in line, line
+        client = [
+            "--tls-client-cert",
+            str(pki["client"]),
+            "--tls-client-key",
+            str(pki["client-key"]),
+        ]
+        assert _healthcheck(server.address, *ca, *client)[0] == 0
+        env = {
+            "BATCHD_TLS_CLIENT_CERT": str(pki["client"]),
+            "BATCHD_TLS_CLIENT_KEY": str(pki["client-key"]),
+        }
+        assert _healthcheck(server.address, *ca, env=env)[0] == 0
+        code, line = _healthcheck(server.address, *ca, "--tls-client-cert", str(pki["client"]))
+        assert code == 1 and "--tls-client-key" in line, line
+        missing = str(pki["ca"].parent / "missing.pem")
+        code, line = _healthcheck(server.address, "--tls-ca", missing)
+        assert code == 1 and missing in line and "--tls-ca" in line, line
 
 
 def test_the_grpc_unix_socket_is_mode_0600(engine: Engine, tmp_path: Path) -> None:

@@ -68,3 +68,15 @@ def test_a_target_nobody_listens_on_is_unhealthy_and_says_so(tmp_path: Path) -> 
     assert done.returncode == 1, done
     [line] = done.stdout.splitlines()
     assert line.startswith(f"nothing answers at {target}") and "--target" in line
+
+
+def test_the_healthcheck_reads_the_tls_variables_the_client_library_reads() -> None:
+    """A container set up for batchd clients (BATCHD_TLS_CA, BATCHD_TLS_CLIENT_CERT/KEY)
+    needs nothing more for `healthcheck --target` over TLS."""
+    from batchd._channel import TLS_CA_ENV, TLS_CLIENT_CERT_ENV, TLS_CLIENT_KEY_ENV
+    from batchd_server.config import ServerConfig
+    from batchd_server.settings import setting_of
+
+    names = ("healthcheck_tls_ca", "healthcheck_tls_client_cert", "healthcheck_tls_client_key")
+    envs = tuple(setting_of(ServerConfig, name).env for name in names)
+    assert envs == (TLS_CA_ENV, TLS_CLIENT_CERT_ENV, TLS_CLIENT_KEY_ENV)

@@ -12,13 +12,15 @@ import argparse
 import logging
 import signal
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchd_server import __version__
 from batchd_server.config import ServerConfig
 from batchd_server.settings import add_arguments, setting_of
 
-if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
+if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy; grpc loads only with --target
+    from batchd_server.api.health import ProbeTls
     from batchd_server.catalog.db import Engine
 
 __all__ = ["EXIT_UNHEALTHY", "add_commands", "cmd_healthcheck", "cmd_serve"]
@@ -49,7 +51,9 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Check that the shared-memory directory has --min-free-shm free and, with "
         "--target, that the server's gRPC health service says SERVING. Prints one line; exits "
         "0 when healthy, 1 when not (the line says what to change). Without --target it "
-        "needs no server: a Docker HEALTHCHECK, an init container or a pre-flight can use it.",
+        "needs no server: a Docker HEALTHCHECK, an init container or a pre-flight can use it. "
+        "A TLS server needs --tls-ca (and, for mutual TLS, --tls-client-cert and "
+        "--tls-client-key); the health check needs no token.",
     )
     add_arguments(p, ServerConfig, "healthcheck")
     p.add_argument(
@@ -70,6 +74,12 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         default=5.0,
         metavar="S",
         help="how long to wait for the server's answer (default %(default)s)",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="with --tls-ca: the name the server's certificate must have, when --target "
+        "names it otherwise (127.0.0.1 inside its container, say) (default: --target's host)",
     )
     p.set_defaults(func=cmd_healthcheck, needs_catalog=False)
 
@@ -156,7 +166,13 @@ def cmd_healthcheck(args: argparse.Namespace, engine: Engine | None) -> int:
     if problem is None and args.target:
         from batchd_server.api.health import check_server
 
-        problem = check_server(args.target, service=args.service, timeout_s=args.timeout_s)
+        tls = _probe_tls(config, args.tls_server_name)
+        if isinstance(tls, str):
+            problem = tls
+        else:
+            problem = check_server(
+                args.target, service=args.service, timeout_s=args.timeout_s, tls=tls
+            )
     if problem is not None:
         print(" ".join(problem.split()))
         return EXIT_UNHEALTHY
@@ -168,3 +184,46 @@ def cmd_healthcheck(args: argparse.Namespace, engine: Engine | None) -> int:
         line += f"; the server at {args.target} is SERVING"
     print(line)
     return 0
+
+
+def _probe_tls(config: ServerConfig, server_name: str | None) -> ProbeTls | str | None:
+    """How the health check speaks TLS (None: plaintext), or the line saying why it cannot."""
+    from batchd_server.api.health import ProbeTls
+
+    ca, cert, key = (
+        "healthcheck_tls_ca",
+        "healthcheck_tls_client_cert",
+        "healthcheck_tls_client_key",
+    )
+    paths: dict[str, Path | None] = {name: getattr(config, name) for name in (ca, cert, key)}
+    if (paths[cert] is None) != (paths[key] is None):
+        given, missing = (cert, key) if paths[key] is None else (key, cert)
+        return (
+            f"mutual TLS needs a certificate and its key: {_where(given)} is set, so set "
+            f"{_where(missing)} too"
+        )
+    if paths[ca] is None:
+        if paths[cert] is None and server_name is None:
+            return None
+        what = "--tls-server-name" if paths[cert] is None else _where(cert)
+        return f"{what} is for a TLS server: also set {_where(ca)}"
+    pems: dict[str, bytes] = {}
+    for name, path in paths.items():
+        if path is not None:
+            try:
+                pems[name] = path.read_bytes()
+            except OSError as e:
+                return f"cannot read {path} (given by {_where(name)}): {e.strerror or e}"
+    return ProbeTls(
+        ca=pems[ca],
+        ca_path=str(paths[ca]),
+        client_cert=pems.get(cert),
+        client_key=pems.get(key),
+        server_name=server_name,
+    )
+
+
+def _where(name: str) -> str:
+    """``--flag (BATCHD_VAR)`` of setting ``name``."""
+    s = setting_of(ServerConfig, name)
+    return f"{s.flag} ({s.env})"

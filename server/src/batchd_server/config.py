@@ -112,6 +112,7 @@ def _relative_root(roots: tuple[Path, ...]) -> str | None:
 
 
 _SERVE_AND_CHECK = ("serve", "healthcheck")
+_CHECK = ("healthcheck",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,6 +357,41 @@ class ServerConfig:
             env="BATCHD_TLS_CLIENT_CA",
             parse=Path,
             metavar="PEM",
+        ),
+    )
+    healthcheck_tls_ca: Path | None = field(
+        default=None,
+        metadata=setting(
+            "healthcheck --target over TLS: the PEM CA bundle that signed the server's "
+            "certificate (the variable the client library reads too)",
+            flag="--tls-ca",
+            env="BATCHD_TLS_CA",
+            parse=Path,
+            metavar="PEM",
+            commands=_CHECK,
+        ),
+    )
+    healthcheck_tls_client_cert: Path | None = field(
+        default=None,
+        metadata=setting(
+            "healthcheck --target of a mutual-TLS server: the PEM client certificate to "
+            "present (with --tls-client-key and --tls-ca)",
+            flag="--tls-client-cert",
+            env="BATCHD_TLS_CLIENT_CERT",
+            parse=Path,
+            metavar="PEM",
+            commands=_CHECK,
+        ),
+    )
+    healthcheck_tls_client_key: Path | None = field(
+        default=None,
+        metadata=setting(
+            "the PEM private key of --tls-client-cert",
+            flag="--tls-client-key",
+            env="BATCHD_TLS_CLIENT_KEY",
+            parse=Path,
+            metavar="PEM",
+            commands=_CHECK,
         ),
     )
     auth_token_file: Path | None = field(

@@ -3,9 +3,12 @@
 The metrics live in a registry of their own (not prometheus_client's global one) so that
 several servers in one process, as in the tests, do not collide; :func:`serve` exposes it.
 
-Labels are bounded by what an operator configures: ``dataset`` (a catalog name), ``stage``,
-``kind`` (of sample error), ``transport``. Never a session, rank or sample id: those would
-make a new series per job and grow Prometheus without bound.
+Labels are bounded by what an operator configures: ``dataset`` (a catalog name, or a mix's
+names sorted and joined by ``+``), ``stage``, ``kind`` (of sample error), ``transport``.
+Never a session, rank or sample id: those would make a new series per job and grow
+Prometheus without bound. Clients choose which datasets they mix, so ``dataset`` is capped
+besides (:func:`dataset_label`): past :data:`MAX_DATASET_LABELS` distinct values, a new one
+is reported as :data:`OTHER_DATASET`.
 
 Stall attribution, read top-down: ``batchd_batch_seconds`` is a batch's time from the
 server's hand-off to a worker until its result; ``batchd_queue_wait_seconds`` is the part
@@ -20,10 +23,13 @@ sends those pairs with its acks (``Ack.batch_wait_s`` / ``batch_step_s``). Each 
 observation of ``batchd_client_wait_seconds`` and ``batchd_client_step_seconds`` and feeds
 ``batchd_data_stall_ratio`` (wait / (wait + step) over the last minute), per dataset.
 Values are clamped (:func:`clamp_client_seconds`): a client cannot poison the aggregates.
+A dataset no client reported on for a whole minute has no ratio: its window and its series
+are dropped (:class:`StallRatios`), so finished jobs neither hold memory nor show a stale one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -49,7 +55,9 @@ __all__ = [
     "DATA_STALL_RATIO",
     "FIRST_BATCH_SECONDS",
     "MAX_CLIENT_SECONDS",
+    "MAX_DATASET_LABELS",
     "MAX_TIMINGS_PER_ACK",
+    "OTHER_DATASET",
     "QUEUE_WAIT_SECONDS",
     "READY",
     "REGISTRY",
@@ -61,19 +69,25 @@ __all__ = [
     "SHM_RESERVED_BYTES",
     "STAGES",
     "STAGE_SECONDS",
+    "STALL_RATIOS",
     "STREAMS",
     "WORKERS_ALIVE",
     "WORKERS_CONFIGURED",
     "WORKERS_CRASH_LOOP",
     "WORKER_RESTARTS",
     "WORKER_TIMEOUTS",
+    "LabelValues",
     "MetricsEndpoint",
+    "StallRatios",
     "StallWindow",
     "clamp_client_seconds",
+    "dataset_label",
     "observe_worker_result",
+    "record_catalog_load",
     "record_client_batch",
     "record_client_timings",
     "record_delivery",
+    "record_sample_error",
     "serve",
 ]
 
@@ -216,13 +230,50 @@ DATA_STALL_RATIO = Gauge(
 
 MAX_CLIENT_SECONDS: Final = 3600.0
 """A client-reported duration is clamped to this: one batch never takes an hour to wait for."""
+MAX_DATASET_LABELS: Final = 128
+"""Distinct values of the ``dataset`` label a process reports; each costs about 160 series
+(the histograms' buckets), so the cap keeps a server under about 20,000 of them."""
+OTHER_DATASET: Final = "other"
+"""The ``dataset`` label of every dataset or mix served after :data:`MAX_DATASET_LABELS`."""
+
+
+class LabelValues:
+    """The values one label takes: the first ``limit`` distinct ones as they come, every
+    later one as ``other``. A value once admitted stays (its series exist). Thread-safe."""
+
+    def __init__(self, limit: int, other: str) -> None:
+        if limit < 1:
+            raise ValueError(f"limit={limit} must be >= 1")
+        self.limit = limit
+        self.other = other
+        self._admitted: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        """``value`` as the label reports it."""
+        with self._lock:
+            if value in self._admitted:
+                return value
+            if len(self._admitted) < self.limit:
+                self._admitted.add(value)
+                return value
+        return self.other
+
+
+_DATASET_LABELS: Final = LabelValues(MAX_DATASET_LABELS, OTHER_DATASET)
+
+
+def dataset_label(dataset: str) -> str:
+    """``dataset`` (a catalog name or a mix's label) as the ``dataset`` label reports it:
+    itself, or :data:`OTHER_DATASET` once :data:`MAX_DATASET_LABELS` others were seen."""
+    return _DATASET_LABELS(dataset)
 
 
 def observe_worker_result(
     task: BatchTask, result: BatchResult, queued_s: float, latency_s: float
 ) -> None:
     """Record a worker's timings of one batch (the pool's ``on_result``)."""
-    dataset = task.spec.dataset
+    dataset = dataset_label(task.spec.dataset)
     times = result.times
     for stage, seconds in zip(STAGES, (times.read_s, times.decode_s, times.collate_s), strict=True):
         STAGE_SECONDS.labels(dataset=dataset, stage=stage).observe(max(0.0, seconds))
@@ -232,10 +283,21 @@ def observe_worker_result(
 
 def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = None) -> None:
     """Count one batch of ``rows`` handed to a client; ``since_open_s`` for a session's first."""
+    dataset = dataset_label(dataset)
     BATCHES.labels(dataset=dataset).inc()
     SAMPLES.labels(dataset=dataset).inc(rows)
     if since_open_s is not None:
         FIRST_BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, since_open_s))
+
+
+def record_sample_error(dataset: str, kind: str) -> None:
+    """Count one sample of ``dataset`` that failed with ``kind``."""
+    SAMPLE_ERRORS.labels(dataset=dataset_label(dataset), kind=kind).inc()
+
+
+def record_catalog_load(dataset: str, seconds: float) -> None:
+    """Observe one split of ``dataset`` loaded from the catalog in ``seconds``."""
+    CATALOG_LOAD_SECONDS.labels(dataset=dataset_label(dataset)).observe(max(0.0, seconds))
 
 
 def clamp_client_seconds(value: float) -> float:
@@ -271,6 +333,12 @@ class StallWindow:
             self._step_s += step_s
             self._expire(now)
 
+    def empty(self, now: float) -> bool:
+        """Whether no batch of the window ending at ``now`` is left."""
+        with self._lock:
+            self._expire(now)
+            return not self._entries
+
     def ratio(self, now: float) -> float | None:
         """The ratio over the window ending at ``now``; None when it holds no time at all."""
         with self._lock:
@@ -290,21 +358,59 @@ class StallWindow:
             self._step_s -= step_s
 
 
-_stall_windows: dict[str, StallWindow] = {}
-_stall_lock = threading.Lock()
+class StallRatios:
+    """A :class:`StallWindow` per ``dataset`` label, each setting its series of ``gauge``.
+
+    A window that holds no batch (nobody reported on its dataset for ``window_s``) is
+    dropped with its series, looked for at most once per ``window_s`` (of the callers'
+    clock): memory follows the datasets being trained on, not every one ever served.
+    Thread-safe.
+    """
+
+    def __init__(self, gauge: Gauge, window_s: float = 60.0) -> None:
+        self._gauge = gauge
+        self.window_s = window_s
+        self._windows: dict[str, StallWindow] = {}
+        self._lock = threading.Lock()
+        self._swept: float | None = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._windows)
+
+    def add(self, dataset: str, wait_s: float, step_s: float, *, now: float) -> None:
+        """One batch of ``dataset`` (a label value): the loop waited, then stepped."""
+        with self._lock:
+            window = self._windows.get(dataset)
+            if window is None:
+                window = self._windows[dataset] = StallWindow(self.window_s)
+            window.add(now, wait_s, step_s)
+            ratio = window.ratio(now)
+            if ratio is not None:
+                self._gauge.labels(dataset=dataset).set(ratio)
+            # Either way round: a caller's clock that jumps back must not stop the sweeps.
+            if self._swept is None or abs(now - self._swept) >= self.window_s:
+                self._swept = now
+                self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        for dataset in [d for d, w in self._windows.items() if w.empty(now)]:
+            del self._windows[dataset]
+            with contextlib.suppress(KeyError):  # never set: no time in the window at all
+                self._gauge.remove(dataset)
+
+
+STALL_RATIOS: Final = StallRatios(DATA_STALL_RATIO)
+"""The process's stall windows, behind ``batchd_data_stall_ratio``."""
 
 
 def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: float) -> None:
     """One batch as a client reported it (see NOTE [ Client wait histogram ])."""
+    dataset = dataset_label(dataset)
     wait_s, step_s = clamp_client_seconds(wait_s), clamp_client_seconds(step_s)
     CLIENT_WAIT_SECONDS.labels(dataset=dataset).observe(wait_s)
     CLIENT_STEP_SECONDS.labels(dataset=dataset).observe(step_s)
-    with _stall_lock:
-        window = _stall_windows.setdefault(dataset, StallWindow())
-    window.add(now, wait_s, step_s)
-    ratio = window.ratio(now)
-    if ratio is not None:
-        DATA_STALL_RATIO.labels(dataset=dataset).set(ratio)
+    STALL_RATIOS.add(dataset, wait_s, step_s, now=now)
 
 
 MAX_TIMINGS_PER_ACK: Final = 4096

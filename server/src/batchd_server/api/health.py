@@ -23,7 +23,10 @@ client sends (up to the 1 MiB a request may be).
 
 from __future__ import annotations
 
+import socket
+import ssl
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 import grpc
@@ -32,7 +35,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd_server import metrics
 from batchd_server.api.admission import PeerLimit, Ticket, peer_address, refuse
+from batchd_server.config import ServerConfig
 from batchd_server.errors import ResourceExhausted
+from batchd_server.settings import setting_of
 
 if TYPE_CHECKING:
     from batchd_server.health import HealthMonitor, HealthReport
@@ -44,6 +49,7 @@ __all__ = [
     "REASON_KEY",
     "WATCHED_SERVICES",
     "HealthService",
+    "ProbeTls",
     "check_server",
     "public_reason",
 ]
@@ -59,6 +65,9 @@ _CATALOG_REASON: Final = (
     "the catalog database does not answer (the server's log has the database's error); "
     "check that it is up and reachable from the server (BATCHD_DATABASE_URL)"
 )
+
+_NAME_OVERRIDE: Final = "grpc.ssl_target_name_override"
+_TLS_PROBE_TIMEOUT_S: Final = 2.0
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -146,11 +155,31 @@ class HealthService(health.HealthServicer):
             raise
 
 
-def check_server(target: str, *, service: str = "", timeout_s: float = 5.0) -> str | None:
+@dataclass(frozen=True)
+class ProbeTls:
+    """How :func:`check_server` speaks TLS to a TCP target (PEM bytes; the paths and the
+    flags that gave them for its messages)."""
+
+    ca: bytes
+    ca_path: str
+    client_cert: bytes | None = field(default=None, repr=False)
+    client_key: bytes | None = field(default=None, repr=False)
+    server_name: str | None = None
+    """The name the server's certificate must have; None: the target's host."""
+
+
+def check_server(
+    target: str, *, service: str = "", timeout_s: float = 5.0, tls: ProbeTls | None = None
+) -> str | None:
     """Ask the server at ``target`` for ``service``'s health; None when SERVING, else one line
-    saying what is wrong and what to do (``batchd-server healthcheck --target``)."""
+    saying what is wrong and what to do (``batchd-server healthcheck --target``).
+
+    Args:
+        tls: Speak TLS to a TCP target (a unix socket has none); None: plaintext.
+    """
     request = health_pb2.HealthCheckRequest(service=service)
-    with grpc.insecure_channel(target) as channel:
+    tcp = _host_port(target)
+    with _probe_channel(target, tls if tcp is not None else None) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response, call = stub.Check.with_call(request, timeout=timeout_s)
@@ -158,10 +187,7 @@ def check_server(target: str, *, service: str = "", timeout_s: float = 5.0) -> s
             code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
             details = (e.details() if isinstance(e, grpc.Call) else None) or str(e)
             if code == grpc.StatusCode.UNAVAILABLE:
-                return (
-                    f"nothing answers at {target} ({details}): start `batchd-server serve` "
-                    "there, or pass the address it listens on with --target"
-                )
+                return _unavailable(target, details, tls if tcp is not None else None, tcp)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return (
                     f"the server at {target} did not answer its health check within "
@@ -181,3 +207,85 @@ def check_server(target: str, *, service: str = "", timeout_s: float = 5.0) -> s
     text = reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     return f"the server at {target} is {status}: {text}"
+
+
+def _probe_channel(target: str, tls: ProbeTls | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(target)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.client_key, certificate_chain=tls.client_cert
+    )
+    options = [] if tls.server_name is None else [(_NAME_OVERRIDE, tls.server_name)]
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def _unavailable(
+    target: str, details: str, tls: ProbeTls | None, tcp: tuple[str, int] | None
+) -> str:
+    """The line for a health check that found no server to answer it: why, where it shows."""
+    found = details.lower()
+    if tcp is None or "connection refused" in found or "failed to connect to remote" in found:
+        return (
+            f"nothing answers at {target} ({details}): start `batchd-server serve` there, or "
+            "pass the address it listens on with --target"
+        )
+    ca_flag = _flag("healthcheck_tls_ca")
+    if tls is None:
+        if _speaks_tls(*tcp):
+            return (
+                f"the server at {target} serves TLS and the health check spoke plaintext: pass "
+                f"{ca_flag} with the PEM of the CA that signed its certificate"
+            )
+        return f"the server at {target} is unavailable ({details})"
+    cert_flag, key_flag = _flag("healthcheck_tls_client_cert"), _flag("healthcheck_tls_client_key")
+    name = tls.server_name or tcp[0]
+    if "wrong_version_number" in found:
+        hint = f"it does not serve TLS: leave out {ca_flag}"
+    elif "hostname verification" in found:
+        hint = (
+            f"its certificate does not name {name!r}: pass --tls-server-name with a name the "
+            "certificate has"
+        )
+    elif "certificate_verify_failed" in found:
+        hint = f"its certificate is not signed by the CA in {tls.ca_path} ({ca_flag})"
+    elif tls.client_cert is None:
+        hint = f"it may want a client certificate (mutual TLS): pass {cert_flag} and {key_flag}"
+    else:
+        hint = (
+            f"it may not trust the client certificate of {cert_flag} (signed by another CA), "
+            f"or its certificate is not signed by the CA in {tls.ca_path} ({ca_flag})"
+        )
+    return f"the TLS health check of {target} failed ({details}): {hint}"
+
+
+def _flag(name: str) -> str:
+    return setting_of(ServerConfig, name).flag or name
+
+
+def _host_port(target: str) -> tuple[str, int] | None:
+    """``target``'s host and port; None for a unix socket (or an address gRPC resolves)."""
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        target = target.removeprefix(prefix)
+    host, sep, port = target.rpartition(":")
+    if target.startswith("unix") or not sep or not port.isdigit():
+        return None
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _speaks_tls(host: str, port: int) -> bool:
+    """Whether a TLS handshake with ``host:port`` completes (certificate not checked)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with (
+            socket.create_connection((host, port), timeout=_TLS_PROBE_TIMEOUT_S) as raw,
+            context.wrap_socket(raw, server_hostname=host),
+        ):
+            return True
+    except ssl.SSLError as e:
+        # A server that wants our certificate (mutual TLS) still speaks TLS.
+        return "CERTIFICATE" in str(e).upper()
+    except OSError:
+        return False

@@ -5,9 +5,12 @@ listening unix socket per server instance, beside its segments in the shm direct
 (``batchd-<instance>-bell-<random>``, mode 0600, so only who may open the segments may
 connect, and a sweep removes it with the segments of a dead instance). Each connection says
 hello for one session, proving with the ring's token that it mapped the segment, and then
-gets a thread that reads its frames: acks are applied at once, a StreamStart starts a
-thread that streams the epoch's batch notices, a cancel ends that stream. A connection that
-closes (the client exited or died) ends its stream; the session's lease does the rest.
+gets a thread that reads its frames: acks are applied at once, a StreamStart starts (or
+hands the next stream to) the connection's one stream thread, which streams the epoch's batch
+notices, a cancel ends that stream. A ring has one stream: a new StreamStart ends the one
+running. A connection that closes (the client exited or died) ends its stream; the session's
+lease does the rest. Threads are bounded: at most :data:`MAX_PENDING_HELLOS` connections wait
+for their hello, and a session keeps one connection (its newest) with two threads.
 
 Heartbeats: the WELCOME frame announces ``heartbeat_s`` (a ``DoorbellHeartbeat``), and while
 a stream that asked for them (``StreamStart.heartbeat``) runs, one thread of the server sends
@@ -22,11 +25,14 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import math
 import os
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
+from typing import Final
 
 from google.protobuf.message import Message
 
@@ -56,24 +62,49 @@ from batchd_server.limits import MAX_CLIENT_FRAME_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.logs import session_log_id
 from batchd_server.sessions import Session, SessionManager, Stream
 
-__all__ = ["DoorbellServer", "ServerBell"]
+__all__ = ["MAX_PENDING_HELLOS", "DoorbellServer", "ServerBell"]
 
 logger = logging.getLogger(__name__)
 
+MAX_PENDING_HELLOS: Final = 64
+"""Connections that may wait for their hello at once (each holds a thread for up to
+HELLO_TIMEOUT_S); one more is closed at once. Connections past their hello need no cap of
+their own: each belongs to a session, whose newest connection closes the one before."""
+_REFUSAL_LOG_S: Final = 10.0
+"""Refused connections are warned about at most once per this many seconds."""
+
 
 class ServerBell:
-    """One client's doorbell connection, attached to its session, and its streams."""
+    """One client's doorbell connection, attached to its session, and its stream.
 
-    def __init__(self, sock: socket.socket, session: Session) -> None:
+    One stream at a time, run by one thread (started on demand): a START ends the stream
+    running (the client gave up on it) and waits as the next; a START that arrives while
+    another waits replaces it. Both superseded seqs get their END, which the client skips.
+    A START must carry a higher seq than the one before it (clients count their streams).
+
+    Args:
+        start_lock: Held around starting a stream, shared by every bell of one session: a
+            connection that a newer one replaced starts nothing once it is closed.
+    """
+
+    def __init__(
+        self, sock: socket.socket, session: Session, start_lock: threading.Lock | None = None
+    ) -> None:
         self._writer = FrameWriter(sock)
         self._session = session
+        self._start_lock = threading.Lock() if start_lock is None else start_lock
         self._lock = threading.Lock()
-        self._streams: dict[int, Stream] = {}
-        """seq -> running stream (normally one: a new start ends the previous)."""
-        self._cancelled: set[int] = set()
+        self._last_seq: int | None = None
+        """The seq of the last START taken; the next must be higher."""
+        self._pending: pb.StreamStart | None = None
+        """The START to run once the running stream has ended."""
+        self._running: pb.StreamStart | None = None
+        self._stream: Stream | None = None
+        """The running START's stream, once the session started it."""
+        self._cancelled = False
+        """The running START was cancelled or superseded (perhaps before its stream began)."""
+        self._runner: threading.Thread | None = None
         self._last_sent = time.monotonic()
-        self._heartbeats = 0
-        """Streams running (or starting) that asked for heartbeats."""
 
     @property
     def closed(self) -> bool:
@@ -86,26 +117,67 @@ class ServerBell:
         return sent
 
     def heartbeat(self, interval_s: float, now: float) -> None:
-        """Send a heartbeat if a stream that wants them runs and nothing went out for
-        ``interval_s``; never waits (a client too busy to read has frames to read anyway)."""
+        """Send a heartbeat if a stream that wants them runs (or waits) and nothing went out
+        for ``interval_s``; never waits (a client too busy to read has frames to read)."""
         with self._lock:
-            wanted = self._heartbeats > 0
+            wanted = any(s is not None and s.heartbeat for s in (self._running, self._pending))
         if not wanted or now - self._last_sent < interval_s:
             return
         if self._writer.try_send(HEARTBEAT, pb.DoorbellHeartbeat(interval_s=interval_s)):
             self._last_sent = now
 
     def start(self, start: pb.StreamStart) -> None:
-        """Run the stream ``start`` asks for in a thread of its own."""
-        if start.heartbeat:
-            with self._lock:
-                self._heartbeats += 1
-        thread = threading.Thread(
-            target=self._stream, args=(start,), name="batchd-bell-stream", daemon=True
-        )
-        thread.start()
+        """Run the stream ``start`` asks for next, ending the one running. Every frame of an
+        earlier stream goes out before this one's ACCEPTED."""
+        with self._lock:
+            last = self._last_seq
+            stale = last is not None and start.seq <= last
+            if not stale:
+                self._last_seq = start.seq
+                replaced, self._pending = self._pending, None
+                running = self._stream
+                self._cancelled = self._running is not None
+        if stale:
+            message = (
+                f"StreamStart seq={start.seq} does not follow seq={last} on the doorbell of "
+                f"session {session_log_id(self._session.id)}; a client numbers its streams "
+                "1, 2, 3, ... on one connection"
+            )
+            logger.warning("doorbell: %s; refused", message)
+            self.send(
+                END, pb.DoorbellEnd(seq=start.seq, error_class="InvalidArgument", message=message)
+            )
+            return
+        if replaced is not None:
+            self.send(END, pb.DoorbellEnd(seq=replaced.seq))
+        if running is not None:
+            self._session.end_stream(running)
+        # Only the connection's reader calls start and cancel: nothing came between.
+        with self._lock:
+            self._pending = start
+            spawn = None
+            if self._runner is None:
+                spawn = self._runner = threading.Thread(
+                    target=self._run, name="batchd-bell-stream", daemon=True
+                )
+        if spawn is not None:
+            spawn.start()
 
-    def _stream(self, start: pb.StreamStart) -> None:
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                start, self._pending = self._pending, None
+                if start is None or self.closed:
+                    self._runner = None
+                    return
+                self._running, self._stream, self._cancelled = start, None, False
+            try:
+                self._serve_stream(start)
+            finally:
+                with self._lock:
+                    self._running = self._stream = None
+
+    def _serve_stream(self, start: pb.StreamStart) -> None:
         session, seq = self._session, start.seq
         stream = None
         end = pb.DoorbellEnd(seq=seq)
@@ -114,17 +186,20 @@ class ServerBell:
                 raise InvalidArgument(
                     f"StreamStart for session {start.session_id} on the doorbell of {session.id}"
                 )
-            stream = session.start_stream(
-                start.epoch,
-                start.start_batch,
-                start_sample=start.start_sample,
-                order_world_size=start.order_world_size,
-                held_leases=start.held_leases,
-                stride=start.stride,
-            )
+            with self._start_lock:
+                if self.closed:
+                    return  # a newer connection has the session now
+                stream = session.start_stream(
+                    start.epoch,
+                    start.start_batch,
+                    start_sample=start.start_sample,
+                    order_world_size=start.order_world_size,
+                    held_leases=start.held_leases,
+                    stride=start.stride,
+                )
             with self._lock:
-                cancelled = seq in self._cancelled
-                self._streams[seq] = stream
+                self._stream = stream
+                cancelled = self._cancelled
             if cancelled or not self.send(
                 ACCEPTED, pb.StreamBatchesResponse(accepted=True, seq=seq)
             ):
@@ -145,42 +220,58 @@ class ServerBell:
         finally:
             if stream is not None:
                 session.end_stream(stream)
-            with self._lock:
-                self._streams.pop(seq, None)
-                self._cancelled.discard(seq)
-                if start.heartbeat:
-                    self._heartbeats -= 1
             self.send(END, end)
 
     def cancel(self, seq: int) -> None:
+        """End the stream of ``seq`` if it runs or waits; any other seq is over already
+        (frames arrive in order: a stream's START always comes before its cancel)."""
+        stream = None
         with self._lock:
-            stream = self._streams.get(seq)
-            if stream is None:
-                self._cancelled.add(seq)  # not started yet: it ends as soon as it does
+            waiting = self._pending is not None and self._pending.seq == seq
+            if waiting:
+                self._pending = None
+            elif self._running is not None and self._running.seq == seq:
+                self._cancelled = True  # not started yet: it ends as soon as it does
+                stream = self._stream
+        if waiting:
+            self.send(END, pb.DoorbellEnd(seq=seq))
         if stream is not None:
             self._session.end_stream(stream)
 
     def close(self) -> None:
-        """Hang up (the client's next read fails) and end its streams. Idempotent."""
+        """Hang up (the client's next read fails) and end its stream. Idempotent."""
         self._writer.hang_up()
         with self._lock:
-            streams = list(self._streams.values())
-        for stream in streams:
+            self._pending = None
+            self._cancelled = True
+            stream = self._stream
+        if stream is not None:
             self._session.end_stream(stream)
 
 
 class DoorbellServer:
-    """The listening socket and one thread per connection.
+    """The listening socket and one thread per connection (and one per running stream).
+
+    Args:
+        max_pending: Connections that may wait for their hello at once; one more is closed.
 
     Raises:
         FailedPrecondition: (constructor) the socket cannot be created in the shm directory.
     """
 
-    def __init__(self, path: Path, sessions: SessionManager, *, heartbeat_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        sessions: SessionManager,
+        *,
+        heartbeat_s: float = 0.0,
+        max_pending: int = MAX_PENDING_HELLOS,
+    ) -> None:
         self.path = path
         self._sessions = sessions
         self.heartbeat_s = heartbeat_s
         """Seconds between heartbeats on an idle doorbell stream; 0: none."""
+        self.max_pending = max_pending
         if len(str(path).encode()) > MAX_UNIX_PATH_BYTES:
             raise FailedPrecondition(
                 f"the shm directory {path.parent} is too long a path for the doorbell socket "
@@ -206,6 +297,15 @@ class DoorbellServer:
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._bells: set[ServerBell] = set()
+        self._start_locks: weakref.WeakValueDictionary[str, threading.Lock] = (
+            weakref.WeakValueDictionary()
+        )
+        """Per session, shared by its bells (see ServerBell's ``start_lock``)."""
+        self._pending = 0
+        """Connections accepted that have not had their hello answered yet."""
+        self._refused = 0
+        """Connections refused since the last warning about it."""
+        self._refusal_logged = -math.inf
         self._closed = False
         self._stop = threading.Event()
         self._acceptor = threading.Thread(target=self._accept, name="batchd-bell", daemon=True)
@@ -239,40 +339,81 @@ class DoorbellServer:
                 if self._closed:
                     conn.close()
                     return
-                self._connections.add(conn)
-                thread = threading.Thread(
-                    target=self._serve, args=(conn,), name="batchd-bell-conn", daemon=True
-                )
-                self._threads.add(thread)
-            thread.start()
+                full = self._pending >= self.max_pending
+                if not full:
+                    self._pending += 1
+                    self._connections.add(conn)
+                    thread = threading.Thread(
+                        target=self._serve, args=(conn,), name="batchd-bell-conn", daemon=True
+                    )
+                    self._threads.add(thread)
+            if full:
+                conn.close()
+                self._log_refusal()
+            else:
+                thread.start()
+
+    def _log_refusal(self) -> None:
+        """Warn about refused connections, at most once per :data:`_REFUSAL_LOG_S`."""
+        now = time.monotonic()
+        with self._lock:
+            self._refused += 1
+            if now - self._refusal_logged < _REFUSAL_LOG_S:
+                return
+            refused, self._refused, self._refusal_logged = self._refused, 0, now
+        logger.warning(
+            "doorbell: refused %d connection(s): %d connections are waiting to say hello, the "
+            "most there may be (each has %g s); a client that connects and says nothing, or "
+            "connects many times at once, holds the places; its loaders fall back to inline "
+            "streams meanwhile",
+            refused,
+            self.max_pending,
+            HELLO_TIMEOUT_S,
+        )
+
+    def _hello_answered(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _hello(self, conn: socket.socket, reader: FrameReader) -> Session | None:
+        """The session ``conn``'s hello proves it a client of; None (logged) when none."""
+        conn.settimeout(HELLO_TIMEOUT_S)
+        frame = reader.read()
+        if frame is None or frame[0] != HELLO:
+            logger.warning("doorbell: a connection did not start with a hello; closed")
+            return None
+        hello = parse(pb.DoorbellHello, frame[1])
+        try:
+            session = self._sessions.get(hello.session_id)
+        except NotFound:
+            logger.info(
+                "doorbell: hello for an unknown session %s; closed",
+                session_log_id(hello.session_id),
+            )
+            return None
+        if not hmac.compare_digest(hello.token, session.token):
+            logger.warning(
+                "doorbell: hello for session %s with the wrong token; closed",
+                session_log_id(session.id),
+            )
+            return None
+        conn.settimeout(None)
+        return session
 
     def _serve(self, conn: socket.socket) -> None:
         bell: ServerBell | None = None
         session = None
         try:
             reader = FrameReader(conn, max_frame_bytes=MAX_CLIENT_FRAME_BYTES)
-            conn.settimeout(HELLO_TIMEOUT_S)
-            frame = reader.read()
-            if frame is None or frame[0] != HELLO:
-                logger.warning("doorbell: a connection did not start with a hello; closed")
-                return
-            hello = parse(pb.DoorbellHello, frame[1])
             try:
-                session = self._sessions.get(hello.session_id)
-            except NotFound:
-                logger.info(
-                    "doorbell: hello for an unknown session %s; closed",
-                    session_log_id(hello.session_id),
-                )
+                session = self._hello(conn, reader)
+            finally:
+                self._hello_answered()  # a place for the next connection, before the welcome
+            if session is None:
                 return
-            if not hmac.compare_digest(hello.token, session.token):
-                logger.warning(
-                    "doorbell: hello for session %s with the wrong token; closed",
-                    session_log_id(session.id),
-                )
-                return
-            conn.settimeout(None)
-            bell = ServerBell(conn, session)
+            with self._lock:
+                start_lock = self._start_locks.setdefault(session.id, threading.Lock())
+            bell = ServerBell(conn, session, start_lock)
             session.attach_bell(bell)
             welcome = pb.DoorbellHeartbeat(interval_s=self.heartbeat_s)
             conn.sendall(encode_frame(WELCOME, welcome.SerializeToString()))

@@ -224,8 +224,9 @@ class MixOptions:
 
     @property
     def label(self) -> str:
-        """The mix in logs and metric labels: its datasets joined by ``+``."""
-        return "+".join(s.dataset for s in self.sources)
+        """The mix in logs and metric labels: its datasets sorted and joined by ``+`` (the
+        order a client listed them in makes no new metric series)."""
+        return "+".join(sorted(s.dataset for s in self.sources))
 
     # -- as a ``Mixing`` ---------------------------------------------------------------------
 
