@@ -28,6 +28,7 @@ from batchd_server.sessions.sources import (
     release_sources,
 )
 from batchd_server.shm import ShmRegistry, format_bytes
+from batchd_server.shm.space import remedy, usable_bytes
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import SlotField
 
@@ -160,14 +161,36 @@ class SessionManager:
             )
         if usage.ring_bytes + ring_bytes > self._client_shm_quota:
             metrics.REFUSED.labels("client_shm_quota").inc()
-            raise ResourceExhausted(
-                f"client {client!r} holds {format_bytes(usage.ring_bytes)} of rings in "
-                f"{usage.sessions} sessions and this one needs {format_bytes(ring_bytes)} "
-                f"more, over its quota of {format_bytes(self._client_shm_quota)} "
-                "(--client-shm-quota, BATCHD_CLIENT_SHM_QUOTA; default half of --shm-budget); "
-                "close loaders this process no longer uses, lower prefetch or batch_size, or "
-                "raise the quota"
+            raise ResourceExhausted(self._over_quota(client, usage, ring_bytes))
+
+    def _over_quota(self, client: str, usage: _Usage, ring_bytes: int) -> str:
+        """Why ``client``'s next ring of ``ring_bytes`` is refused: the shm filesystem when it
+        could not hold the client's rings whatever the quota (raising the quota is then no
+        help), else the quota."""
+        held = usage.ring_bytes + ring_bytes
+        space = self._registry.space()
+        room = usable_bytes(space.size_bytes)
+        if held > room and self._registry.budget_bytes >= room:
+            beside = (
+                f" beside the {format_bytes(usage.ring_bytes)} client {client!r} holds"
+                if usage.ring_bytes
+                else ""
             )
+            return (
+                f"{space.path} is {format_bytes(space.size_bytes)} in all "
+                f"({format_bytes(space.free_bytes)} free), too small for the "
+                f"{format_bytes(ring_bytes)} of ring this session needs{beside}: "
+                f"{remedy(space, held)}; or lower prefetch or batch_size. The filesystem is "
+                "the limit, so raising --client-shm-quota or --shm-budget would not help"
+            )
+        return (
+            f"client {client!r} holds {format_bytes(usage.ring_bytes)} of rings in "
+            f"{usage.sessions} sessions and this one needs {format_bytes(ring_bytes)} "
+            f"more, over its quota of {format_bytes(self._client_shm_quota)} "
+            "(--client-shm-quota, BATCHD_CLIENT_SHM_QUOTA; default half of --shm-budget, at "
+            "most what the shm directory holds); close loaders this process no longer uses, "
+            "lower prefetch or batch_size, or raise the quota"
+        )
 
     def _drop_usage(self, client: str, ring_bytes: int) -> None:
         """Give back one session's share of ``client``'s quota (caller holds the lock)."""
