@@ -55,28 +55,33 @@ def _open(
     return reply
 
 
-def _close(stub: loader_pb2_grpc.LoaderStub, session_id: str) -> None:
-    stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=60)
+def _close(stub: loader_pb2_grpc.LoaderStub, session_id: str, client: str) -> None:
+    """CloseSession as ``client``, which opened the session (no one else may close it)."""
+    stub.CloseSession(
+        pb.CloseSessionRequest(session_id=session_id),
+        timeout=60,
+        metadata=[(CLIENT_ID_KEY, client)],
+    )
 
 
 def _open_together(
     stub: loader_pb2_grpc.LoaderStub, clients: list[str]
-) -> tuple[list[str], list[grpc.RpcError]]:
-    """OpenSession for every client at once (released by one barrier): the session ids of
-    those that opened, and the errors of those that did not."""
+) -> tuple[list[tuple[str, str]], list[grpc.RpcError]]:
+    """OpenSession for every client at once (released by one barrier): (session id, client)
+    of those that opened, and the errors of those that did not."""
     barrier = threading.Barrier(len(clients))
 
-    def one(client: str) -> str | grpc.RpcError:
+    def one(client: str) -> tuple[str, str] | grpc.RpcError:
         barrier.wait(60)
         try:
-            return _open(stub, client).session_id
+            return _open(stub, client).session_id, client
         except grpc.RpcError as e:
             return e
 
     with ThreadPoolExecutor(len(clients)) as pool:
         results = list(pool.map(one, clients))
-    opened = [r for r in results if isinstance(r, str)]
-    return opened, [r for r in results if not isinstance(r, str)]
+    opened = [r for r in results if isinstance(r, tuple)]
+    return opened, [r for r in results if not isinstance(r, tuple)]
 
 
 def test_concurrent_opens_at_the_limit_never_pass_it(url: str, tmp_path: Path) -> None:
@@ -87,14 +92,14 @@ def test_concurrent_opens_at_the_limit_never_pass_it(url: str, tmp_path: Path) -
     with serve(url, tmp_path, max_sessions=4, client_max_sessions=3) as srv:
         channel, stub = _stub(srv)
         with channel:
-            _close(stub, _open(stub, "warm-up").session_id)  # the split is loaded once
+            _close(stub, _open(stub, "warm-up").session_id, "warm-up")  # the split loads once
             opened, refused = _open_together(stub, [f"client-{i}" for i in range(32)])
             assert len(opened) == 4 and len(srv.sessions) == 4
             assert _refused("max_sessions", before) == 28
             assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
             assert all("--max-sessions" in (e.details() or "") for e in refused)
-            for session_id in opened:
-                _close(stub, session_id)
+            for session_id, client in opened:
+                _close(stub, session_id, client)
 
             opened, refused = _open_together(stub, ["one-client"] * 24)
             assert len(opened) == 3 and len(srv.sessions) == 3
@@ -104,8 +109,8 @@ def test_concurrent_opens_at_the_limit_never_pass_it(url: str, tmp_path: Path) -
             assert "'unix one-client' holds 3 sessions" in message
             assert "--client-max-sessions" in message and "BATCHD_CLIENT_MAX_SESSIONS" in message
             assert _refused("client_max_sessions", before) == 21
-            for session_id in opened:
-                _close(stub, session_id)
+            for session_id, client in opened:
+                _close(stub, session_id, client)
             assert srv.sessions.usage("unix one-client") == (0, 0)
 
 
@@ -131,10 +136,11 @@ def test_one_client_cannot_take_the_whole_shm_budget(url: str, tmp_path: Path) -
             assert sessions == len(hog) > 1
             assert budget // 2 - ring_bytes * 2 // sessions < ring_bytes <= budget // 2
             other = _open(stub, "other", batch_size=512, prefetch=6).session_id
-            _close(stub, hog.pop())
+            _close(stub, hog.pop(), "hog")
             hog.append(_open(stub, "hog", batch_size=512, prefetch=6).session_id)
-            for session_id in [*hog, other]:
-                _close(stub, session_id)
+            for session_id in hog:
+                _close(stub, session_id, "hog")
+            _close(stub, other, "other")
             assert srv.sessions.usage("unix hog") == (0, 0)
 
 

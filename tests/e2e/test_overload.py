@@ -47,6 +47,12 @@ def _open(stub: loader_pb2_grpc.LoaderStub, client: str) -> str:
     return str(reply.session_id)
 
 
+def _close(stub: loader_pb2_grpc.LoaderStub, session_id: str, client: str) -> None:
+    """CloseSession as ``client``, which opened the session (no one else may close it)."""
+    request = pb.CloseSessionRequest(session_id=session_id)
+    stub.CloseSession(request, timeout=10, metadata=[(CLIENT_ID_KEY, client)])
+
+
 @contextmanager
 def silent_streams(
     server: RunningServer, clients: list[str], sessions: list[str] | None = None
@@ -112,11 +118,11 @@ def test_64_silent_streams_stop_neither_a_new_clients_epoch_nor_close_session(
                 with records_loader(srv, transport=transport) as loader:
                     ids = [i for batch in loader for i in batch["sample_id"].tolist()]
                 assert sorted(ids) == sorted(set(ids)) and len(ids) == _N, transport
-            stub.CloseSession(pb.CloseSessionRequest(session_id=sessions[0]), timeout=10)
+            _close(stub, sessions[0], clients[0])
             assert len(srv.sessions) == 63
             assert srv.admission.calls == 64, "the silent streams still hold their calls"
-        for session_id in sessions[1:]:
-            stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)
+        for session_id, client in zip(sessions[1:], clients[1:], strict=True):
+            _close(stub, session_id, client)
 
 
 def test_close_session_and_health_get_through_when_every_place_is_taken(
@@ -145,7 +151,7 @@ def test_close_session_and_health_get_through_when_every_place_is_taken(
                 assert opening.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 for _ in range(20):  # the reserve is not used up by calls that went through
                     assert _health(srv) == health_pb2.HealthCheckResponse.SERVING
-                stub.CloseSession(pb.CloseSessionRequest(session_id=held), timeout=10)
+                _close(stub, held, "early")
                 assert len(srv.sessions) == 0
         with records_loader(srv, transport="inline") as loader:
             assert sum(len(b["sample_id"]) for b in loader) == _N

@@ -28,6 +28,7 @@ from batchd_server.health import HealthMonitor, HealthReport
 from batchd_server.sessions import SessionManager
 from batchd_server.settings import setting_of
 from batchd_server.shm import PREFIX, ShmRegistry
+from batchd_server.shm.space import shm_space
 from batchd_server.workers.pool import WorkerPool
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
@@ -97,6 +98,15 @@ def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     return pool
 
 
+def _shm_size_bytes(config: ServerConfig) -> int | None:
+    """The shm directory's size, which the shm defaults follow (``ServerConfig.shm_limits``);
+    None when it cannot be read (``ShmRegistry`` then says what is wrong with it)."""
+    try:
+        return shm_space(config.shm_dir).size_bytes
+    except OSError:
+        return None
+
+
 def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport], None]) -> Parts:
     """Build and start every part ``config`` asks for: the catalog engine, shared memory
     (sweeping what a dead earlier run left), then the workers, then the session machinery,
@@ -107,8 +117,9 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         FailedPrecondition: the metrics address cannot be bound.
     """
     engine = make_engine(config.database_url, statement_timeout_s=SERVING_STATEMENT_TIMEOUT_S)
+    shm = config.shm_limits(_shm_size_bytes(config))
     try:
-        registry = ShmRegistry(budget_bytes=config.shm_budget_bytes, shm_dir=config.shm_dir)
+        registry = ShmRegistry(budget_bytes=shm.budget_bytes, shm_dir=config.shm_dir)
     except BaseException:
         engine.dispose()
         raise
@@ -128,7 +139,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         lease_timeout_s=config.lease_timeout_s,
         max_sessions=config.max_sessions,
         client_max_sessions=config.client_max_sessions,
-        client_shm_quota_bytes=config.client_shm_quota,
+        client_shm_quota_bytes=shm.client_quota_bytes,
         record_errors=sample_errors.submit,
         doorbell=bell_path.name,
         data_roots=config.data_roots,

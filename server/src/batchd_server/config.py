@@ -35,6 +35,7 @@ from batchd_server.settings import (
     split_host_port,
     within,
 )
+from batchd_server.shm.space import usable_bytes
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -43,6 +44,7 @@ __all__ = [
     "LOG_FORMATS",
     "REGENERATE_DOC",
     "ServerConfig",
+    "ShmLimits",
     "available_cpus",
     "batchd_home",
     "default_database_url",
@@ -116,6 +118,16 @@ _CHECK = ("healthcheck",)
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShmLimits:
+    """The shm limits a server runs with, once its shm directory's size is known."""
+
+    budget_bytes: int
+    """What all segments together may reserve (``ShmRegistry.budget_bytes``)."""
+    client_quota_bytes: int
+    """What one client's rings may hold together."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Everything the server needs to know, validated on construction.
 
@@ -161,7 +173,9 @@ class ServerConfig:
     shm_budget_bytes: int = field(
         default=_GiB,
         metadata=setting(
-            "shared memory all sessions' rings and catalog arrays may reserve together, e.g. 2GiB",
+            "shared memory all sessions' rings and catalog arrays may reserve together, e.g. "
+            "2GiB; never more than the shm directory holds less 8MiB (56MiB of Docker's "
+            "default 64MB /dev/shm)",
             flag="--shm-budget",
             env="BATCHD_SHM_BUDGET",
             parse=parse_bytes,
@@ -254,13 +268,14 @@ class ServerConfig:
     client_shm_quota_bytes: int | None = field(
         default=None,
         metadata=setting(
-            "ring memory one client's sessions may hold together",
+            "ring memory one client's sessions may hold together (the catalog arrays, shared "
+            "by every session on a split, count against the shm budget only)",
             flag="--client-shm-quota",
             env="BATCHD_CLIENT_SHM_QUOTA",
             parse=parse_bytes,
             check=at_least(_MiB, size=True),
             metavar="BYTES",
-            default_text="half of the shm budget",
+            default_text="half of --shm-budget, at most what the shm directory holds",
         ),
     )
     shm_dir: Path = field(
@@ -499,10 +514,26 @@ class ServerConfig:
 
     @property
     def client_shm_quota(self) -> int:
-        """``client_shm_quota_bytes``, or half of ``shm_budget_bytes`` when unset."""
+        """``client_shm_quota_bytes``, or half of ``shm_budget_bytes`` when unset (before the
+        shm directory is known: :meth:`shm_limits` gives what the server uses)."""
         if self.client_shm_quota_bytes is not None:
             return self.client_shm_quota_bytes
         return self.shm_budget_bytes // 2
+
+    def shm_limits(self, shm_size_bytes: int | None) -> ShmLimits:
+        """The shm budget and the client quota a server uses on a shm directory of
+        ``shm_size_bytes`` (None: unknown): ``shm_budget_bytes`` as a ceiling over what the
+        directory holds less a margin (``shm.space.usable_bytes``), and the quota as set, or
+        :attr:`client_shm_quota` as a ceiling over that budget. So in Docker's default 64 MB
+        ``/dev/shm`` a session too big for it is refused for the filesystem's size, not for a
+        quota of 512 MiB it could never use."""
+        budget = self.shm_budget_bytes
+        if shm_size_bytes is not None:
+            budget = min(budget, usable_bytes(shm_size_bytes))
+        quota = self.client_shm_quota_bytes
+        if quota is None:
+            quota = min(self.client_shm_quota, budget)
+        return ShmLimits(budget_bytes=budget, client_quota_bytes=quota)
 
     def metrics_address(self) -> tuple[str, int] | None:
         """Where to serve ``/metrics``: ``metrics_listen``, else ``metrics_port`` on the host

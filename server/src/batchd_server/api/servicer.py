@@ -100,6 +100,9 @@ class LoaderServicer(loader_pb2_grpc.LoaderServicer):
     def CloseSession(
         self, request: loader_pb2.CloseSessionRequest, context: grpc.ServicerContext
     ) -> loader_pb2.CloseSessionResponse:
+        # Another client's session stays open and the reply is the same as for one that does
+        # not exist (closing is idempotent: a session may have expired already), so that
+        # nobody learns which sessions exist.
         if request.session_id:
-            self._sessions.close(request.session_id)
+            self._sessions.close(request.session_id, client=client_identity(context))
         return loader_pb2.CloseSessionResponse()

@@ -14,6 +14,7 @@ import grpc
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._wire.specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
 from batchd_server import metrics
+from batchd_server.api.admission import client_identity
 from batchd_server.delivery.messages import inline_messages
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.limits import check_name
@@ -259,7 +260,7 @@ def stream_batches(
     if first is None or first.WhichOneof("kind") != "start":
         raise InvalidArgument("StreamBatches must begin with a StreamStart message")
     start = first.start
-    session = sessions.get(start.session_id)
+    session = sessions.get(start.session_id, client_identity(context))
     if start.transport == pb.TRANSPORT_SHM:
         raise FailedPrecondition(
             "shm streams run on the session's doorbell (RingLayout.doorbell), not as a "

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from batchd_server import metrics
 from batchd_server.errors import DataLoss
+from batchd_server.logs import session_log_id
 from batchd_server.workers.task import BatchResult
 
 __all__ = ["ErrorBudget"]
@@ -69,7 +70,7 @@ class ErrorBudget:
             metrics.SAMPLE_ERRORS.labels(dataset=self._dataset, kind=failure.kind).inc()
             logger.warning(
                 "session %s: sample %d (%s) failed: %s: %s%s",
-                self._session_id,
+                session_log_id(self._session_id),
                 failure.sample_id,
                 failure.path,
                 failure.kind,

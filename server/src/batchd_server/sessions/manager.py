@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -18,6 +17,7 @@ from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from batchd_server.limits import MAX_SLOT_BYTES
+from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
@@ -28,6 +28,7 @@ from batchd_server.sessions.sources import (
     release_sources,
 )
 from batchd_server.shm import ShmRegistry, format_bytes
+from batchd_server.shm.space import remedy, usable_bytes
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import SlotField
 
@@ -37,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S: Final = 60.0
 """How long closing a session waits for workers still writing into its ring."""
+_REAP_WAIT_S: Final = 5.0
+"""How long the lease reaper waits, for all the sessions it closes together, on workers still
+writing into their rings (an expired session has no stream, so normally none)."""
 
 
 @dataclass
@@ -160,14 +164,36 @@ class SessionManager:
             )
         if usage.ring_bytes + ring_bytes > self._client_shm_quota:
             metrics.REFUSED.labels("client_shm_quota").inc()
-            raise ResourceExhausted(
-                f"client {client!r} holds {format_bytes(usage.ring_bytes)} of rings in "
-                f"{usage.sessions} sessions and this one needs {format_bytes(ring_bytes)} "
-                f"more, over its quota of {format_bytes(self._client_shm_quota)} "
-                "(--client-shm-quota, BATCHD_CLIENT_SHM_QUOTA; default half of --shm-budget); "
-                "close loaders this process no longer uses, lower prefetch or batch_size, or "
-                "raise the quota"
+            raise ResourceExhausted(self._over_quota(client, usage, ring_bytes))
+
+    def _over_quota(self, client: str, usage: _Usage, ring_bytes: int) -> str:
+        """Why ``client``'s next ring of ``ring_bytes`` is refused: the shm filesystem when it
+        could not hold the client's rings whatever the quota (raising the quota is then no
+        help), else the quota."""
+        held = usage.ring_bytes + ring_bytes
+        space = self._registry.space()
+        room = usable_bytes(space.size_bytes)
+        if held > room and self._registry.budget_bytes >= room:
+            beside = (
+                f" beside the {format_bytes(usage.ring_bytes)} client {client!r} holds"
+                if usage.ring_bytes
+                else ""
             )
+            return (
+                f"{space.path} is {format_bytes(space.size_bytes)} in all "
+                f"({format_bytes(space.free_bytes)} free), too small for the "
+                f"{format_bytes(ring_bytes)} of ring this session needs{beside}: "
+                f"{remedy(space, held)}; or lower prefetch or batch_size. The filesystem is "
+                "the limit, so raising --client-shm-quota or --shm-budget would not help"
+            )
+        return (
+            f"client {client!r} holds {format_bytes(usage.ring_bytes)} of rings in "
+            f"{usage.sessions} sessions and this one needs {format_bytes(ring_bytes)} "
+            f"more, over its quota of {format_bytes(self._client_shm_quota)} "
+            "(--client-shm-quota, BATCHD_CLIENT_SHM_QUOTA; default half of --shm-budget, at "
+            "most what the shm directory holds); close loaders this process no longer uses, "
+            "lower prefetch or batch_size, or raise the quota"
+        )
 
     def _drop_usage(self, client: str, ring_bytes: int) -> None:
         """Give back one session's share of ``client``'s quota (caller holds the lock)."""
@@ -192,14 +218,9 @@ class SessionManager:
         ring_bytes = slot_offset(slots, slot_bytes)
         entries = acquire_sources(self._catalog, options)
         try:
-            for source in entries:
-                name, root = source.arrays.dataset.name, source.arrays.dataset.root
-                self._check_data_root(name, root)
-                if not os.path.isdir(root):
-                    raise FailedPrecondition(
-                        f"dataset {name!r} has root {root!r}, which is not a directory on the "
-                        "server; mount the data there or re-ingest with the right --root"
-                    )
+            roots = tuple(
+                self._checked_root(e.arrays.dataset.name, e.arrays.dataset.root) for e in entries
+            )
             purpose = (
                 f"{slots} slots of {format_bytes(slot_bytes)} for batch_size="
                 f"{options.sampler.batch_size} of {options.dataset!r}"
@@ -223,6 +244,7 @@ class SessionManager:
                 pool=self._pool,
                 record_errors=self._record_errors,
                 max_sample_bytes=self._max_sample_bytes,
+                roots=roots,
             )
             if session.num_batches == 0:
                 raise FailedPrecondition(
@@ -240,7 +262,7 @@ class SessionManager:
             metrics.SESSIONS.set(len(self._sessions))
         logger.info(
             "session %s opened for %s: %s, %d batches of %d on rank %d/%d, ring %s",
-            session_id,
+            session_log_id(session_id),
             client or "an unnamed client",
             " + ".join(
                 f"{e.arrays.dataset.name}/{e.arrays.dataset.version} split {e.arrays.split}"
@@ -254,22 +276,40 @@ class SessionManager:
         )
         return session
 
-    def _check_data_root(self, dataset: str, root: str) -> None:
-        """Refuse a dataset whose root (symlinks followed) is outside every ``--data-root``."""
-        if not self._data_roots:
-            return
+    def _checked_root(self, dataset: str, root: str) -> str:
+        """``root`` with its symlinks resolved, once checked to lie under a ``--data-root`` and
+        to be a directory: what the workers open, so that a symlink swapped in after the
+        check cannot lead them elsewhere.
+
+        Raises:
+            FailedPrecondition: the root is outside every data root, or not a directory.
+        """
         resolved = Path(root).resolve()
-        if not any(resolved.is_relative_to(allowed) for allowed in self._data_roots):
+        if self._data_roots and not any(resolved.is_relative_to(r) for r in self._data_roots):
             allowed = ", ".join(str(r) for r in self._data_roots)
             raise FailedPrecondition(
                 f"dataset {dataset!r} has root {root!r}, outside the server's data roots "
                 f"({allowed}); move the data under one of them and re-ingest, or add its "
                 "directory with --data-root (BATCHD_DATA_ROOTS)"
             )
+        if not resolved.is_dir():
+            raise FailedPrecondition(
+                f"dataset {dataset!r} has root {root!r}, which is not a directory on the "
+                "server; mount the data there or re-ingest with the right --root"
+            )
+        return str(resolved)
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, client: str | None = None) -> Session:
+        """The open session ``session_id``; with ``client``, only if that client opened it.
+
+        Raises:
+            NotFound: no such session open, or (with ``client``) another client's: the two
+                read the same, so that a session's existence is no one else's to learn.
+        """
         with self._lock:
             session = self._sessions.get(session_id)
+            if session is not None and not self._owned_by(session_id, client):
+                session = None
         if session is None:
             raise NotFound(
                 f"no open session {session_id!r}: it was closed, or expired after "
@@ -278,40 +318,92 @@ class SessionManager:
             )
         return session
 
-    def close(self, session_id: str, *, reason: str = "closed by the client") -> bool:
-        """Close a session and free its ring; False when there was no such session."""
+    def _owned_by(self, session_id: str, client: str | None) -> bool:
+        """Whether ``client`` (None: the server itself) may use the session (caller holds the
+        lock); a refusal is logged, for the operator, never told to the caller."""
+        owner = self._owners[session_id][0]
+        if client is None or client == owner:
+            return True
+        logger.warning(
+            "client %r named session %s, which client %r opened; it is told there is no "
+            "such session",
+            client,
+            session_log_id(session_id),
+            owner,
+        )
+        return False
+
+    def close(
+        self,
+        session_id: str,
+        *,
+        client: str | None = None,
+        reason: str = "closed by the client",
+    ) -> bool:
+        """Close a session and free its ring; False when there was no such session, or
+        (with ``client``) it is another client's, which stays open."""
         with self._lock:
-            session = self._sessions.pop(session_id, None)
-            metrics.SESSIONS.set(len(self._sessions))
-            owner = self._owners.pop(session_id, None)
-            if owner is not None:
-                self._drop_usage(*owner)
-        if session is None:
-            return False
-        busy = session.close()
-        if busy:
-            wait_futures(busy, timeout=_CLOSE_WAIT_S)
-        self._pool.forget_session(session_id)
-        self._registry.release(session.ring)
-        release_sources(self._catalog, session.catalogs)
-        logger.info("session %s %s; its ring is freed", session_id, reason)
+            session = self._sessions.get(session_id)
+            if session is None or not self._owned_by(session_id, client):
+                return False
+            self._take(session)
+        self._finish([session], timeout_s=_CLOSE_WAIT_S, reason=reason)
         return True
+
+    def _take(self, session: Session) -> None:
+        """Remove ``session`` and give back its share of its client's quota (caller holds the
+        lock)."""
+        del self._sessions[session.id]
+        metrics.SESSIONS.set(len(self._sessions))
+        self._drop_usage(*self._owners.pop(session.id))
+
+    def _finish(self, sessions: list[Session], *, timeout_s: float, reason: str | None) -> None:
+        """Close ``sessions`` (already taken) together: all their streams end at once, then
+        the workers still writing into any of their rings get ``timeout_s`` seconds in all,
+        then every ring and catalog entry is freed; a line each says ``reason`` (if any)."""
+        busy = [future for session in sessions for future in session.close()]
+        if busy:
+            wait_futures(busy, timeout=timeout_s)
+        for session in sessions:
+            self._pool.forget_session(session.id)
+            self._registry.release(session.ring)
+            release_sources(self._catalog, session.catalogs)
+            if reason is not None:
+                logger.info("session %s %s; its ring is freed", session_log_id(session.id), reason)
 
     def _reap(self) -> None:
         interval = min(1.0, self.lease_timeout_s / 4)
         while not self._stop.wait(interval):
-            now = time.monotonic()
-            with self._lock:
-                expired = [
-                    s.id
-                    for s in self._sessions.values()
-                    if not s.streaming and now - s.last_used > self.lease_timeout_s
-                ]
-            for session_id in expired:
-                self.close(
-                    session_id,
-                    reason=f"expired after {self.lease_timeout_s:g} s without a stream",
-                )
+            self.reap()
+
+    def reap(self) -> int:
+        """Close every session that went ``lease_timeout_s`` without a stream; how many.
+
+        Each is checked again under the locks right before it is taken (``Session.expire``):
+        a client may start a stream on it meanwhile (a reconnect), and then it stays open.
+        Those taken close together, in one bounded wait, so that none holds up the others.
+        """
+        now = time.monotonic()
+        with self._lock:
+            idle = [
+                s
+                for s in self._sessions.values()
+                if not s.streaming and now - s.last_used > self.lease_timeout_s
+            ]
+        if not idle:
+            return 0
+        expired = []
+        with self._lock:
+            for session in idle:
+                if self._sessions.get(session.id) is session and session.expire(
+                    self.lease_timeout_s
+                ):
+                    self._take(session)
+                    expired.append(session)
+        if expired:
+            reason = f"expired after {self.lease_timeout_s:g} s without a stream"
+            self._finish(expired, timeout_s=_REAP_WAIT_S, reason=reason)
+        return len(expired)
 
     def close_all(self, timeout_s: float = _CLOSE_WAIT_S) -> None:
         """Close every session (server shutdown): all their streams end at once, then the
@@ -323,13 +415,7 @@ class SessionManager:
             self._owners.clear()
             self._usage.clear()
             metrics.SESSIONS.set(0)
-        busy = [future for session in sessions for future in session.close()]
-        if busy:
-            wait_futures(busy, timeout=timeout_s)
-        for session in sessions:
-            self._pool.forget_session(session.id)
-            self._registry.release(session.ring)
-            release_sources(self._catalog, session.catalogs)
+        self._finish(sessions, timeout_s=timeout_s, reason=None)
         if sessions:
             logger.info("closed %d session(s) at server shutdown", len(sessions))
         self._reaper.join(min(5.0, timeout_s))

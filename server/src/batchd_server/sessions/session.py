@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ from batchd._wire.ring import HEADER_BYTES, slot_offset
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
+from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import source_starts
 from batchd_server.planning.sampling import EpochPlan
@@ -123,14 +124,20 @@ class Session:
         pool: SubmitsTasks,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
+        roots: Sequence[str] | None = None,
     ) -> None:
-        """``sources``: the catalog entry of each of ``options.mixing.sources``, in order."""
+        """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
+        ``roots``: the directory the workers read each one's files from, as the manager
+        checked it (symlinks resolved; default: the catalog's roots as they are)."""
         self.id = session_id
         self.options = options
         self._mixing = options.mixing
         self.catalogs = sources
         """Every entry the session holds (the manager releases them all)."""
         assert len(sources) == len(self._mixing.sources), "one entry per source"
+        if roots is None:
+            roots = [entry.arrays.dataset.root for entry in sources]
+        assert len(roots) == len(sources), "one root per source"
         self.source_rows = tuple(len(entry.arrays) for entry in sources)
         """Rows of each source in its snapshot."""
         self.source_samples = self._mixing.counts(self.source_rows)
@@ -169,13 +176,17 @@ class Session:
             sources=tuple(
                 SourceSpec(
                     entry.segment.name,
-                    entry.arrays.dataset.root,
+                    root,
                     int(start),
                     source.pipeline_kind or "",
                     source.pipeline_options,
                 )
-                for entry, start, source in zip(
-                    sources, source_starts(self.source_rows), self._mixing.sources, strict=True
+                for entry, root, start, source in zip(
+                    sources,
+                    roots,
+                    source_starts(self.source_rows),
+                    self._mixing.sources,
+                    strict=True,
                 )
             ),
             shm_dir=str(ring.path.parent),
@@ -324,10 +335,14 @@ class Session:
             # on the old one (a break out of the loop, a retry after a network blip) and the
             # old call may not have ended on our side yet; it ends now.
             logger.debug(
-                "session %s: a new stream replaces the one of epoch %d", self.id, previous.epoch
+                "session %s: a new stream replaces the one of epoch %d",
+                session_log_id(self.id),
+                previous.epoch,
             )
             self.end_stream(previous)
         with self._cond:
+            if self.closed:  # closed (or expired) while the previous stream was ending
+                raise NotFound(f"session {self.id} is closed; open a new one")
             if held_leases is not None:
                 still_held = set(held_leases)
                 for lease in [x for x in self._leases if x not in still_held]:
@@ -493,6 +508,20 @@ class Session:
         )
 
     # -- closing --------------------------------------------------------------------------
+
+    def expire(self, idle_s: float) -> bool:
+        """Mark the session closed if it has had no stream for more than ``idle_s`` seconds;
+        whether it did. Checked and marked under the session's lock, which starting a stream
+        takes too: a stream that starts at the same moment either keeps the session open or
+        is refused with NotFound, never ended by a close that did not see it."""
+        with self._cond:
+            if self.closed or self._stream is not None:
+                return False
+            if time.monotonic() - self.last_used <= idle_s:
+                return False
+            self.closed = True
+            self._cond.notify_all()
+            return True
 
     def close(self) -> list[Future[BatchResult]]:
         """Mark closed and end any stream; returns the tasks still writing into the ring."""

@@ -16,9 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-__all__ = ["ShmSpace", "format_bytes", "remedy", "shm_space", "suggested_gib"]
+__all__ = [
+    "SHM_MARGIN_BYTES",
+    "ShmSpace",
+    "format_bytes",
+    "remedy",
+    "shm_space",
+    "suggested_gib",
+    "usable_bytes",
+]
 
 _GIB: Final = 1 << 30
+SHM_MARGIN_BYTES: Final = 8 << 20
+"""What the server leaves of the shm filesystem to others by default: its doorbell socket and
+lock files, and the segments of other processes in the same container (a framework's own
+shared-memory tensors, NCCL)."""
 _HEADROOM: Final = 1.25
 """Suggested sizes leave a quarter more than the need: other segments, rounding, growth."""
 
@@ -58,6 +70,12 @@ def shm_space(path: Path) -> ShmSpace:
     """
     st = os.statvfs(path)
     return ShmSpace(path, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+
+
+def usable_bytes(size_bytes: int) -> int:
+    """What the server's shm budget may take by default of a filesystem of ``size_bytes``: all
+    but :data:`SHM_MARGIN_BYTES`, and at least half of a tiny one."""
+    return max(size_bytes - SHM_MARGIN_BYTES, size_bytes // 2)
 
 
 def suggested_gib(used_bytes: int, needed_bytes: int) -> int:
