@@ -132,7 +132,7 @@ class CatalogCache:
         the entry already there), referenced once."""
         started = time.monotonic()
         arrays = load_split(self._engine, dataset, split, version=ref.version, snapshot=wanted)
-        metrics.CATALOG_LOAD_SECONDS.labels(dataset=ref.name).observe(time.monotonic() - started)
+        metrics.record_catalog_load(ref.name, time.monotonic() - started)
         pins = _pinned_by(arrays)
         canonical = (ref.id, split, pins.token())
         if canonical != key:

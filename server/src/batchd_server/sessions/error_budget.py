@@ -67,7 +67,7 @@ class ErrorBudget:
                 passed ``max_error_fraction``.
         """
         for failure in result.failures:
-            metrics.SAMPLE_ERRORS.labels(dataset=self._dataset, kind=failure.kind).inc()
+            metrics.record_sample_error(self._dataset, failure.kind)
             logger.warning(
                 "session %s: sample %d (%s) failed: %s: %s%s",
                 session_log_id(self._session_id),
