@@ -157,3 +157,15 @@ def test_inline_chunks_that_disagree_with_the_announced_size_are_data_loss() -> 
     message.inline_bytes = 16
     with pytest.raises(DataLoss, match="8 of the announced 16"):
         InlineAssembler().feed(message)
+
+
+def test_an_inline_batch_larger_than_the_sessions_slot_is_refused_before_allocating() -> None:
+    """A server that announces more bytes than the session's slot can hold (a broken or
+    hostile peer) is a DataLoss at the first chunk: the client allocates nothing for it."""
+    head = _response(0, -1, [("sample_id", "<i8", [2], 0)])
+    message = inline_chunks(head, bytes(16), 16)[0]
+    message.inline_bytes = 1 << 50
+    with pytest.raises(DataLoss, match="more than the session's slot of 4096 bytes"):
+        InlineAssembler(max_bytes=4096).feed(message)
+    message.inline_bytes = 16
+    assert InlineAssembler(max_bytes=4096).feed(message) is not None

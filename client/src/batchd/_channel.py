@@ -5,7 +5,9 @@
 and key come from ``$BATCHD_TLS_CLIENT_CERT`` and ``$BATCHD_TLS_CLIENT_KEY``. The token
 rides on every call as ``authorization: Bearer ...`` metadata, added by an interceptor
 (gRPC's own call credentials are silently dropped on a plaintext channel). Over a unix
-socket the socket file's mode is what guards the server; TLS does not apply.
+socket the socket file's mode is what guards the server; TLS does not apply. A token sent
+in plaintext to a host other than this machine is readable on the network: the client says
+so once per target (:func:`open_channel`).
 
 Every call also says who is calling: :data:`CLIENT_ID_KEY` metadata with ``<hostname>/<pid>``
 (:func:`client_id`). The server counts its per-client limits and quotas by it (with the
@@ -14,6 +16,8 @@ transport's address), so one process's loaders cannot take what other processes 
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import socket
 import ssl
@@ -139,6 +143,37 @@ class _Metadata(
         return continuation(self._details(details), requests)
 
 
+logger = logging.getLogger("batchd")
+_WARNED_PLAINTEXT: set[str] = set()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_plaintext_token(target: str, security: ChannelSecurity) -> bool:
+    """Log a warning (once per target) when ``security`` sends its token in plaintext to
+    another machine; True when it warned."""
+    if security.auth_token is None or security.tls or target in _WARNED_PLAINTEXT:
+        return False
+    where = _host_port(target)
+    if where is None or _is_loopback(where[0]):
+        return False
+    _WARNED_PLAINTEXT.add(target)
+    logger.warning(
+        "batchd: the auth token goes to %r in plaintext: anyone on the network between can "
+        "read it. Serve TLS (batchd-server serve --tls-cert/--tls-key) and pass tls_ca= "
+        "(or $BATCHD_TLS_CA), or reach the server over a unix socket",
+        target,
+    )
+    return True
+
+
 def open_channel(
     target: str, security: ChannelSecurity, options: Sequence[tuple[str, Any]] = ()
 ) -> grpc.Channel:
@@ -152,6 +187,7 @@ def open_channel(
         channel = grpc.secure_channel(target, credentials, options=list(options))
     else:
         channel = grpc.insecure_channel(target, options=list(options))
+        warn_plaintext_token(target, security)
     entries = [(CLIENT_ID_KEY, client_id())]
     if security.auth_token is not None:
         entries.append(("authorization", f"Bearer {security.auth_token}"))

@@ -196,7 +196,13 @@ class Connection:
             start.held_leases.extend(session.delivery.lent())
             stream = ShmStream(start, ring=session.ring, accept_timeout_s=timeout_s)
         else:
-            stream = InlineStream(self.stub, start, target=self.target, timeout_s=timeout_s)
+            stream = InlineStream(
+                self.stub,
+                start,
+                target=self.target,
+                timeout_s=timeout_s,
+                max_batch_bytes=session.reply.ring.slot_bytes or None,
+            )
         self.stream = stream
         return stream
 

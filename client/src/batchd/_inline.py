@@ -37,9 +37,15 @@ _QUEUE_POLL_S: Final = 0.5
 
 
 class InlineAssembler:
-    """Joins the chunks of inline batches into one buffer per batch."""
+    """Joins the chunks of inline batches into one buffer per batch.
 
-    def __init__(self) -> None:
+    Args:
+        max_bytes: The most bytes one batch may announce (the session's slot size: a batch
+            never holds more than its slot); None: no bound.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self._max_bytes = max_bytes
         self._head: loader_pb2.StreamBatchesResponse | None = None
         self._buffer = np.empty(0, dtype=np.uint8)
         self._filled = 0
@@ -47,6 +53,13 @@ class InlineAssembler:
     def feed(self, msg: loader_pb2.StreamBatchesResponse) -> ReceivedBatch | None:
         """Take one message; the batch once its last chunk is in, else None."""
         if self._head is None:
+            if msg.inline_bytes < 0 or (
+                self._max_bytes is not None and msg.inline_bytes > self._max_bytes
+            ):
+                raise disagreement(
+                    f"batch {msg.batch_index}: the server announces {msg.inline_bytes} inline "
+                    f"bytes, more than the session's slot of {self._max_bytes} bytes"
+                )
             self._head = msg
             # A fresh buffer per batch: the batch's arrays own it, so it needs no copy later.
             self._buffer = np.empty(msg.inline_bytes, dtype=np.uint8)
@@ -99,6 +112,7 @@ class InlineStream:
         stub: The Loader stub of the session's channel.
         start: The call's first message.
         target: For error messages.
+        max_batch_bytes: The session's slot size, which no batch's bytes may exceed.
         timeout_s: How long the server may take to accept the stream (the stream itself
             has no deadline: an epoch takes as long as training takes).
     """
@@ -110,8 +124,9 @@ class InlineStream:
         *,
         target: str,
         timeout_s: float,
+        max_batch_bytes: int | None = None,
     ) -> None:
-        self._assembler = InlineAssembler()
+        self._assembler = InlineAssembler(max_batch_bytes)
         self._target = target
         self._timeout_s = timeout_s
         self._pending: queue.Queue[loader_pb2.StreamBatchesRequest | None] = queue.Queue()
