@@ -111,7 +111,13 @@ def test_twenty_tokenless_watch_streams_leave_an_authenticated_epoch_its_places(
         tcp_server(engine, auth_token_file=token_file, max_concurrent_rpcs=16) as server,
         watches(server.address, 20) as outcomes,
     ):
-        assert outcomes == [grpc.StatusCode.UNAUTHENTICATED] * 20
+        # Every stream is refused and none is answered. Most are UNAUTHENTICATED; on a loaded
+        # machine gRPC itself may refuse a few with RESOURCE_EXHAUSTED while more than 16
+        # refusals are in flight at once (its maximum_concurrent_rpcs), which holds nothing
+        # either.
+        refused = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert len(outcomes) == 20 and set(outcomes) <= refused, outcomes
+        assert grpc.StatusCode.UNAUTHENTICATED in outcomes
         assert server.admission.calls == 0
         for transport in ("inline", "shm"):
             ids = _epoch(server, transport, auth_token=TOKEN)
