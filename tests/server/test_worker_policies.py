@@ -1,8 +1,8 @@
 """The worker pool's rules, as pure functions: how a task that overran its deadline is redone
 (``workers/deadline.py``), when a dead worker is replaced and when the pool is in a crash
 loop (``workers/respawn.py``), and the server options that set them. The pool applying them
-to real processes is tested end to end (``tests/e2e/test_deadlines.py``,
-``test_worker_crash_loop.py``)."""
+to real processes is tested in ``test_pool_dispatch.py`` and end to end
+(``tests/e2e/test_deadlines.py``, ``test_worker_crash_loop.py``)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,20 @@ def test_workers_dying_before_ready_make_a_crash_loop_until_one_gets_ready() -> 
     assert policy.crash_loop is None
     policy.died(before_ready=True, how="exit code 1")
     assert policy.crash_loop is None, "the count starts over after a worker got ready"
+
+
+def test_a_failed_spawn_counts_as_a_death_before_ready_and_is_never_retried_at_once() -> None:
+    """fork's EAGAIN for a replacement: a pause of at least the first backoff, growing with
+    each failure, and a crash loop after enough of them in a row, naming the error."""
+    policy = RespawnPolicy(_Clock())
+    error = "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    delays = [policy.spawn_failed(error) for _ in range(respawn.CRASH_LOOP_STARTS)]
+    assert delays[0] == respawn.FIRST_DELAY_S and delays == sorted(delays), delays
+    assert delays[-1] > delays[0]
+    reason = policy.crash_loop
+    assert reason is not None and "a failed start" in reason and "Errno 11" in reason, reason
+    policy.ready()
+    assert policy.crash_loop is None
 
 
 def test_the_deadline_options_come_from_flags_or_the_environment() -> None:
