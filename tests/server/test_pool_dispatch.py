@@ -165,6 +165,8 @@ def _pool(*args: Any, **kwargs: Any) -> Iterator[WorkerPool]:
             _resume(pid)
         pool.stop(timeout_s=10)
     assert child_pids() <= before, "a worker outlived the pool"
+    senders = [t.name for t in threading.enumerate() if t.name.startswith("batchd-send")]
+    assert not senders, f"sender threads outlived the pool: {senders}"
 
 
 def test_large_tasks_for_a_stopped_worker_hold_up_neither_the_other_worker_nor_submit(

@@ -16,6 +16,7 @@ from batchd_server.workers import respawn
 from batchd_server.workers.deadline import (
     BATCH_STEP,
     MAX_TIMEOUTS_PER_TASK,
+    NOT_BEGUN,
     HungBatch,
     after_timeout,
 )
@@ -59,6 +60,18 @@ def test_a_sample_is_retried_once_and_given_up_when_it_hangs_again() -> None:
     assert given_up.hung == (5,) and given_up.one_by_one
     # Another sample hanging later is given its own retry.
     assert _hang(given_up, hung_at, 6).hung == (5,)
+
+
+def test_a_task_its_worker_never_began_is_redone_as_it_was_yet_counts_towards_the_limit() -> None:
+    """A worker stopped (SIGSTOP) before it began the task: no sample and no batch step is
+    blamed, so the redo is the same task, not a slow one-sample-at-a-time one; but the
+    deadlines still count, so a task cannot be redone forever."""
+    hung_at: Counter[int] = Counter()
+    for _ in range(MAX_TIMEOUTS_PER_TASK - 1):
+        assert _hang(TASK, hung_at, NOT_BEGUN) == TASK
+    with pytest.raises(HungBatch) as raised:
+        _hang(TASK, hung_at, NOT_BEGUN)
+    assert raised.value.positions == ()
 
 
 def test_a_task_that_keeps_hanging_fails_as_a_whole_naming_where() -> None:

@@ -52,7 +52,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from batchd_server.errors import DataLoss, FailedPrecondition, Unavailable
-from batchd_server.workers.deadline import BATCH_STEP, HungBatch, after_timeout
+from batchd_server.workers.deadline import NOT_BEGUN, HungBatch, after_timeout, where_stuck
 from batchd_server.workers.fair_queue import FairQueue
 from batchd_server.workers.handle import REAP_S, Pending, Worker, end_processes, left, spawn_worker
 from batchd_server.workers.respawn import RespawnPolicy
@@ -454,7 +454,7 @@ class WorkerPool:
         # The worker is stuck, so what it last wrote stands still.
         task_id, position = int(worker.progress[0]), int(worker.progress[1])
         if task_id != head.task_id:
-            position = BATCH_STEP
+            position = NOT_BEGUN  # stuck before it: stopped, say; not the task's fault
         worker.process.kill()
         self._doomed.append(worker.process)
         failed: HungBatch | None = None
@@ -474,16 +474,15 @@ class WorkerPool:
                 self._queue.appendleft(pending)
         if failed is not None and not head.future.done():
             head.future.set_exception(failed)
-        where = "a step of the whole batch" if position == BATCH_STEP else f"position {position}"
         logger.warning(
-            "decode worker %d (pid %s) ran batch %d of session %s for more than %g s (at %s "
-            "of the split); killed it and starting a new one; %s",
+            "decode worker %d (pid %s) held batch %d of session %s for more than %g s (%s); "
+            "killed it and starting a new one; %s",
             worker.index,
             worker.process.pid,
             head.task.batch_index,
             head.task.spec.session_id,
             self.task_timeout_s,
-            where,
+            where_stuck(position),
             "the batch failed" if failed is not None else "redoing the batch",
         )
         worker.sender.close()
