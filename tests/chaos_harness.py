@@ -49,7 +49,7 @@ import json, os, sys, time
 import batchd
 from batchd import errors
 
-target, log_path, stop_path, transport, seed, batch_size, floats = sys.argv[1:8]
+target, log_path, stop_path, transport, seed, batch_size, floats, dataset = sys.argv[1:9]
 state = None
 if os.path.exists(log_path):
     with open(log_path, "rb+") as f:
@@ -72,7 +72,7 @@ def retry(what):
             time.sleep(0.2)
 
 loader = retry(lambda: batchd.Loader(
-    target, dataset="records", batch_size=int(batch_size), seed=int(seed), shuffle=True,
+    target, dataset=dataset, batch_size=int(batch_size), seed=int(seed), shuffle=True,
     transport=transport, device="cpu", reconnect_timeout_s=180,
     pipeline=batchd.Array((int(floats),), "float32", raw=True)))
 if state is not None:
@@ -155,6 +155,8 @@ class ServerProcess:
     log_dir: Path
     workers: int = 2
     lease_timeout_s: float = 3.0
+    extra_args: tuple[str, ...] = ()
+    """More ``serve`` options, e.g. ``("--task-timeout-s", "5")``."""
     process: subprocess.Popen[bytes] | None = None
     instance: str = ""
     starts: int = 0
@@ -177,7 +179,7 @@ class ServerProcess:
         env = {**os.environ, "BATCHD_DATABASE_URL": self.database_url}
         command = [sys.executable, "-m", "batchd_server.cli", "serve"]
         command += ["--listen", self.target, "--workers", str(self.workers)]
-        command += ["--lease-timeout-s", str(self.lease_timeout_s)]
+        command += ["--lease-timeout-s", str(self.lease_timeout_s), *self.extra_args]
         with log.open("wb") as out:  # a file: a pipe nobody reads would stall the server
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=out)
         process = self.process
@@ -245,6 +247,7 @@ class ClientFleet:
     batch_size: int = 16
     floats: int = 32
     seed: int = 0
+    dataset: str = "records"
     processes: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
     spawned: set[int] = field(default_factory=set)
     kills: int = 0
@@ -262,7 +265,7 @@ class ClientFleet:
     def start(self, i: int) -> None:
         """Start client ``i`` (resuming from its log, if it has one)."""
         args = [self.target, str(self.log(i)), str(self.stop_file), self.transports[i]]
-        args += [str(self.seed + i), str(self.batch_size), str(self.floats)]
+        args += [str(self.seed + i), str(self.batch_size), str(self.floats), self.dataset]
         with (self.workdir / f"client-{i}.err").open("ab") as err:
             process = subprocess.Popen(
                 [sys.executable, "-c", CLIENT, *args], stdout=subprocess.DEVNULL, stderr=err

@@ -1,8 +1,8 @@
 """The worker pool's rules, as pure functions: how a task that overran its deadline is redone
 (``workers/deadline.py``), when a dead worker is replaced and when the pool is in a crash
 loop (``workers/respawn.py``), and the server options that set them. The pool applying them
-to real processes is tested end to end (``tests/e2e/test_deadlines.py``,
-``test_worker_crash_loop.py``)."""
+to real processes is tested in ``test_pool_dispatch.py`` and end to end
+(``tests/e2e/test_deadlines.py``, ``test_worker_crash_loop.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from batchd_server.workers import respawn
 from batchd_server.workers.deadline import (
     BATCH_STEP,
     MAX_TIMEOUTS_PER_TASK,
+    NOT_BEGUN,
     HungBatch,
     after_timeout,
 )
@@ -58,6 +59,18 @@ def test_a_sample_is_retried_once_and_given_up_when_it_hangs_again() -> None:
     assert given_up.hung == (5,) and given_up.one_by_one
     # Another sample hanging later is given its own retry.
     assert _hang(given_up, hung_at, 6).hung == (5,)
+
+
+def test_a_task_its_worker_never_began_is_redone_as_it_was_yet_counts_towards_the_limit() -> None:
+    """A worker stopped (SIGSTOP) before it began the task: no sample and no batch step is
+    blamed, so the redo is the same task, not a slow one-sample-at-a-time one; but the
+    deadlines still count, so a task cannot be redone forever."""
+    hung_at: Counter[int] = Counter()
+    for _ in range(MAX_TIMEOUTS_PER_TASK - 1):
+        assert _hang(TASK, hung_at, NOT_BEGUN) == TASK
+    with pytest.raises(HungBatch) as raised:
+        _hang(TASK, hung_at, NOT_BEGUN)
+    assert raised.value.positions == ()
 
 
 def test_a_task_that_keeps_hanging_fails_as_a_whole_naming_where() -> None:
@@ -107,6 +120,20 @@ def test_workers_dying_before_ready_make_a_crash_loop_until_one_gets_ready() -> 
     assert policy.crash_loop is None
     policy.died(before_ready=True, how="exit code 1")
     assert policy.crash_loop is None, "the count starts over after a worker got ready"
+
+
+def test_a_failed_spawn_counts_as_a_death_before_ready_and_is_never_retried_at_once() -> None:
+    """fork's EAGAIN for a replacement: a pause of at least the first backoff, growing with
+    each failure, and a crash loop after enough of them in a row, naming the error."""
+    policy = RespawnPolicy(_Clock())
+    error = "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    delays = [policy.spawn_failed(error) for _ in range(respawn.CRASH_LOOP_STARTS)]
+    assert delays[0] == respawn.FIRST_DELAY_S and delays == sorted(delays), delays
+    assert delays[-1] > delays[0]
+    reason = policy.crash_loop
+    assert reason is not None and "a failed start" in reason and "Errno 11" in reason, reason
+    policy.ready()
+    assert policy.crash_loop is None
 
 
 def test_the_deadline_options_come_from_flags_or_the_environment() -> None:

@@ -7,6 +7,9 @@ position it was reading or decoding, or -1 for a step of the whole batch) from a
 shared array the worker keeps up to date. The task is then redone on a fresh worker,
 changed by :func:`after_timeout`:
 
+- never begun (the worker was stuck before it: stopped with SIGSTOP, or a previous task's
+  answer would not go): redo it as it was, on another worker; it is not the task's fault,
+  but the deadline still counts towards the limit below;
 - stuck in a step of the whole batch (its byte ranges read together): redo it one sample
   at a time, which finds the sample that hangs, if one does;
 - stuck on a sample for the first time: redo it as it was (an NFS stall may be over);
@@ -29,10 +32,20 @@ from typing import Final
 from batchd_server.errors import DataLoss
 from batchd_server.workers.task import BatchTask
 
-__all__ = ["BATCH_STEP", "HUNG_TWICE", "MAX_TIMEOUTS_PER_TASK", "HungBatch", "after_timeout"]
+__all__ = [
+    "BATCH_STEP",
+    "HUNG_TWICE",
+    "MAX_TIMEOUTS_PER_TASK",
+    "NOT_BEGUN",
+    "HungBatch",
+    "after_timeout",
+    "where_stuck",
+]
 
 BATCH_STEP: Final = -1
 """The position a worker reports while it works on the whole batch, not one sample."""
+NOT_BEGUN: Final = -2
+"""The position of a task its worker had not begun when the deadline passed."""
 HUNG_TWICE: Final = 2
 """Deadlines one sample may cause before it is given up (reported as kind ``timeout``)."""
 MAX_TIMEOUTS_PER_TASK: Final = 5
@@ -61,7 +74,7 @@ def after_timeout(
         HungBatch: the task caused :data:`MAX_TIMEOUTS_PER_TASK` deadlines.
     """
     if sum(hung_at.values()) >= MAX_TIMEOUTS_PER_TASK:
-        samples = tuple(sorted(p for p in hung_at if p != BATCH_STEP))
+        samples = tuple(sorted(p for p in hung_at if p >= 0))
         raise HungBatch(
             f"batch {task.batch_index} of session {task.spec.session_id}: decode workers "
             f"hung past the task deadline ({timeout_s:g} s) {sum(hung_at.values())} times "
@@ -70,8 +83,19 @@ def after_timeout(
             "or raise --task-timeout-s if decoding these samples really takes this long",
             samples,
         )
+    if position == NOT_BEGUN:
+        return task
     if position == BATCH_STEP:
         return dataclasses.replace(task, one_by_one=True)
     if hung_at[position] >= HUNG_TWICE and position not in task.hung:
         return dataclasses.replace(task, one_by_one=True, hung=(*task.hung, position))
     return task
+
+
+def where_stuck(position: int) -> str:
+    """Where a worker was stuck on a task, in words, for the log."""
+    if position == BATCH_STEP:
+        return "at a step of the whole batch"
+    if position == NOT_BEGUN:
+        return "without beginning it: stopped or stuck before it"
+    return f"at position {position} of the split"

@@ -6,19 +6,32 @@ lock or thread of the server leaks into a worker. The initial workers are starte
 gRPC object exists all the same, so the server is not "ready" (listening) before they
 are.
 
-One dispatcher thread owns every pipe: it hands each ready worker up to
-``tasks_per_worker`` tasks (so a worker never idles waiting for the next tiny task), reads
-results, and watches the workers' sentinels. A worker that dies is replaced and the tasks it
-held are put back at the head of the queue: a killed worker costs a delay, never a lost or
-duplicated batch (a task rewrites its whole slot, so redoing it is harmless). A task that
-has killed ``max_deaths_per_task`` workers fails instead of killing more.
+One dispatcher thread hands each ready worker up to ``tasks_per_worker`` tasks (so a worker
+never idles waiting for the next tiny task), reads results, and watches the workers'
+sentinels. It never writes to a pipe itself: each worker has a thread that does
+(``sender.py``), so a worker that stopped reading (busy, SIGSTOPped, stuck in the kernel)
+holds up no other worker, no ``submit`` and no deadline. The dispatcher bumps a heartbeat
+after every round; :attr:`WorkerPool.dispatcher_alive`, which health's liveness reads, is
+False once it is older than :data:`DISPATCHER_STALL_S`.
+
+A worker that dies is replaced and the tasks it held are put back at the head of the queue:
+a killed worker costs a delay, never a lost or duplicated batch (a task rewrites its whole
+slot, so redoing it is harmless). A task that has killed ``max_deaths_per_task`` workers
+fails instead of killing more.
 
 Every wait has a deadline. A task that runs longer than ``task_timeout_s`` on its worker
 gets the worker killed and replaced, and is redone as ``deadline.py`` says (a sample that
 hangs twice becomes a bad sample of kind ``timeout``). Replacements start with backoff when
 deaths come in bursts, and workers that keep dying before they are ready put the pool in a
 crash loop that health reports and that fails tasks instead of queueing them forever
-(``respawn.py``).
+(``respawn.py``). A replacement the system refuses to start (fork's EAGAIN, EMFILE, ENOMEM)
+counts as such a death: the other workers serve meanwhile and it is tried again after the
+backoff.
+
+:meth:`WorkerPool.stop` keeps within the seconds its caller gives it (the server's grace):
+it asks the workers to exit, terminates those still running when the time kept for the
+escalation comes, and kills the rest; a process that does not go even then (stuck in the
+kernel) is left after ``handle.REAP_S`` more, with a warning, instead of hanging shutdown.
 """
 
 from __future__ import annotations
@@ -34,52 +47,32 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from batchd_server.errors import DataLoss, FailedPrecondition, Unavailable
-from batchd_server.logs import current_log_format
-from batchd_server.workers.deadline import BATCH_STEP, HungBatch, after_timeout
+from batchd_server.workers.deadline import NOT_BEGUN, HungBatch, after_timeout, where_stuck
 from batchd_server.workers.fair_queue import FairQueue
+from batchd_server.workers.handle import REAP_S, Pending, Worker, end_processes, left, spawn_worker
 from batchd_server.workers.respawn import RespawnPolicy
+from batchd_server.workers.sender import pickled
 from batchd_server.workers.task import BatchResult, BatchTask
-from batchd_server.workers.worker import WorkerError, worker_main
+from batchd_server.workers.worker import WorkerError
 
-__all__ = ["DEFAULT_TASK_TIMEOUT_S", "WorkerPool"]
+__all__ = ["DEFAULT_TASK_TIMEOUT_S", "DISPATCHER_STALL_S", "WorkerPool"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TASK_TIMEOUT_S = 60.0
 _MAX_WAIT_S = 1.0
 """The dispatcher looks at deadlines and due respawns at least this often."""
-
-
-@dataclass
-class _Pending:
-    task_id: int
-    task: BatchTask
-    future: Future[BatchResult]
-    deaths: int = 0
-    submitted_at: float = field(default_factory=time.monotonic)
-    hung_at: collections.Counter[int] = field(default_factory=collections.Counter)
-    """Positions (-1: a batch-wide step) at which workers hung on this task, and how often."""
-
-
-@dataclass
-class _Worker:
-    index: int
-    process: BaseProcess
-    conn: Connection
-    progress: Any
-    """``RawArray("q", 2)`` shared with the worker: the task id it runs, the position."""
-    outstanding: dict[int, _Pending] = field(default_factory=dict)
-    ready: bool = False
-    busy_since: float | None = None
-    """When the worker began its oldest outstanding task (it runs them in order)."""
-    respawn_at: float | None = None
-    """A dead worker whose replacement waits for its backoff to pass: when it starts."""
+DISPATCHER_STALL_S = 30.0
+"""A dispatcher whose last round began longer ago than this is wedged: liveness fails. A
+round takes at most about ``_MAX_WAIT_S`` plus a second per worker that died in it."""
+_TERMINATE_S = 1.0
+"""Of the time :meth:`WorkerPool.stop` is given, what it keeps (at most half) for
+terminating and killing workers that did not exit when asked."""
 
 
 class WorkerPool:
@@ -131,17 +124,20 @@ class WorkerPool:
         """Workers killed for a deadline, not yet reaped (one stuck in the kernel may
         take a while to go)."""
         self._ctx = mp.get_context("spawn")
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         # Round-robin across sessions (fair_queue.py), so no session waits behind another's
         # whole ring.
-        self._queue: FairQueue[_Pending] = FairQueue(lambda p: p.task.spec.session_id)
+        self._queue: FairQueue[Pending] = FairQueue(lambda p: p.task.spec.session_id)
         self._dispatched: collections.deque[tuple[str, int]] = collections.deque(maxlen=4096)
         self._forget: list[str] = []
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._ids = itertools.count()
+        # From 1: a fresh worker's progress array says task 0 until it begins its first task.
+        self._ids = itertools.count(1)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._turned_at = time.monotonic()
+        """When the dispatcher began its latest round (its heartbeat)."""
         self.restarts = 0
         """Workers replaced after dying, since start."""
 
@@ -154,80 +150,93 @@ class WorkerPool:
             FailedPrecondition: a worker died or did not get ready in time.
         """
         assert self._thread is None, "start() twice"
-        for index in range(self.size):
-            self._workers.append(self._spawn(index))
+        try:
+            for index in range(self.size):
+                self._workers.append(spawn_worker(self._ctx, index))
+        except Exception as e:
+            self._abandon()
+            raise FailedPrecondition(
+                f"could not start decode worker {len(self._workers) + 1} of {self.size} ({e}); "
+                "check the machine's process, open file and memory limits (ulimit -u, "
+                "ulimit -n, the container's pids and memory limits) or start fewer --workers"
+            ) from e
         pending = {w.conn: w for w in self._workers}
         deadline = time.monotonic() + self._start_timeout_s
         while pending:
-            left = deadline - time.monotonic()
-            ready = wait([*pending, *(w.process.sentinel for w in pending.values())], max(left, 0))
+            watched: list[Any] = [*pending, *(w.process.sentinel for w in pending.values())]
+            ready = wait(watched, left(deadline))
             if not ready:
-                self._kill_all()
+                self._abandon()
                 raise FailedPrecondition(
                     f"{len(pending)} of {self.size} decode workers were not ready after "
                     f"{self._start_timeout_s:g} s; the machine may be overloaded"
                 )
             for obj in ready:
                 worker = pending.get(obj)  # type: ignore[call-overload]
-                if worker is None or not _recv_ready(worker):
-                    self._kill_all()
+                if worker is None or not worker.received_ready():
+                    self._abandon()
                     raise FailedPrecondition(
                         "a decode worker exited while starting; run with --log-level debug "
                         "and check that batchd-server is installed completely"
                     )
                 worker.ready = True
                 del pending[obj]  # type: ignore[arg-type]
+        self._turned_at = time.monotonic()
         self._thread = threading.Thread(target=self._dispatch, name="batchd-pool", daemon=True)
         self._thread.start()
         logger.info("started %d decode workers", self.size)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the workers: ask, join, terminate, kill. Pending tasks fail. Idempotent."""
+        """Stop the workers within about ``timeout_s`` seconds: ask them to exit, terminate
+        those still running when the time kept for escalating comes (half of ``timeout_s``,
+        at most :data:`_TERMINATE_S`), kill the rest. Pending tasks fail. Idempotent.
+
+        A killed worker that is not gone ``handle.REAP_S`` past the deadline (stuck in the
+        kernel: a hung file system) is left behind with a warning.
+        """
+        deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
         self._wake()
+        ask_until = deadline - min(_TERMINATE_S, max(0.0, timeout_s) / 2)
         if self._thread is not None:
-            self._thread.join(timeout_s)
-        for worker in self._workers:
-            with contextlib.suppress(OSError):
-                worker.conn.send(None)
-        deadline = time.monotonic() + timeout_s
-        for worker in self._workers:
-            worker.process.join(max(0.0, deadline - time.monotonic()))
-        self._kill_all()
+            self._thread.join(left(ask_until))
+        dispatcher_gone = self._thread is None or not self._thread.is_alive()
+        for worker in self._live():
+            worker.sender.send(pickled(None))
+        for worker in self._live():
+            worker.process.join(left(ask_until))
+        end_processes([w.process for w in self._workers], deadline)
         for process in self._doomed:
-            process.join(max(0.0, deadline - time.monotonic()))
+            process.join(left(deadline + REAP_S))
             if process.is_alive():
                 logger.warning(
                     "decode worker pid %s, killed for a task past its deadline, has not "
                     "exited yet (stuck in the kernel: a hung file system?)",
                     process.pid,
                 )
+        for worker in self._workers:
+            worker.sender.close()
+        for worker in self._workers:
+            worker.sender.join(left(deadline + REAP_S))
         error = Unavailable("the batchd server is shutting down")
-        for pending in [*self._queue, *(p for w in self._workers for p in w.outstanding.values())]:
+        with self._lock:
+            held = [*self._queue, *(p for w in self._workers for p in w.outstanding.values())]
+            self._queue.clear()
+        for pending in held:
             if not pending.future.done():
                 pending.future.set_exception(error)
-        self._queue.clear()
-        for worker in self._workers:
-            worker.conn.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        if dispatcher_gone:  # else it may still read them: leak two descriptors instead
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
-    def _kill_all(self) -> None:
-        # Terminate every survivor first and then wait for them together: shutdown must
-        # never wait for one worker after another.
-        alive = [w.process for w in self._workers if w.process.is_alive()]
-        for process in alive:
-            process.terminate()
-        deadline = time.monotonic() + 1.0
-        for process in alive:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in alive:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    def _abandon(self) -> None:
+        """A failed start: kill what was started, within a second."""
+        end_processes([w.process for w in self._workers], time.monotonic() + _TERMINATE_S)
+        for worker in self._workers:
+            worker.sender.close()
 
     # -- use ------------------------------------------------------------------------------
 
@@ -243,8 +252,11 @@ class WorkerPool:
 
     @property
     def dispatcher_alive(self) -> bool:
-        """The thread that feeds the workers runs (every session hangs without it)."""
-        return self._thread is not None and self._thread.is_alive()
+        """The thread that feeds the workers runs and began a round within
+        :data:`DISPATCHER_STALL_S` (every session hangs without it; health's liveness)."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        return time.monotonic() - self._turned_at < DISPATCHER_STALL_S
 
     def outstanding(self) -> int:
         """Tasks handed to workers and not answered yet."""
@@ -271,7 +283,7 @@ class WorkerPool:
             if self._stopping:
                 raise Unavailable("the batchd server is shutting down")
             self._refuse_if_crash_looping()
-            self._queue.append(_Pending(next(self._ids), task, future))
+            self._queue.append(Pending(next(self._ids), task, future))
         self._wake()
         return future
 
@@ -288,35 +300,19 @@ class WorkerPool:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    def _spawn(self, index: int) -> _Worker:
-        parent, child = self._ctx.Pipe(duplex=True)
-        progress = self._ctx.RawArray("q", 2)
-        process = self._ctx.Process(
-            target=worker_main,
-            args=(
-                child,
-                os.getpid(),
-                logging.getLogger("batchd_server").getEffectiveLevel(),
-                current_log_format(),
-                progress,
-            ),
-            name=f"batchd-worker-{index}",
-            daemon=True,
-        )
-        process.start()
-        child.close()
-        return _Worker(index, process, parent, progress)
-
     def _dispatch(self) -> None:
         while True:
             try:
                 if not self._dispatch_once():
                     return
             except Exception:
-                # Nothing may end this thread but stop(): without it every session hangs.
+                # Nothing may end this thread but stop(): without it every session hangs. A
+                # bug that recurs every round must not become a hot logging loop, and the
+                # heartbeat, bumped only by a whole round, goes stale and fails liveness.
                 logger.exception("the worker pool's dispatcher hit a bug; carrying on")
+                time.sleep(_MAX_WAIT_S / 10)
 
-    def _live(self) -> list[_Worker]:
+    def _live(self) -> list[Worker]:
         """Workers with a process (not a slot waiting for its replacement's backoff)."""
         return [w for w in self._workers if w.respawn_at is None]
 
@@ -327,10 +323,13 @@ class WorkerPool:
             if self._stopping:
                 return False
             forget, self._forget = self._forget, []
-            self._assign()
-        for worker in self._live():
-            for session_id in forget:
-                _send(worker, ("forget", session_id))
+            assigned = self._assign()
+        for worker, pending in assigned:
+            self._send_task(worker, pending)
+        for session_id in forget:
+            message = pickled(("forget", session_id))
+            for worker in self._live():
+                worker.sender.send(message)
         watched: list[Any] = [self._wake_r]
         for worker in self._live():
             watched += [worker.conn, worker.process.sentinel]
@@ -352,6 +351,7 @@ class WorkerPool:
             if worker.respawn_at is not None and now >= worker.respawn_at:
                 self._start_replacement(worker)
         self._doomed = [p for p in self._doomed if p.is_alive()]
+        self._turned_at = time.monotonic()
         return True
 
     def _wait_s(self) -> float:
@@ -365,15 +365,17 @@ class WorkerPool:
                 due = min(due, worker.busy_since + self.task_timeout_s)
         return max(0.0, due - now)
 
-    def _assign(self) -> None:
-        """Give queued tasks to the least busy ready workers (caller holds the lock)."""
+    def _assign(self) -> list[tuple[Worker, Pending]]:
+        """Give queued tasks to the least busy ready workers (caller holds the lock); what to
+        send to whom, in order."""
+        assigned: list[tuple[Worker, Pending]] = []
         while self._queue:
             ready = [w for w in self._workers if w.ready and w.respawn_at is None]
             if not ready:
-                return
+                break
             worker = min(ready, key=lambda w: len(w.outstanding))
             if len(worker.outstanding) >= self._tasks_per_worker or not worker.process.is_alive():
-                return
+                break
             pending = self._queue.popleft()
             # A task redone after a worker died is running already.
             if not pending.future.running() and not pending.future.set_running_or_notify_cancel():
@@ -382,10 +384,32 @@ class WorkerPool:
                 worker.busy_since = time.monotonic()
             worker.outstanding[pending.task_id] = pending
             self._dispatched.append((pending.task.spec.session_id, pending.task.batch_index))
-            if not _send(worker, ("task", pending.task_id, pending.task)):
-                return  # dead: the sentinel will fire and the task will be redone
+            assigned.append((worker, pending))
+        return assigned
 
-    def _receive(self, worker: _Worker) -> None:
+    def _send_task(self, worker: Worker, pending: Pending) -> None:
+        # Pickled here, outside the lock (512 KiB of positions at the largest batch), and
+        # written by the worker's sender: if the worker died meanwhile, its sentinel fires
+        # and the task is redone.
+        try:
+            payload = pickled(("task", pending.task_id, pending.task))
+        except Exception as e:  # a bug: fail this batch, not the dispatcher
+            with self._lock:
+                worker.outstanding.pop(pending.task_id, None)
+                if not worker.outstanding:
+                    worker.busy_since = None
+            logger.exception("batch %d cannot be pickled for a worker", pending.task.batch_index)
+            pending.future.set_exception(
+                DataLoss(
+                    f"batch {pending.task.batch_index} of session {pending.task.spec.session_id} "
+                    f"cannot be sent to a decode worker ({type(e).__name__}: {e}); a bug in "
+                    "batchd-server: the server log has the traceback"
+                )
+            )
+            return
+        worker.sender.send(payload)
+
+    def _receive(self, worker: Worker) -> None:
         try:
             message = worker.conn.recv()
         except (EOFError, OSError):
@@ -424,13 +448,13 @@ class WorkerPool:
                     logger.exception("recording a batch's timings failed")
             pending.future.set_result(result)
 
-    def _timed_out(self, worker: _Worker) -> None:
+    def _timed_out(self, worker: Worker) -> None:
         """``worker``'s oldest task passed its deadline: kill it, redo its tasks elsewhere."""
         head = next(iter(worker.outstanding.values()))
         # The worker is stuck, so what it last wrote stands still.
         task_id, position = int(worker.progress[0]), int(worker.progress[1])
         if task_id != head.task_id:
-            position = BATCH_STEP
+            position = NOT_BEGUN  # stuck before it: stopped, say; not the task's fault
         worker.process.kill()
         self._doomed.append(worker.process)
         failed: HungBatch | None = None
@@ -450,24 +474,23 @@ class WorkerPool:
                 self._queue.appendleft(pending)
         if failed is not None and not head.future.done():
             head.future.set_exception(failed)
-        where = "a step of the whole batch" if position == BATCH_STEP else f"position {position}"
         logger.warning(
-            "decode worker %d (pid %s) ran batch %d of session %s for more than %g s (at %s "
-            "of the split); killed it and starting a new one; %s",
+            "decode worker %d (pid %s) held batch %d of session %s for more than %g s (%s); "
+            "killed it and starting a new one; %s",
             worker.index,
             worker.process.pid,
             head.task.batch_index,
             head.task.spec.session_id,
             self.task_timeout_s,
-            where,
+            where_stuck(position),
             "the batch failed" if failed is not None else "redoing the batch",
         )
-        worker.conn.close()
+        worker.sender.close()
         if self._on_timeout is not None:
             self._on_timeout()
         self._start_replacement(worker)
 
-    def _died(self, worker: _Worker) -> None:
+    def _died(self, worker: Worker) -> None:
         # Its sentinel fires as it exits, a moment before it can be reaped for the exit code.
         worker.process.join(1.0)
         code = worker.process.exitcode
@@ -502,7 +525,7 @@ class WorkerPool:
             len(held),
             f"starting a new one in {delay:g} s" if delay else "starting a new one",
         )
-        worker.conn.close()
+        worker.sender.close()
         if self._respawn.crash_loop is not None and not was_looping:
             logger.error("%s", self._respawn.crash_loop)
         with self._lock:
@@ -512,8 +535,31 @@ class WorkerPool:
         else:
             self._start_replacement(worker)
 
-    def _start_replacement(self, worker: _Worker) -> None:
-        replacement = self._spawn(worker.index)
+    def _start_replacement(self, worker: Worker) -> None:
+        """Start ``worker``'s replacement; if the system refuses (fork's EAGAIN, EMFILE,
+        ENOMEM), count a death before ready and try again after the backoff."""
+        if self._stopping:  # stop() may not have waited for this thread: start nothing
+            return
+        try:
+            replacement = spawn_worker(self._ctx, worker.index)
+        except Exception as e:
+            was_looping = self._respawn.crash_loop is not None
+            delay = self._respawn.spawn_failed(f"{type(e).__name__}: {e}")
+            worker.respawn_at = time.monotonic() + delay
+            logger.error(
+                "could not start a replacement for decode worker %d (%s: %s); the other "
+                "workers serve meanwhile, trying again in %g s. Check the machine's process, "
+                "open file and memory limits",
+                worker.index,
+                type(e).__name__,
+                e,
+                delay,
+            )
+            if self._respawn.crash_loop is not None and not was_looping:
+                logger.error("%s", self._respawn.crash_loop)
+            with self._lock:
+                self._fail_queued_if_crash_looping()
+            return
         self._workers[self._workers.index(worker)] = replacement
         self.restarts += 1
         if self._on_restart is not None:
@@ -541,21 +587,6 @@ class WorkerPool:
             if not pending.future.done():
                 pending.future.set_exception(error)
         self._queue.clear()
-
-
-def _send(worker: _Worker, message: object) -> bool:
-    try:
-        worker.conn.send(message)
-        return True
-    except (BrokenPipeError, OSError):
-        return False
-
-
-def _recv_ready(worker: _Worker) -> bool:
-    try:
-        return bool(worker.conn.poll(0) and worker.conn.recv() == ("ready",))
-    except (EOFError, OSError):
-        return False
 
 
 def _drain(fd: int) -> None:

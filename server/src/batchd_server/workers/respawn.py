@@ -13,6 +13,9 @@ the pool is in a *crash loop*: health reports NOT_SERVING with :meth:`RespawnPol
 as the reason, and while no worker is ready the pool fails tasks with Unavailable instead of
 queueing them forever. It keeps trying (every :data:`MAX_DELAY_S` at most); the first worker
 that gets ready ends the crash loop.
+
+A replacement the system refuses to start (fork's EAGAIN, a full file table, no memory) is
+such a death too (:meth:`RespawnPolicy.spawn_failed`), and is never retried at once.
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ class RespawnPolicy:
         if recent <= 1:
             return 0.0
         return min(FIRST_DELAY_S * 2 ** (recent - 2), MAX_DELAY_S)
+
+    def spawn_failed(self, error: str) -> float:
+        """Starting a replacement failed with ``error``: counted as a worker that died before
+        it was ready; the seconds to wait before the next try, at least
+        :data:`FIRST_DELAY_S`."""
+        return max(FIRST_DELAY_S, self.died(before_ready=True, how=f"a failed start ({error})"))
 
     def ready(self) -> None:
         """A worker got ready: whatever kept them from starting is gone."""
