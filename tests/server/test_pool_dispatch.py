@@ -23,11 +23,11 @@ import pytest
 
 from batchd_server.pipelines import build_pipeline
 from batchd_server.sessions.options import slot_layout
+from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
-from batchd_server.shm.segments import ShmRegistry
 from batchd_server.workers import pool as pool_module
 from batchd_server.workers.pool import WorkerPool
-from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec
+from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SourceSpec
 
 from chaos_harness import wait_until
 from serving import child_pids, install_decoders
@@ -96,10 +96,9 @@ def _session(
     try:
         yield SessionSpec(
             session_id="s1",
-            root=str(root),
             pipeline_kind=kind,
             pipeline_options=options,
-            catalog_segment=catalog.name,
+            sources=(SourceSpec(catalog.name, str(root)),),
             ring_segment=ring.name,
             header_bytes=4096,
             slot_bytes=slot_bytes,
