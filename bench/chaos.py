@@ -19,15 +19,25 @@ checkpoint when started again. Scenarios (``--only`` picks some), each ``--runs`
   a dataset of ``--stop-records`` (default four batches); a random decode worker is stopped
   with SIGSTOP for 1-10 s (every 2-5 s), then continued (SIGCONT) or killed (SIGKILL), half
   and half. The server runs with ``--task-timeout-s 5``, so a worker stopped longer is
-  killed by the pool's task deadline first and its tasks are redone by the others.
+  killed by the pool's task deadline first and its tasks are redone by the others;
+- ``watch-flood``: calls that need no place a trainer needs, from callers without the token.
+  The server runs on TCP loopback with ``--auth-token-file`` (and ``--reflection``), the
+  clients pass the token (``BATCHD_AUTH_TOKEN``), and a thread floods the server without it
+  for the whole run: rounds of 200 Health ``Watch`` streams in flight at once on four
+  connections, 16 ``Watch`` calls with 64 KiB service names, and every tenth round a
+  reflection call; each call is held until the server ends it (or for 10 s), then cancelled.
+  Its faults are the rounds; a line under the table counts the flood's calls by the code
+  they ended with (a Watch the server answered is a problem: none may be without the token).
 
 At the end the clients finish their epoch and exit, the server gets SIGTERM, and the table
 says, per scenario: runs, faults injected, epochs completed, samples delivered in them,
 samples lost and duplicated (per epoch, each sample of the split must come exactly once, in
-batch order), batchd segments left in /dev/shm by the run's server instances, and processes
-of the run (servers, workers, clients) still alive.
+batch order), batchd segments left in /dev/shm by the run's server instances, processes
+of the run (servers, workers, clients) still alive, and the server's resident memory (VmRSS)
+once it is ready and once the faults end (of the run that grew most; not where the server
+was restarted), with the growth of its shared memory (the batches it wrote) apart.
 
-Run: ``python bench/chaos.py`` (5 scenarios x 60 s), ``--quick`` (15 s each).
+Run: ``python bench/chaos.py`` (6 scenarios x 60 s), ``--quick`` (15 s each).
 """
 
 from __future__ import annotations
@@ -35,19 +45,25 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import ipaddress
 import os
 import random
+import secrets
 import select
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import sqlalchemy as sa
 from _common import closing_line, machine_busy_s, machine_lines, markdown_table, own_cpu_s
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchd_server.catalog import migrate
 from batchd_server.catalog.db import make_engine
@@ -67,13 +83,21 @@ from chaos_harness import (  # noqa: E402  (tests/ goes on the path first)
 from pgserver import ThrowawayPostgres  # noqa: E402
 from serving import SHM, record_dataset  # noqa: E402
 
-SCENARIOS = ("client-kill", "server-kill", "postgres-restart", "worker-kill", "worker-stop")
+SCENARIOS = (
+    "client-kill",
+    "server-kill",
+    "postgres-restart",
+    "worker-kill",
+    "worker-stop",
+    "watch-flood",
+)
 INTERVALS_S = {
     "client-kill": (1.0, 4.0),
     "server-kill": (8.0, 15.0),
     "postgres-restart": (8.0, 15.0),
     "worker-kill": (1.0, 4.0),
     "worker-stop": (2.0, 5.0),
+    "watch-flood": (1.0, 1.0),  # no faults of its own: how often it checks the clients
 }
 OUTAGE_S = (2.0, 6.0)
 STOP_TASK_TIMEOUT_S = 5.0
@@ -85,6 +109,23 @@ TRANSPORTS = ["shm", "shm", "inline", "inline"]
 WORKERS = 2
 LEASE_S = 3.0
 FINISH_S = 300.0
+LOOPBACK = "127.0.0.1:0"
+"""Where ``watch-flood``'s server listens: TCP loopback, a free port."""
+FLOOD_STREAMS = 200
+"""watch-flood: tokenless Watch streams in flight at once, per round."""
+FLOOD_CHANNELS = 4
+"""watch-flood: connections the streams are spread over."""
+FLOOD_BIG_NAMES = 16
+"""watch-flood: Watch calls per round whose service name is ``BIG_NAME_BYTES`` long."""
+BIG_NAME_BYTES = 64 << 10
+FLOOD_REFLECT_EVERY = 10
+"""watch-flood: a reflection call every this many rounds."""
+FLOOD_CALL_S = 10.0
+"""watch-flood: a call neither answered nor refused by then ends DEADLINE_EXCEEDED."""
+FLOOD_PAUSE_S = 0.05
+"""watch-flood: between rounds, the pace of the flood."""
+FLOOD_MAX_CALLS = 200_000
+"""watch-flood: the most calls of one run, whatever its duration."""
 
 
 @dataclass
@@ -98,6 +139,28 @@ class Row:
     problems: list[str] = field(default_factory=list)
     endings: collections.Counter[str] = field(default_factory=collections.Counter)
     """How the stops of ``worker-stop`` ended."""
+    flood: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    """``watch-flood``'s calls by (kind, the code they ended with; "answered")."""
+    memory: tuple[float, float, float] | None = None
+    """The server's VmRSS at the start and at the end and its shared memory's growth (MiB),
+    of the run that grew most."""
+
+    def add_memory(self, start: tuple[float, float], end: tuple[float, float]) -> None:
+        """One run's (VmRSS, RssShmem) in MiB at the start and at the end."""
+        if self.memory is None or end[0] - start[0] > self.memory[1] - self.memory[0]:
+            self.memory = (start[0], end[0], end[1] - start[1])
+
+    def memory_cell(self) -> str:
+        if self.memory is None:
+            return "—"
+        start, end, shm = self.memory
+        return f"{start:.0f} → {end:.0f} ({end - start:+.0f}; shm {shm:+.0f})"
+
+    def flood_cell(self) -> str:
+        if not self.flood:
+            return "—"
+        refused = sum(n for (_, code), n in self.flood.items() if code != "answered")
+        return f"{refused:,} of {self.flood.total():,}"
 
     def cells(self) -> list[str]:
         t = self.tally
@@ -111,7 +174,94 @@ class Row:
             str(t.duplicated),
             str(self.leaked_segments),
             str(self.leaked_processes),
+            self.memory_cell(),
+            self.flood_cell(),
         ]
+
+
+def memory_mib(pid: int) -> tuple[float, float]:
+    """VmRSS and RssShmem of process ``pid``, in MiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssShmem"):
+            fields[name] = int(value.split()[0]) / 1024
+    return fields["VmRSS"], fields.get("RssShmem", 0.0)
+
+
+class WatchFlood:
+    """``watch-flood``'s caller without a token: a thread that sends round after round of
+    tokenless calls to ``target`` (a loopback address) until it is stopped or has made
+    ``FLOOD_MAX_CALLS``. A round: ``FLOOD_STREAMS`` Health Watch streams for the server's
+    own health, ``FLOOD_BIG_NAMES`` Watch calls for 64 KiB service names and, every
+    ``FLOOD_REFLECT_EVERY`` rounds, a reflection call; each is held until the server ends it
+    (or ``FLOOD_CALL_S``), then cancelled, and counted in ``outcomes``."""
+
+    def __init__(self, target: str) -> None:
+        host = target.rsplit(":", 1)[0].strip("[]")
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ValueError(f"watch-flood only floods loopback addresses, not {target!r}")
+        self.target = target
+        self.rounds = 0
+        self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watch-flood", daemon=True)
+
+    def __enter__(self) -> WatchFlood:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(2 * FLOOD_CALL_S + 30)
+        if self._thread.is_alive():
+            self.error = TimeoutError("the flood thread did not end its round in time")
+
+    def _run(self) -> None:
+        # Channels of their own connection each (no shared subchannel), and none carries a
+        # token: this is the caller who has none.
+        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+        channels = [grpc.insecure_channel(self.target, options) for _ in range(FLOOD_CHANNELS)]
+        try:
+            while not self._stop.is_set() and self.outcomes.total() < FLOOD_MAX_CALLS:
+                self._round(channels)
+                self.rounds += 1
+                self._stop.wait(FLOOD_PAUSE_S)  # the flood's pace, not a synchronisation
+        except BaseException as e:  # reported in the table, not lost in a thread
+            self.error = e
+        finally:
+            for channel in channels:
+                channel.close()
+
+    def _round(self, channels: list[grpc.Channel]) -> None:
+        health = [health_pb2_grpc.HealthStub(c) for c in channels]
+        calls: list[tuple[str, grpc.Call]] = []
+        for i in range(FLOOD_STREAMS):
+            request = health_pb2.HealthCheckRequest(service="")
+            calls.append(("Watch", health[i % len(health)].Watch(request, timeout=FLOOD_CALL_S)))
+        for i in range(FLOOD_BIG_NAMES):
+            name = f"flood-{self.rounds:06d}-{i:02d}".ljust(BIG_NAME_BYTES, "x")
+            request = health_pb2.HealthCheckRequest(service=name)
+            calls.append(
+                ("Watch 64 KiB name", health[i % len(health)].Watch(request, timeout=FLOOD_CALL_S))
+            )
+        if self.rounds % FLOOD_REFLECT_EVERY == 0:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channels[0])
+            ask = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            calls.append(("reflection", stub.ServerReflectionInfo(ask, timeout=FLOOD_CALL_S)))
+        try:
+            for kind, call in calls:
+                try:
+                    next(call)
+                    self.outcomes[kind, "answered"] += 1
+                except grpc.RpcError as e:
+                    self.outcomes[kind, e.code().name] += 1
+                except StopIteration:
+                    self.outcomes[kind, "OK, nothing sent"] += 1
+        finally:
+            for _, call in calls:
+                call.cancel()
 
 
 def inject(
@@ -183,30 +333,55 @@ def run_once(
     stop_batch: int,
 ) -> None:
     """One run of ``scenario`` on a fresh server; adds what it saw to ``row``."""
-    stopping = scenario == "worker-stop"
+    stopping, flooding = scenario == "worker-stop", scenario == "watch-flood"
+    extra_args: tuple[str, ...] = ()
+    client_env: dict[str, str] = {}
+    if stopping:
+        extra_args = ("--task-timeout-s", f"{STOP_TASK_TIMEOUT_S:g}")
+    if flooding:  # a token server, so that the flood's calls are the unauthenticated kind
+        token, token_file = secrets.token_urlsafe(24), workdir / "token"
+        with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(token)
+        extra_args = ("--auth-token-file", str(token_file), "--reflection")
+        client_env = {"BATCHD_AUTH_TOKEN": token}
     server = ServerProcess(
         url,
         workdir / "grpc.sock",
         workdir,
         workers=WORKERS,
         lease_timeout_s=LEASE_S,
-        extra_args=("--task-timeout-s", f"{STOP_TASK_TIMEOUT_S:g}") if stopping else (),
+        extra_args=extra_args,
+        listen=LOOPBACK if flooding else "",
     )
-    fleet = ClientFleet(server.target, workdir / "clients", TRANSPORTS, seed=rng.randrange(1 << 30))
+    instances = {server.start()}
+    start_memory = memory_mib(server.pid)
+    first_pid = server.pid
+    fleet = ClientFleet(
+        server.target, workdir / "clients", TRANSPORTS, seed=rng.randrange(1 << 30), env=client_env
+    )
     if stopping:  # tiny samples in the largest batches
         fleet.batch_size, fleet.floats, fleet.dataset = stop_batch, 1, LARGE
-    fleet.workdir.mkdir()
-    instances = {server.start()}
     try:
+        fleet.workdir.mkdir()
         fleet.start_all()
-        end = time.monotonic() + duration_s
-        while time.monotonic() < end:
-            time.sleep(rng.uniform(*INTERVALS_S[scenario]))  # the fault schedule
-            if fleet.failed():
-                row.problems += fleet.failed()
-                break
-            inject(scenario, rng, server, fleet, pg, instances, row)
-            row.faults += 1
+        flood = WatchFlood(server.target) if flooding else None
+        with flood or contextlib.nullcontext():
+            end = time.monotonic() + duration_s
+            while time.monotonic() < end:
+                time.sleep(rng.uniform(*INTERVALS_S[scenario]))  # the fault schedule
+                if fleet.failed():
+                    row.problems += fleet.failed()
+                    break
+                if flood is None:
+                    inject(scenario, rng, server, fleet, pg, instances, row)
+                    row.faults += 1
+        if flood is not None:
+            row.faults += flood.rounds
+            row.flood.update(flood.outcomes)
+            if flood.error is not None:
+                row.problems.append(f"the flood failed: {flood.error!r}")
+        if server.process is not None and server.process.poll() is None and server.pid == first_pid:
+            row.add_memory(start_memory, memory_mib(server.pid))
         try:
             fleet.finish(FINISH_S)
         except RuntimeError as e:
@@ -273,6 +448,14 @@ def main() -> None:
             f"float32, --task-timeout-s {STOP_TASK_TIMEOUT_S:g}"
             if "worker-stop" in args.only
             else ""
+        )
+        + (
+            f"; watch-flood: server on TCP loopback with --auth-token-file and --reflection, "
+            f"rounds of {FLOOD_STREAMS} tokenless Watch streams on {FLOOD_CHANNELS} "
+            f"connections + {FLOOD_BIG_NAMES} Watch calls with {BIG_NAME_BYTES >> 10} KiB "
+            f"names, a reflection call every {FLOOD_REFLECT_EVERY} rounds"
+            if "watch-flood" in args.only
+            else ""
         ),
         flush=True,
     )
@@ -304,12 +487,25 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     header = ["scenario", "runs", "faults", "epochs", "samples delivered", "lost"]
     header += ["duplicated", "leaked segments", "leaked processes"]
+    header += ["server VmRSS MiB, start → end", "flood calls refused"]
     print()
     print(markdown_table(header, [r.cells() for r in rows]))
     for row in rows:
         if row.endings:
             endings = ", ".join(f"{how}: {n}" for how, n in sorted(row.endings.items()))
             print(f"\n{row.scenario}: stops ended by {endings}")
+        if row.flood:
+            kinds = sorted({kind for kind, _ in row.flood})
+            ends = "; ".join(
+                f"{kind}: "
+                + ", ".join(
+                    f"{code} {n:,}" for (k, code), n in sorted(row.flood.items()) if k == kind
+                )
+                for kind in kinds
+            )
+            print(f"\n{row.scenario}: flood calls ended by {ends}")
+            if any(code == "answered" for _, code in row.flood):
+                row.problems.append("the server answered a call that carried no token")
         for problem in row.problems + row.tally.problems:
             print(f"\n{row.scenario}: {problem}")
     print(closing_line(started, busy0, own0))

@@ -148,7 +148,8 @@ def shm_entries(shm_dir: Path, instance: str = "") -> dict[str, int]:
 @dataclass
 class ServerProcess:
     """``batchd-server serve`` on a unix socket, as its own process (so it can be killed -9
-    and started again on the same socket, as a container restarted on a shared volume is)."""
+    and started again on the same socket, as a container restarted on a shared volume is).
+    With ``listen``, on that TCP address instead (started again on the port it got first)."""
 
     database_url: str
     socket: Path
@@ -157,6 +158,10 @@ class ServerProcess:
     lease_timeout_s: float = 3.0
     extra_args: tuple[str, ...] = ()
     """More ``serve`` options, e.g. ``("--task-timeout-s", "5")``."""
+    listen: str = ""
+    """A TCP address to serve on instead of ``socket``; ``127.0.0.1:0`` picks a free port."""
+    address: str = ""
+    """Where the server said it serves, once it has started."""
     process: subprocess.Popen[bytes] | None = None
     instance: str = ""
     starts: int = 0
@@ -165,7 +170,18 @@ class ServerProcess:
 
     @property
     def target(self) -> str:
-        return f"unix://{self.socket}"
+        """The address clients dial.
+
+        Raises:
+            RuntimeError: a TCP server that has not started yet (its port is not known).
+        """
+        if not self.listen:
+            return f"unix://{self.socket}"
+        if not self.address:
+            raise RuntimeError(
+                f"the server on {self.listen} has no port yet: call start() before target"
+            )
+        return self.address
 
     @property
     def pid(self) -> int:
@@ -178,7 +194,8 @@ class ServerProcess:
         log = self.log_dir / f"server-{self.starts}.log"
         env = {**os.environ, "BATCHD_DATABASE_URL": self.database_url}
         command = [sys.executable, "-m", "batchd_server.cli", "serve"]
-        command += ["--listen", self.target, "--workers", str(self.workers)]
+        listen = self.address or self.listen or self.target
+        command += ["--listen", listen, "--workers", str(self.workers)]
         command += ["--lease-timeout-s", str(self.lease_timeout_s), *self.extra_args]
         with log.open("wb") as out:  # a file: a pipe nobody reads would stall the server
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=out)
@@ -191,7 +208,9 @@ class ServerProcess:
             return READY in log.read_text()
 
         wait_until(ready, f"batchd-server to be ready (log {log})", timeout_s)
-        self.instance = log.read_text().split("segments batchd-", 1)[1].split("-*", 1)[0]
+        text = log.read_text()
+        self.instance = text.split("segments batchd-", 1)[1].split("-*", 1)[0]
+        self.address = text.split(f"{READY} ", 1)[1].split(" ", 1)[0]
         self.spawned.update(self.worker_pids())
         return self.instance
 
@@ -248,6 +267,8 @@ class ClientFleet:
     floats: int = 32
     seed: int = 0
     dataset: str = "records"
+    env: dict[str, str] = field(default_factory=dict)
+    """More environment for the clients, e.g. ``{"BATCHD_AUTH_TOKEN": token}``."""
     processes: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
     spawned: set[int] = field(default_factory=set)
     kills: int = 0
@@ -268,7 +289,10 @@ class ClientFleet:
         args += [str(self.seed + i), str(self.batch_size), str(self.floats), self.dataset]
         with (self.workdir / f"client-{i}.err").open("ab") as err:
             process = subprocess.Popen(
-                [sys.executable, "-c", CLIENT, *args], stdout=subprocess.DEVNULL, stderr=err
+                [sys.executable, "-c", CLIENT, *args],
+                env={**os.environ, **self.env},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
             )
         self.processes[i] = process
         self.spawned.add(process.pid)
