@@ -38,7 +38,7 @@ def child_pids() -> set[int]:
     tracker: the ``spawn`` start method starts that helper once per process and it exits
     with its parent."""
     me = os.getpid()
-    found = set()
+    found: set[int] = set()
     for task in Path(f"/proc/{me}/task").iterdir():
         try:
             text = (task / "children").read_text()
