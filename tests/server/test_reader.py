@@ -12,9 +12,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from batchd_server.catalog import migrate
+from batchd_server.catalog.columns import ColumnBuilder
 from batchd_server.catalog.copy_parser import PackedCopyParser
 from batchd_server.catalog.db import make_engine
-from batchd_server.catalog.reader import _ColumnBuilder, load_split, split_query
+from batchd_server.catalog.reader import load_split, split_query
 from batchd_server.catalog.schema import datasets, samples
 from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays
 from batchd_server.errors import InvalidArgument, NotFound, SnapshotMismatch
@@ -281,7 +282,7 @@ def test_copy_parser_is_safe_at_every_split_of_its_input(pg_engine: Engine) -> N
     data = out.getvalue()
 
     def parse(piece_bytes: int, chunk_bytes: int) -> list[tuple[Any, ...]]:
-        columns = _ColumnBuilder()
+        columns = ColumnBuilder()
         parser = PackedCopyParser(columns, chunk_bytes=chunk_bytes)
         for start in range(0, len(data), piece_bytes):
             parser.write(data[start : start + piece_bytes])

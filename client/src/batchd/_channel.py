@@ -20,7 +20,6 @@ import ipaddress
 import logging
 import os
 import socket
-import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -28,6 +27,7 @@ from typing import Any, Final
 import grpc
 
 from batchd._wire.metadata import CLIENT_ID_KEY
+from batchd._wire.tls import speaks_tls, tcp_host_port
 from batchd.errors import BatchdError, InvalidArgument, Unavailable
 
 __all__ = [
@@ -43,7 +43,6 @@ AUTH_TOKEN_ENV: Final = "BATCHD_AUTH_TOKEN"
 TLS_CA_ENV: Final = "BATCHD_TLS_CA"
 TLS_CLIENT_CERT_ENV: Final = "BATCHD_TLS_CLIENT_CERT"
 TLS_CLIENT_KEY_ENV: Final = "BATCHD_TLS_CLIENT_KEY"
-_PROBE_TIMEOUT_S: Final = 2.0
 _Next = Callable[..., Any]
 
 
@@ -161,7 +160,7 @@ def warn_plaintext_token(target: str, security: ChannelSecurity) -> bool:
     another machine; True when it warned."""
     if security.auth_token is None or security.tls or target in _WARNED_PLAINTEXT:
         return False
-    where = _host_port(target)
+    where = tcp_host_port(target)
     if where is None or _is_loopback(where[0]):
         return False
     _WARNED_PLAINTEXT.add(target)
@@ -194,36 +193,6 @@ def open_channel(
     return grpc.intercept_channel(channel, _Metadata(entries))
 
 
-def _host_port(target: str) -> tuple[str, int] | None:
-    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        target = target.removeprefix(prefix)
-    if target.startswith("unix"):
-        return None
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def _speaks_tls(host: str, port: int) -> bool:
-    """Whether a TLS handshake with ``host:port`` completes (certificate not checked)."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
-    try:
-        with (
-            socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S) as raw,
-            context.wrap_socket(raw, server_hostname=host),
-        ):
-            return True
-    except ssl.SSLError as e:
-        # A server that wants our certificate (mutual TLS) still speaks TLS.
-        return "CERTIFICATE" in str(e).upper()
-    except OSError:
-        return False
-
-
 def explain_unreachable(error: BatchdError, target: str, security: ChannelSecurity) -> BatchdError:
     """``error`` with the reason when a failed connection is a TLS mismatch, else ``error``.
 
@@ -232,7 +201,7 @@ def explain_unreachable(error: BatchdError, target: str, security: ChannelSecuri
     """
     if not isinstance(error, Unavailable):
         return error
-    where = _host_port(target)
+    where = tcp_host_port(target)
     if where is None:
         return error
     text = str(error)
@@ -245,7 +214,7 @@ def explain_unreachable(error: BatchdError, target: str, security: ChannelSecuri
                 f"(${TLS_CLIENT_CERT_ENV}, ${TLS_CLIENT_KEY_ENV}). gRPC said: {text}"
             )
         return error
-    if _speaks_tls(*where):
+    if speaks_tls(*where):
         return Unavailable(
             f"the batchd server at {target!r} uses TLS and this client connected in "
             f"plaintext; pass tls_ca= (the CA's PEM file) or set ${TLS_CA_ENV}"

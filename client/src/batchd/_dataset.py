@@ -53,7 +53,25 @@ else:
         _TorchLoader = _Base
 
 
-class IterableDataset(_Base[Batch]):
+class _LoaderState:
+    """The position methods of a wrapper of :attr:`loader`: the Loader's own."""
+
+    loader: Loader
+
+    def set_epoch(self, epoch: int) -> None:
+        """The Loader's ``set_epoch``."""
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Loader's :meth:`~batchd.Loader.state_dict`: where the next batch comes from."""
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The Loader's :meth:`~batchd.Loader.load_state_dict`."""
+        self.loader.load_state_dict(state)
+
+
+class IterableDataset(_LoaderState, _Base[Batch]):
     """A ``torch.utils.data.IterableDataset`` whose items are a :class:`batchd.Loader`'s batches.
 
     Args:
@@ -83,17 +101,8 @@ class IterableDataset(_Base[Batch]):
     def __len__(self) -> int:
         return len(self.loader)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loader.load_state_dict(state)
-
-
-class DataLoader(_TorchLoader[Batch]):
+class DataLoader(_LoaderState, _TorchLoader[Batch]):
     """A ``torch.utils.data.DataLoader`` of a :class:`batchd.Loader`'s batches that resumes.
 
     Args:
@@ -121,22 +130,5 @@ class DataLoader(_TorchLoader[Batch]):
         super().__init__(
             dataset, batch_size=None, num_workers=0, collate_fn=collate_fn, pin_memory=pin_memory
         )
-
-    @property
-    def loader(self) -> Loader:
+        self.loader = dataset.loader
         """The wrapped Loader."""
-        dataset = self.dataset
-        assert isinstance(dataset, IterableDataset), "built from a batchd Loader"
-        return dataset.loader
-
-    def set_epoch(self, epoch: int) -> None:
-        """The Loader's ``set_epoch``."""
-        self.loader.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The Loader's :meth:`~batchd.Loader.state_dict`: where the next batch comes from."""
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The Loader's :meth:`~batchd.Loader.load_state_dict`."""
-        self.loader.load_state_dict(state)

@@ -10,7 +10,6 @@ from batchd._mix import Mix
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._specs import (
-    TRANSPORTS,
     PipelineSpec,
     check_choice,
     check_int,
@@ -19,6 +18,7 @@ from batchd._specs import (
     resolve_rank,
     sampling_to_proto,
 )
+from batchd._wire.specs import TRANSPORTS
 from batchd.errors import InvalidArgument
 
 __all__ = ["MAX_BATCH_SIZE", "MAX_PREFETCH", "LoaderOptions"]

@@ -29,21 +29,12 @@ from batchd._wire.specs import (
     MAX_IMAGE_SIZE,
     MAX_TOKENS,
     ON_ERROR_CHOICES,
-    TRANSPORTS,
 )
 from batchd.errors import InvalidArgument
 
 __all__ = [
-    "IMAGE_DECODERS",
-    "IMAGE_DEFAULT_RATIO",
-    "IMAGE_DEFAULT_SCALE",
-    "IMAGE_DEFAULT_SIZE",
-    "MAX_IMAGE_SIZE",
-    "MAX_TOKENS",
-    "ON_ERROR_CHOICES",
     "ON_ERROR_POLICIES",
     "SAMPLING_MODES",
-    "TRANSPORTS",
     "Array",
     "Custom",
     "Image",

@@ -11,6 +11,7 @@ from typing import Final
 from batchd_server.errors import InvalidArgument
 
 __all__ = [
+    "INT64_MAX",
     "MAX_CLIENT_FRAME_BYTES",
     "MAX_NAME_CHARS",
     "MAX_PREFETCH",
@@ -32,6 +33,8 @@ MAX_CLIENT_FRAME_BYTES: Final = 1 << 20
 """A doorbell frame from a client at most (hellos, starts with held leases, acks)."""
 MAX_NAME_CHARS: Final = 256
 """A dataset, split or version name at most."""
+INT64_MAX: Final = (1 << 63) - 1
+"""The largest int64: what sample ids, byte offsets and epochs are stored and sent as."""
 
 
 def check_name(what: str, value: str, *, required: bool = True) -> str:

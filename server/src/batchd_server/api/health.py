@@ -23,8 +23,6 @@ client sends (up to the 1 MiB a request may be).
 
 from __future__ import annotations
 
-import socket
-import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
@@ -33,6 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._wire.tls import speaks_tls, tcp_host_port
 from batchd_server import metrics
 from batchd_server.api.admission import PeerLimit, Ticket, peer_address, refuse
 from batchd_server.config import ServerConfig
@@ -67,7 +66,6 @@ _CATALOG_REASON: Final = (
 )
 
 _NAME_OVERRIDE: Final = "grpc.ssl_target_name_override"
-_TLS_PROBE_TIMEOUT_S: Final = 2.0
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -178,7 +176,7 @@ def check_server(
         tls: Speak TLS to a TCP target (a unix socket has none); None: plaintext.
     """
     request = health_pb2.HealthCheckRequest(service=service)
-    tcp = _host_port(target)
+    tcp = tcp_host_port(target)
     with _probe_channel(target, tls if tcp is not None else None) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -231,7 +229,7 @@ def _unavailable(
         )
     ca_flag = _flag("healthcheck_tls_ca")
     if tls is None:
-        if _speaks_tls(*tcp):
+        if speaks_tls(*tcp):
             return (
                 f"the server at {target} serves TLS and the health check spoke plaintext: pass "
                 f"{ca_flag} with the PEM of the CA that signed its certificate"
@@ -260,32 +258,3 @@ def _unavailable(
 
 def _flag(name: str) -> str:
     return setting_of(ServerConfig, name).flag or name
-
-
-def _host_port(target: str) -> tuple[str, int] | None:
-    """``target``'s host and port; None for a unix socket (or an address gRPC resolves)."""
-    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        target = target.removeprefix(prefix)
-    host, sep, port = target.rpartition(":")
-    if target.startswith("unix") or not sep or not port.isdigit():
-        return None
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def _speaks_tls(host: str, port: int) -> bool:
-    """Whether a TLS handshake with ``host:port`` completes (certificate not checked)."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
-    try:
-        with (
-            socket.create_connection((host, port), timeout=_TLS_PROBE_TIMEOUT_S) as raw,
-            context.wrap_socket(raw, server_hostname=host),
-        ):
-            return True
-    except ssl.SSLError as e:
-        # A server that wants our certificate (mutual TLS) still speaks TLS.
-        return "CERTIFICATE" in str(e).upper()
-    except OSError:
-        return False

@@ -15,7 +15,7 @@ from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._wire.specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
 from batchd_server import metrics
 from batchd_server.api.admission import client_identity
-from batchd_server.delivery.messages import inline_messages
+from batchd_server.delivery.messages import inline_messages, start_stream
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.limits import check_name
 from batchd_server.logs import session_log_id
@@ -266,13 +266,7 @@ def stream_batches(
             "shm streams run on the session's doorbell (RingLayout.doorbell), not as a "
             "StreamBatches call; send the StreamStart there, or use TRANSPORT_INLINE"
         )
-    stream = session.start_stream(
-        start.epoch,
-        start.start_batch,
-        start_sample=start.start_sample,
-        order_world_size=start.order_world_size,
-        stride=start.stride,
-    )
+    stream = start_stream(session, start, shm=False)
     # The callback runs however the call ends, even while this generator is suspended in a
     # yield that grpc will never resume (a client killed mid-epoch).
     context.add_callback(lambda: session.end_stream(stream))

@@ -10,13 +10,16 @@ path needed a COPY escape (a backslash, tab, newline, ...) take a per-row slow p
 from __future__ import annotations
 
 import re
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
-__all__ = ["PACKED", "PackedCopyParser", "RowSink"]
+if TYPE_CHECKING:
+    from batchd_server.catalog.columns import ColumnBuilder
+
+__all__ = ["PACKED", "PackedCopyParser"]
 
 # Numeric columns as the Postgres query packs them: big-endian, in this order. Nulls are
 # COALESCEd to -1 in SQL, so every record has the same width.
@@ -50,24 +53,6 @@ _COPY_ESCAPE_RE: Final = re.compile(rb"\\(.)", re.DOTALL)
 Int64Array = npt.NDArray[np.int64]
 
 
-class RowSink(Protocol):
-    """Where parsed rows go: one call per chunk, every argument one entry per row (paths:
-    their UTF-8 bytes concatenated, and each one's length)."""
-
-    def add(
-        self,
-        *,
-        ids: npt.ArrayLike,
-        labels: npt.ArrayLike,
-        lengths: npt.ArrayLike,
-        weights: npt.ArrayLike,
-        byte_offsets: npt.ArrayLike,
-        byte_lengths: npt.ArrayLike,
-        path_bytes: npt.NDArray[np.uint8],
-        path_lengths: npt.ArrayLike,
-    ) -> None: ...
-
-
 class PackedCopyParser:
     """A file-like sink for the text ``COPY`` output of ``split_query(packed=True)``.
 
@@ -76,7 +61,7 @@ class PackedCopyParser:
     handed to ``rows``; an incomplete last line waits for the next write.
     """
 
-    def __init__(self, rows: RowSink, *, chunk_bytes: int) -> None:
+    def __init__(self, rows: ColumnBuilder, *, chunk_bytes: int) -> None:
         self._rows = rows
         self._chunk_bytes = chunk_bytes
         self._pending = bytearray()

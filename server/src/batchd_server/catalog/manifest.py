@@ -19,6 +19,7 @@ from typing import Any
 
 from batchd_server.catalog.schema import datasets, samples
 from batchd_server.errors import DataError, InvalidArgument
+from batchd_server.limits import INT64_MAX
 
 __all__ = [
     "DATASET_NAME_MAX_CHARS",
@@ -43,7 +44,6 @@ _STAT_CACHE_MAX = 200_000
 """Distinct paths whose size is remembered; shard files repeat, image files do not."""
 _MISSING_EXAMPLES = 5
 _INT32_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
 # Column widths come from the schema, so a migration that widens one widens the check.
 SPLIT_MAX_CHARS: int = samples.c.split.type.length  # type: ignore[attr-defined]
@@ -139,15 +139,15 @@ class RowChecker:
                     f"{self.file}, line {line}: {given}={_show(get(given))} is given without "
                     f"{other}; {_ALLOWED[given]}"
                 )
-            if type(byte_offset) is not int or not 0 <= byte_offset <= _INT64_MAX:
+            if type(byte_offset) is not int or not 0 <= byte_offset <= INT64_MAX:
                 raise self._fail(line, "byte_offset", byte_offset)
-            if type(byte_length) is not int or not 0 <= byte_length <= _INT64_MAX:
+            if type(byte_length) is not int or not 0 <= byte_length <= INT64_MAX:
                 raise self._fail(line, "byte_length", byte_length)
         if key is None:
             key = path if byte_offset is None else f"{path}@{byte_offset}"
         elif type(key) is not str or not key or "\x00" in key:
             raise self._fail(line, "key", key)
-        if label is not None and (type(label) is not int or not _INT64_MIN <= label <= _INT64_MAX):
+        if label is not None and (type(label) is not int or not _INT64_MIN <= label <= INT64_MAX):
             raise self._fail(line, "label", label)
         if split is None:
             split = self.default_split

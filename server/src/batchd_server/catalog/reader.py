@@ -17,10 +17,10 @@ import functools
 from typing import Any, Final
 
 import numpy as np
-import numpy.typing as npt
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from batchd_server.catalog.columns import ColumnBuilder
 from batchd_server.catalog.copy_parser import PackedCopyParser
 from batchd_server.catalog.db import connect, is_postgres
 from batchd_server.catalog.migrate import require_schema
@@ -123,7 +123,7 @@ def load_split(
         raise InvalidArgument(f"chunk_bytes={chunk_bytes} must be >= 1")
     require_schema(engine)
     max_sample_id = None if snapshot is None else snapshot.max_sample_id
-    columns = _ColumnBuilder()
+    columns = ColumnBuilder()
     with connect(engine) as conn:
         ref = resolve_dataset(conn, dataset, version)
         if is_postgres(engine):
@@ -195,79 +195,8 @@ def _mismatch_message(ref: DatasetRef, split: str, snapshot: Snapshot, found: in
     )
 
 
-class _ColumnBuilder:
-    """Collects the column chunks of a load and joins them once at the end."""
-
-    def __init__(self) -> None:
-        self._chunks: dict[str, list[npt.NDArray[Any]]] = {
-            name: []
-            for name in (
-                "ids",
-                "labels",
-                "lengths",
-                "weights",
-                "byte_offsets",
-                "byte_lengths",
-                "path_bytes",
-                "path_lengths",
-            )
-        }
-        self.row_count = 0
-        self.last_id = 0
-
-    def add(
-        self,
-        *,
-        ids: npt.ArrayLike,
-        labels: npt.ArrayLike,
-        lengths: npt.ArrayLike,
-        weights: npt.ArrayLike,
-        byte_offsets: npt.ArrayLike,
-        byte_lengths: npt.ArrayLike,
-        path_bytes: npt.NDArray[np.uint8],
-        path_lengths: npt.ArrayLike,
-    ) -> None:
-        ids_array = np.asarray(ids, np.int64)
-        if ids_array.size == 0:
-            return
-        put = self._chunks
-        put["ids"].append(ids_array)
-        put["labels"].append(np.asarray(labels, np.int64))
-        put["lengths"].append(np.asarray(lengths, np.int32))
-        put["weights"].append(np.asarray(weights, np.float32))
-        put["byte_offsets"].append(np.asarray(byte_offsets, np.int64))
-        put["byte_lengths"].append(np.asarray(byte_lengths, np.int64))
-        put["path_bytes"].append(path_bytes)
-        put["path_lengths"].append(np.asarray(path_lengths, np.int64))
-        self.row_count += ids_array.size
-        self.last_id = int(ids_array[-1])
-
-    def _join(self, name: str, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
-        chunks = self._chunks[name]
-        joined = np.concatenate(chunks) if chunks else np.empty(0, dtype)
-        chunks.clear()
-        return joined.astype(dtype, copy=False)
-
-    def build(self, dataset: DatasetRef, split: str, snapshot: Snapshot) -> SplitArrays:
-        path_offsets = np.zeros(self.row_count + 1, np.int64)
-        np.cumsum(self._join("path_lengths", np.int64), out=path_offsets[1:])
-        return SplitArrays(
-            dataset=dataset,
-            split=split,
-            snapshot=snapshot,
-            ids=self._join("ids", np.int64),
-            labels=self._join("labels", np.int64),
-            lengths=self._join("lengths", np.int32),
-            weights=self._join("weights", np.float32),
-            byte_offsets=self._join("byte_offsets", np.int64),
-            byte_lengths=self._join("byte_lengths", np.int64),
-            path_bytes=self._join("path_bytes", np.uint8),
-            path_offsets=path_offsets,
-        )
-
-
 def _fetch_rows(
-    conn: sa.Connection, query: sa.Select[Any], columns: _ColumnBuilder, chunk_rows: int
+    conn: sa.Connection, query: sa.Select[Any], columns: ColumnBuilder, chunk_rows: int
 ) -> None:
     """Stream ``split_query`` rows with fetchmany; used where COPY is not available."""
     for rows in conn.execute(query).partitions(chunk_rows):
@@ -290,7 +219,7 @@ def _copy_packed_rows(
     dataset_id: int,
     split: str,
     max_sample_id: int | None,
-    columns: _ColumnBuilder,
+    columns: ColumnBuilder,
     chunk_bytes: int,
 ) -> None:
     """Stream the packed ``split_query`` through ``COPY ... TO STDOUT`` into ``columns``."""

@@ -19,10 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 from batchd_server.errors import InvalidArgument
+from batchd_server.limits import INT64_MAX
 
 __all__ = ["COLUMNS", "DatasetRef", "SampleColumns", "Snapshot", "SplitArrays"]
 
-_INT64_MAX: Final = (1 << 63) - 1
 _TOKEN_RE: Final = re.compile(r"s1\.([0-9]{1,19})\.([0-9]{1,19})")
 
 Int64Array = npt.NDArray[np.int64]
@@ -51,10 +51,10 @@ class Snapshot:
     row_count: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.row_count <= self.max_sample_id <= _INT64_MAX:
+        if not 0 <= self.row_count <= self.max_sample_id <= INT64_MAX:
             raise InvalidArgument(
                 f"snapshot max_sample_id={self.max_sample_id}, row_count={self.row_count} "
-                f"is impossible: need 0 <= row_count <= max_sample_id <= {_INT64_MAX}"
+                f"is impossible: need 0 <= row_count <= max_sample_id <= {INT64_MAX}"
             )
 
     def token(self) -> str:

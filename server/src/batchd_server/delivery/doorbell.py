@@ -56,7 +56,7 @@ from batchd._wire.frames import (
 from batchd._wire.status import status_name_for
 from batchd.errors import BatchdError
 from batchd_server import metrics
-from batchd_server.delivery.messages import shm_notice
+from batchd_server.delivery.messages import shm_notice, start_stream
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound
 from batchd_server.limits import MAX_CLIENT_FRAME_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.logs import session_log_id
@@ -189,14 +189,7 @@ class ServerBell:
             with self._start_lock:
                 if self.closed:
                     return  # a newer connection has the session now
-                stream = session.start_stream(
-                    start.epoch,
-                    start.start_batch,
-                    start_sample=start.start_sample,
-                    order_world_size=start.order_world_size,
-                    held_leases=start.held_leases,
-                    stride=start.stride,
-                )
+                stream = start_stream(session, start, shm=True)
             with self._lock:
                 self._stream = stream
                 cancelled = self._cancelled

@@ -1,7 +1,8 @@
-"""The messages that carry a ready batch to its client: a notice (shm) or its bytes (inline).
+"""The messages of a stream: the ``StreamStart`` that begins it, and those that carry a ready
+batch to its client: a notice (shm) or its bytes (inline).
 
-Both the doorbell (shm streams) and the StreamBatches RPC (inline streams) send batches, so
-the messages are built here, in a module that imports neither of them.
+Both the doorbell (shm streams) and the StreamBatches RPC (inline streams) start streams and
+send batches, so the messages are read and built here, in a module that imports neither.
 """
 
 from __future__ import annotations
@@ -12,12 +13,29 @@ from typing import Final
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._wire.ring import pack
 from batchd_server import metrics
-from batchd_server.sessions import ReadyBatch, Session
+from batchd_server.sessions import ReadyBatch, Session, Stream
 
-__all__ = ["INLINE_CHUNK_BYTES", "inline_messages", "shm_notice"]
+__all__ = ["INLINE_CHUNK_BYTES", "inline_messages", "shm_notice", "start_stream"]
 
 INLINE_CHUNK_BYTES: Final = 4 << 20
 """Inline batches travel in messages of at most this many bytes of data."""
+
+
+def start_stream(session: Session, start: pb.StreamStart, *, shm: bool) -> Stream:
+    """``session``'s stream as ``start`` asks for it; an shm stream keeps the leases the
+    client says it holds (an inline stream has none).
+
+    Raises:
+        InvalidArgument, NotFound: as ``Session.start_stream``.
+    """
+    return session.start_stream(
+        start.epoch,
+        start.start_batch,
+        start_sample=start.start_sample,
+        order_world_size=start.order_world_size,
+        held_leases=start.held_leases if shm else None,
+        stride=start.stride,
+    )
 
 
 def shm_notice(ready: ReadyBatch, seq: int) -> pb.StreamBatchesResponse:

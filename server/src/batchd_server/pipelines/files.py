@@ -56,8 +56,9 @@ import numpy.typing as npt
 
 from batchd._wire.lifetime import Closeable
 from batchd_server.errors import FailedPrecondition
+from batchd_server.limits import INT64_MAX
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.ranges import INT64_MAX, ends_past_int64, plan_reads
+from batchd_server.pipelines.ranges import ends_past_int64, plan_reads
 from batchd_server.pipelines.transient import (
     InjectedFaults,
     TransientError,

@@ -17,11 +17,12 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["INT64_MAX", "MAX_GAP_BYTES", "ReadPlan", "ends_past_int64", "plan_reads", "take_ranges"]
+from batchd_server.limits import INT64_MAX
+
+__all__ = ["MAX_GAP_BYTES", "ReadPlan", "ends_past_int64", "plan_reads", "take_ranges"]
 
 MAX_GAP_BYTES: Final = 4096
 """Ranges closer than this are read together, the bytes between them included."""
-INT64_MAX: Final = (1 << 63) - 1
 
 Int64Array = npt.NDArray[np.int64]
 

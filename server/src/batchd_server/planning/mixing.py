@@ -67,6 +67,7 @@ __all__ = [
     "MAX_EPOCH_SAMPLES",
     "MAX_MIX_SOURCES",
     "SHARE_RESOLUTION",
+    "EpochStart",
     "MixOptions",
     "MixSourceOptions",
     "Mixing",
@@ -121,6 +122,17 @@ class MixSourceOptions:
         return f"{self.dataset}:{self.split}{version}"
 
 
+@dataclass(frozen=True)
+class EpochStart:
+    """Where a plan of an epoch starts: ``epoch`` from entry ``start`` of its global order on
+    (an elastic resume), the order built for ``order_world_size`` ranks where it depends on
+    them (a session's plans are cached by it)."""
+
+    epoch: int
+    start: int
+    order_world_size: int
+
+
 class Mixing(Protocol):
     """How a session's sources make its epochs: a weighted mix of splits (``MixOptions``),
     or the one split of a session that asked for no mix, a mix of one
@@ -146,16 +158,9 @@ class Mixing(Protocol):
         ...
 
     def plan(
-        self,
-        splits: Sequence[SplitArrays],
-        options: SamplerOptions,
-        epoch: int,
-        *,
-        start: int,
-        order_world_size: int,
+        self, splits: Sequence[SplitArrays], options: SamplerOptions, at: EpochStart
     ) -> EpochPlan:
-        """This rank's batches of ``epoch`` from global entry ``start`` on (an elastic resume),
-        the order built for ``order_world_size`` ranks where it depends on them.
+        """This rank's batches of the epoch ``at`` says, from where it says.
 
         Raises:
             InvalidArgument, FailedPrecondition: as the planning function says.
@@ -245,16 +250,10 @@ class MixOptions:
         return mix_counts(sizes, self.units, self.stop_samples)
 
     def plan(
-        self,
-        splits: Sequence[SplitArrays],
-        options: SamplerOptions,
-        epoch: int,
-        *,
-        start: int,
-        order_world_size: int,
+        self, splits: Sequence[SplitArrays], options: SamplerOptions, at: EpochStart
     ) -> EpochPlan:
         """``plan_mix_epoch``; a mix's order never depends on the world size."""
-        return plan_mix_epoch([len(s) for s in splits], self, options, epoch, start=start)
+        return plan_mix_epoch([len(s) for s in splits], self, options, at.epoch, start=at.start)
 
     def pins(self, token: str | None) -> Sequence[tuple[str | None, str | None]]:
         if token is None:

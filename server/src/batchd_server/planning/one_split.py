@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batchd_server.planning.mixing import MixSourceOptions
+from batchd_server.planning.mixing import EpochStart, MixSourceOptions
 from batchd_server.planning.sampling import EpochPlan, SamplerOptions, plan_epoch
 
 if TYPE_CHECKING:
@@ -42,22 +42,16 @@ class OneSplit:
         return tuple(sizes)
 
     def plan(
-        self,
-        splits: Sequence[SplitArrays],
-        options: SamplerOptions,
-        epoch: int,
-        *,
-        start: int,
-        order_world_size: int,
+        self, splits: Sequence[SplitArrays], options: SamplerOptions, at: EpochStart
     ) -> EpochPlan:
         """``sampling.plan_epoch`` of the split, given the column its mode draws by."""
         (split,) = splits
         return plan_epoch(
             len(split),
             options,
-            epoch,
-            start=start,
-            order_world_size=order_world_size,
+            at.epoch,
+            start=at.start,
+            order_world_size=at.order_world_size,
             weights=split.weights,
             labels=split.labels,
             lengths=split.lengths,

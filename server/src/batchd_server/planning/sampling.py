@@ -41,6 +41,7 @@ import numpy.typing as npt
 from batchd._wire.epoch import rest_of_epoch
 from batchd._wire.ring import ceil_div
 from batchd_server.errors import FailedPrecondition, InvalidArgument
+from batchd_server.limits import INT64_MAX
 
 __all__ = [
     "MIX_PASS_TAG",
@@ -64,7 +65,6 @@ _MAX_WORLD_SIZE: Final = 1 << 16
 # Keeps a pool's size (bucket_batches * batch_size * world_size) within int64 arithmetic.
 _MAX_BUCKET_BATCHES: Final = 1 << 20
 _MAX_SEED: Final = (1 << 64) - 1
-_MAX_EPOCH: Final = (1 << 63) - 1  # epochs travel as int64
 
 # Purpose tags of the random streams. They are part of every order's identity: changing one
 # reorders every epoch of every job, including jobs resuming across a server upgrade.
@@ -212,7 +212,7 @@ def epoch_order(
             of the wrong shape or type, or holds values the mode cannot use.
     """
     _require_samples(n)
-    _require_int("epoch", epoch, 0, _MAX_EPOCH)
+    _require_int("epoch", epoch, 0, INT64_MAX)
     total = samples_per_rank(n, options, start=start) * options.world_size
     if order_world_size is None:
         order_world_size = options.world_size

@@ -29,7 +29,7 @@ from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
-from batchd_server.planning.mixing import source_starts
+from batchd_server.planning.mixing import EpochStart, source_starts
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
@@ -146,10 +146,11 @@ class Session:
         """Samples of one epoch (all ranks, before padding or dropping): the split's rows in
         the catalog snapshot, or a mix's samples per epoch."""
         sampler = options.sampler
-        probe = self._make_plan(0, 0, sampler.world_size)
+        first = EpochStart(0, 0, sampler.world_size)
+        probe = self._make_plan(first)
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
-        self._plans: dict[tuple[int, int, int], EpochPlan] = {(0, 0, sampler.world_size): probe}
+        self._plans: dict[EpochStart, EpochPlan] = {first: probe}
         self.ring = ring
         self.layout = layout
         self.slot_bytes = slot_bytes
@@ -210,25 +211,19 @@ class Session:
         self.opened_at = self.last_used
         self._delivered_any = False
 
-    def _make_plan(self, epoch: int, start: int, order_world_size: int) -> EpochPlan:
-        return self._mixing.plan(
-            [entry.arrays for entry in self.catalogs],
-            self.options.sampler,
-            epoch,
-            start=start,
-            order_world_size=order_world_size,
-        )
+    def _make_plan(self, at: EpochStart) -> EpochPlan:
+        splits = [entry.arrays for entry in self.catalogs]
+        return self._mixing.plan(splits, self.options.sampler, at)
 
     def plan(self, epoch: int, start: int = 0, order_world_size: int = 0) -> EpochPlan:
         """This rank's plan of ``epoch`` from global entry ``start`` on (an elastic resume;
         see ``planning.sampling``), the order built for ``order_world_size`` (0: the
         session's)."""
-        sampler = self.options.sampler
-        key = (epoch, start, order_world_size or sampler.world_size)
+        key = EpochStart(epoch, start, order_world_size or self.options.sampler.world_size)
         with self._cond:
             plan = self._plans.get(key)
         if plan is None:
-            plan = self._make_plan(epoch, start, key[2])
+            plan = self._make_plan(key)
             with self._cond:
                 while len(self._plans) >= _MAX_PLANS:
                     self._plans.pop(next(iter(self._plans)))

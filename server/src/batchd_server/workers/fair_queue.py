@@ -36,21 +36,21 @@ class FairQueue(Generic[T]):
         self._size = 0
 
     def append(self, item: T) -> None:
-        key = self._key(item)
-        queue = self._queues.get(key)
-        if queue is None:
-            queue = self._queues[key] = deque()
-        queue.append(item)
+        self._queue(self._key(item)).append(item)
         self._size += 1
 
     def appendleft(self, item: T) -> None:
         key = self._key(item)
+        self._queue(key).appendleft(item)
+        self._queues.move_to_end(key, last=False)
+        self._size += 1
+
+    def _queue(self, key: str) -> deque[T]:
+        """Session ``key``'s queue; a new one joins the back of the line."""
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = deque()
-        queue.appendleft(item)
-        self._queues.move_to_end(key, last=False)
-        self._size += 1
+        return queue
 
     def popleft(self) -> T:
         """The next item of the session whose turn it is.
