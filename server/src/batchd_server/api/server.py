@@ -17,7 +17,7 @@ import socket
 import stat
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -106,56 +106,48 @@ class ListenAddress:
         return cls(grpc_address=listen, host=host, port=int(port_text))
 
 
+@dataclass(eq=False)
 class RunningServer(Closeable):
     """A started gRPC server and what it owns; stop it with :meth:`stop` or ``with``."""
 
-    def __init__(
-        self,
-        server: grpc.Server,
-        executor: futures.ThreadPoolExecutor,
-        address: str,
-        port: int | None,
-        parts: Parts,
-        admission: Admission,
-    ) -> None:
-        self._server = server
-        self._executor = executor
-        self._parts = parts
-        self.admission = admission
-        """The calls in progress, in all and per client (see ``api/admission.py``)."""
-        self.address = address
-        """The target a client passes (``unix:///path`` or ``host:port``, port resolved)."""
-        self.port = port
-        """The bound TCP port, or None on a unix socket."""
-        self._stopped = False
+    grpc_server: grpc.Server
+    executor: futures.ThreadPoolExecutor
+    address: str
+    """The target a client passes (``unix:///path`` or ``host:port``, port resolved)."""
+    port: int | None
+    """The bound TCP port, or None on a unix socket."""
+    parts: Parts
+    admission: Admission
+    """The calls in progress, in all and per client (see ``api/admission.py``)."""
+    _stopped: bool = field(default=False, init=False)
 
     @property
     def pool(self) -> WorkerPool:
         """The decode workers (tests kill them; operators read ``restarts``)."""
-        return self._parts.pool
+        return self.parts.pool
 
     @property
     def sessions(self) -> SessionManager:
-        return self._parts.sessions
+        return self.parts.sessions
 
     @property
     def registry(self) -> ShmRegistry:
-        return self._parts.registry
+        return self.parts.registry
 
     @property
     def monitor(self) -> HealthMonitor:
         """The readiness and liveness checks behind the gRPC health service."""
-        return self._parts.monitor
+        return self.parts.monitor
 
     @property
     def metrics_address(self) -> str | None:
         """``host:port`` of ``/metrics`` (port resolved), or None when not served."""
-        endpoint = self._parts.metrics_endpoint
+        endpoint = self.parts.metrics_endpoint
         return None if endpoint is None else endpoint.address
 
     def drain(self) -> None:
         """Say NOT_SERVING on every readiness service and refuse new sessions, from now on."""
-        self._parts.monitor.drain()
+        self.parts.monitor.drain()
 
     def stop(self, grace_s: float | None = 5.0) -> None:
         """Shut down within ``grace_s`` seconds in all (None: no grace, cancel calls at once).
@@ -180,21 +172,21 @@ class RunningServer(Closeable):
             self.drain()
             # Refuses new calls now; running ones finish or are cancelled at the deadline.
             # The sessions' streams end next, so their calls return long before that.
-            terminated = self._server.stop(left() if grace_s is not None else None)
-            self._parts.end_sessions(left())
+            terminated = self.grpc_server.stop(left() if grace_s is not None else None)
+            self.parts.end_sessions(left())
             terminated.wait(left(floor=0.1))
         finally:
             # A handler stuck in a database call must not hang shutdown; its thread ends
             # when the call returns.
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self.executor.shutdown(wait=False, cancel_futures=True)
             # At least a second for the workers to exit on their own before they are
             # terminated: a worker killed mid-write is harmless, but a clean exit is nicer.
-            self._parts.close(left(floor=1.0))
+            self.parts.close(left(floor=1.0))
             logger.info("batchd-server stopped in %.1f s", time.monotonic() - started)
 
     def wait_for_termination(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops; False if ``timeout_s`` passed first."""
-        return bool(self._server.wait_for_termination(timeout_s))
+        return bool(self.grpc_server.wait_for_termination(timeout_s))
 
     def close(self) -> None:
         """:meth:`stop` with the default grace (what ``with`` calls on exit)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from batchd_server import metrics
 from batchd_server.errors import DataLoss
@@ -24,6 +25,7 @@ __all__ = ["ErrorBudget"]
 logger = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True, eq=False)
 class ErrorBudget:
     """One session's sample failures per epoch, against its ``max_error_fraction``.
 
@@ -38,22 +40,13 @@ class ErrorBudget:
         record_errors: Writes (sample id, kind, message) rows to the catalog.
     """
 
-    def __init__(
-        self,
-        *,
-        session_id: str,
-        dataset: str,
-        max_error_fraction: float,
-        epoch_samples: int,
-        record_errors: Callable[[list[tuple[int, str, str]]], object],
-    ) -> None:
-        self._session_id = session_id
-        self._dataset = dataset
-        self._max_error_fraction = max_error_fraction
-        self._epoch_samples = epoch_samples
-        self._record_errors = record_errors
-        self._lock = threading.Lock()
-        self._errors_by_epoch: dict[int, int] = {}
+    session_id: str
+    dataset: str
+    max_error_fraction: float
+    epoch_samples: int
+    record_errors: Callable[[list[tuple[int, str, str]]], object]
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _errors_by_epoch: dict[int, int] = field(default_factory=dict, init=False)
 
     def account(self, epoch: int, result: BatchResult, stride: int = 1) -> None:
         """Log, count and record ``result``'s failures, then check the budget.
@@ -67,10 +60,10 @@ class ErrorBudget:
                 passed ``max_error_fraction``.
         """
         for failure in result.failures:
-            metrics.record_sample_error(self._dataset, failure.kind)
+            metrics.record_sample_error(self.dataset, failure.kind)
             logger.warning(
                 "session %s: sample %d (%s) failed: %s: %s%s",
-                session_log_id(self._session_id),
+                session_log_id(self.session_id),
                 failure.sample_id,
                 failure.path,
                 failure.kind,
@@ -78,7 +71,7 @@ class ErrorBudget:
                 "" if failure.replaced_by is None else f"; replaced by {failure.replaced_by}",
             )
         try:
-            self._record_errors([(x.sample_id, x.kind, x.message) for x in result.failures])
+            self.record_errors([(x.sample_id, x.kind, x.message) for x in result.failures])
         except Exception:  # the catalog being down must not stop training
             logger.exception("could not record sample errors in the catalog")
         first = result.failures[0]
@@ -91,11 +84,11 @@ class ErrorBudget:
         with self._lock:
             count = self._errors_by_epoch.get(epoch, 0) + len(result.failures)
             self._errors_by_epoch[epoch] = count
-        limit = self._max_error_fraction * self._epoch_samples / stride
+        limit = self.max_error_fraction * self.epoch_samples / stride
         if count > limit:
             raise DataLoss(
                 f"{count} samples of epoch {epoch} failed, more than max_error_fraction="
-                f"{self._max_error_fraction:g} of its {self._epoch_samples}; latest: "
+                f"{self.max_error_fraction:g} of its {self.epoch_samples}; latest: "
                 f"sample {first.sample_id} ({first.path}): {first.kind}: {first.message}. "
                 "Fix or un-verify the bad samples (the catalog's sample_errors table lists "
                 "them), or raise max_error_fraction"
