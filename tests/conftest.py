@@ -25,13 +25,33 @@ from serving import batchd_segments
 BACKENDS = ("postgres", "sqlite")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_shared_memory_left_behind() -> Iterator[None]:
-    """After the whole run, /dev/shm holds no batchd entry that was not there before it."""
-    before = set(batchd_segments())
-    yield
+_SHM_BEFORE = pytest.StashKey[set[str]]()
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Note the batchd entries in /dev/shm before the run. With pytest-xdist only the
+    controller looks: a worker would see its sibling's live segments."""
+    if not _is_xdist_worker(session.config):
+        session.config.stash[_SHM_BEFORE] = set(batchd_segments())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After the whole run (every xdist worker done), /dev/shm holds no batchd entry that was
+    not there before it; a leak fails the run."""
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is None:
+        return
     left = sorted(set(batchd_segments()) - before)
-    assert not left, f"the tests left shared memory behind: {left}"
+    if left:
+        session.config.stash[_SHM_LEFT] = left
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_SHM_LEFT = pytest.StashKey[list[str]]()
 
 
 @pytest.fixture(scope="session")
@@ -132,6 +152,11 @@ _GPU_DESELECTED = pytest.StashKey[int]()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    left = config.stash.get(_SHM_LEFT, None)
+    if left:
+        terminalreporter.write_line(
+            f"FAILED: the tests left shared memory behind in /dev/shm: {left}", red=True
+        )
     n = config.stash.get(_GPU_DESELECTED, 0)
     if n:
         terminalreporter.write_line(
