@@ -44,6 +44,9 @@ TAG = f"bdclient-test-{os.getpid()}-"
 these check that no batchd entry is left in /dev/shm, and the pid keeps two runs apart."""
 ROWS = 10
 FIELDS = (("sample_id", "<i8", ()), ("label", "<i8", ()), ("array", "<f4", (2,)))
+CANCEL_GRACE_S = 5.0
+"""How long the double waits for a cancel to follow a half-close before it calls the
+batches still out unacked (only a client that did not cancel waits this long)."""
 
 
 def tagged_segments() -> list[str]:
@@ -194,7 +197,13 @@ class WireDouble(loader_pb2_grpc.LoaderServicer):
             while self._take_ack(acks, free, slot_of):
                 pass
             # Every batch went out; a client that cancels now (a break after the first batch
-            # of a short epoch) still ended early, not with batches unacked.
+            # of a short epoch) still ended early, not with batches unacked. A client that
+            # breaks may half-close its requests just before its cancel lands: with batches
+            # unacked, give the cancel a bounded moment to arrive before calling them unacked.
+            if slot_of and context.is_active():
+                terminated = threading.Event()
+                if context.add_callback(terminated.set):
+                    terminated.wait(CANCEL_GRACE_S)
             if context.is_active():
                 ended = "complete" if not slot_of else f"unacked {sorted(slot_of)}"
         finally:
