@@ -14,4 +14,11 @@ ruff format --check .
 echo "==> mypy" >&2
 mypy client/src server/src
 echo "==> pytest" >&2
-python -m pytest "$@"
+# Test files run in parallel, one file per pytest-xdist worker at a time (module fixtures stay
+# shared within a file): BATCHD_TEST_JOBS workers, default 2; 0 runs everything in-process.
+jobs="${BATCHD_TEST_JOBS:-2}"
+if [ "$jobs" = "0" ]; then
+  python -m pytest "$@"
+else
+  python -m pytest -n "$jobs" --dist loadfile "$@"
+fi
