@@ -134,11 +134,25 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` are deselected, loudly, on machines without CUDA.
+def _expected_seconds(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("slow")
+    return float(marker.kwargs.get("seconds", 10)) if marker is not None else 0.0
 
-    Set BATCHD_TEST_GPU=1 to run them anyway: they then fail, never skip, without a device.
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of ``slow`` tests run first, longest first (``slow(seconds=N)``), so that on
+    two pytest-xdist workers the soak test does not start last and stretch the run; the order
+    within a file is kept.
+
+    Tests marked ``gpu`` are deselected, loudly, on machines without CUDA. Set
+    BATCHD_TEST_GPU=1 to run them anyway: they then fail, never skip, without a device.
     """
+    per_file: dict[str, float] = {}
+    for item in items:
+        per_file[item.path.as_posix()] = per_file.get(item.path.as_posix(), 0.0) + (
+            _expected_seconds(item)
+        )
+    items.sort(key=lambda item: -per_file[item.path.as_posix()])  # stable: files keep order
     if os.environ.get("BATCHD_TEST_GPU") == "1" or _cuda_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]

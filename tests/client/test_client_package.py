@@ -38,7 +38,7 @@ def _run(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedPr
     return result
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 @pytest.mark.timeout(1200)
 def test_client_installs_without_server_dependencies_and_imports(tmp_path: Path) -> None:
     """pip install client/ into a fresh venv brings no SQLAlchemy, psycopg2, Prometheus client

@@ -226,7 +226,7 @@ def _example_args(record: Path, ckpt: Path) -> list[str]:
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("form", ["dataloader", "stateful"])
 def test_lightning_example_on_two_ranks_resumes_each_epoch_exactly_once(
@@ -244,7 +244,7 @@ def test_lightning_example_on_two_ranks_resumes_each_epoch_exactly_once(
     _assert_each_epoch_once(record, _train_ids(catalog), epochs=2)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 @pytest.mark.timeout(600)
 def test_accelerate_example_on_two_ranks_resumes_each_epoch_exactly_once(
     server: RunningServer, catalog: Engine, tmp_path: Path

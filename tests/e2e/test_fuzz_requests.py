@@ -24,7 +24,7 @@ from batchd_server.api import RunningServer
 
 from serving import record_dataset, serve
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=30)
 
 _FUZZ = settings(
     deadline=None,

@@ -31,7 +31,7 @@ from chaos_harness import (
 )
 from serving import SHM, record_dataset
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow(seconds=125), pytest.mark.timeout(420)]
 
 SEED = 20240612
 TRANSPORTS = ["shm", "shm", "inline", "inline"]
