@@ -75,6 +75,20 @@ def serve(database_url: str, socket_dir: Path, **config: Any) -> Iterator[Runnin
     assert not survivors, f"processes outlived the server: {survivors}"
 
 
+@contextlib.contextmanager
+def tcp_server(engine: Engine, **config: Any) -> Iterator[RunningServer]:
+    """A real server on 127.0.0.1 (a free port); checks for leaks when it stops."""
+    before = child_pids()
+    url = engine.url.render_as_string(hide_password=False)
+    server = build_server(ServerConfig(database_url=url, workers=1, **config), "127.0.0.1:0")
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=1.0)
+    assert batchd_segments(server.registry.instance) == []
+    assert child_pids() - before == set()
+
+
 def install_decoders(site: Path, source: str, entry_points: dict[str, str]) -> str:
     """A real distribution in ``site`` (put it on sys.path) whose module holds ``source`` and
     registers ``entry_points`` (name -> attribute, or ``module:attribute`` elsewhere) in the

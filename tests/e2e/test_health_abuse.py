@@ -25,16 +25,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from sqlalchemy.engine import Engine
 
 import batchd
-from batchd_server.api import RunningServer, build_server, security
+from batchd_server.api import RunningServer, security
 from batchd_server.api.admission import OPEN_CALLS_PER_PEER
 from batchd_server.api.health import REASON_KEY, HealthService
-from batchd_server.config import ServerConfig
 from batchd_server.errors import Unavailable
 from batchd_server.health import HealthMonitor
 from batchd_server.shm.space import ShmSpace
 
 from chaos_harness import wait_until
-from serving import RECORD_FLOATS, batchd_segments, child_pids, record_dataset, serve
+from serving import RECORD_FLOATS, record_dataset, serve, tcp_server
 
 TOKEN = "health-abuse-token-0123456789"
 _N = 64
@@ -45,20 +44,6 @@ _SERVE = [sys.executable, "-m", "batchd_server.cli", "serve"]
 def engine(sqlite_engine: Engine) -> Engine:
     """The embedded catalog: what is under test does not depend on the backend."""
     return sqlite_engine
-
-
-@contextlib.contextmanager
-def tcp_server(engine: Engine, **config: Any) -> Iterator[RunningServer]:
-    """A real server on 127.0.0.1 (a free port); checks for leaks when it stops."""
-    before = child_pids()
-    url = engine.url.render_as_string(hide_password=False)
-    server = build_server(ServerConfig(database_url=url, workers=1, **config), "127.0.0.1:0")
-    try:
-        yield server
-    finally:
-        server.stop(grace_s=1.0)
-    assert batchd_segments(server.registry.instance) == []
-    assert child_pids() - before == set()
 
 
 @contextlib.contextmanager

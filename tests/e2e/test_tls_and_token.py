@@ -3,7 +3,6 @@ socket's mode, and the refusal to expose a plaintext, token-less port beyond loo
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import ipaddress
 import logging
@@ -26,11 +25,11 @@ from sqlalchemy.engine import Engine
 
 import batchd
 from batchd import errors
-from batchd_server.api import RunningServer, build_server
+from batchd_server.api import build_server
 from batchd_server.api.security import TokenInterceptor, check_exposure
 from batchd_server.config import ServerConfig
 
-from serving import RECORD_FLOATS, batchd_segments, child_pids, record_dataset
+from serving import RECORD_FLOATS, record_dataset, tcp_server
 
 TOKEN = "s3cret-token-0123456789abcdef"
 HEALTHCHECK = [sys.executable, "-m", "batchd_server.cli", "healthcheck"]
@@ -100,20 +99,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         paths[f"{name}-key"] = out / f"{name}-key.pem"
         paths[f"{name}-key"].write_bytes(_pem_key(key))
     return paths
-
-
-@contextlib.contextmanager
-def tcp_server(engine: Engine, **config: Any) -> Iterator[RunningServer]:
-    """A real server on 127.0.0.1 (a free port); checks for leaks when it stops."""
-    before = child_pids()
-    url = engine.url.render_as_string(hide_password=False)
-    server = build_server(ServerConfig(database_url=url, workers=1, **config), "127.0.0.1:0")
-    try:
-        yield server
-    finally:
-        server.stop(grace_s=1.0)
-    assert batchd_segments(server.registry.instance) == []
-    assert child_pids() - before == set()
 
 
 def _epoch(target: str, **kwargs: Any) -> int:
