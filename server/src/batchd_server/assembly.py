@@ -36,6 +36,9 @@ if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
 
 __all__ = ["Parts", "assemble"]
 
+_MONITOR_STOP_S = 1.0
+"""The most a shutdown waits for the health monitor's thread, in seconds."""
+
 
 @dataclass
 class Parts:
@@ -64,7 +67,9 @@ class Parts:
             return max(0.0, deadline - time.monotonic())
 
         try:
-            self.monitor.stop()
+            # The probing thread is a daemon: a probe stuck in the database driver is left to
+            # end with the process rather than taking the sessions' and workers' grace.
+            self.monitor.stop(min(left(), _MONITOR_STOP_S))
             if self.metrics_endpoint is not None:
                 self.metrics_endpoint.close()
             self.end_sessions(left())

@@ -202,12 +202,14 @@ class HealthMonitor:
         self._tick()
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop probing; wait at most ``timeout_s`` seconds for the probing thread (a daemon:
+        one stuck in a probe is left to end with the process)."""
         self._stop.set()
         self._wake.set()
         self._catalog.stop()
         if self._thread.is_alive():
-            self._thread.join(5.0)
+            self._thread.join(max(timeout_s, 0.0))
 
     def drain(self) -> None:
         """The server is shutting down: not ready from now on, reported at once."""
