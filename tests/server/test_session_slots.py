@@ -7,6 +7,7 @@ every state a slot can be in (FREE, WORKING, DELIVERED, LEASED) is reached on pu
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -238,6 +239,33 @@ def test_a_new_shm_stream_frees_every_lease_the_client_no_longer_holds(pool: Fak
     # That release also handed the two free slots to the new stream's first batches.
     assert states(session) == {LEASED: 1, WORKING: 2}
     assert session.slot_states()[kept.slot] is LEASED
+
+
+def test_two_streams_started_at_once_leave_one_live_stream(
+    pool: FakePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two starts racing (an inline call and a doorbell START of one session): while the
+    first ends the old stream, the second starts; whichever sets itself last is the one live
+    stream, and the other is ended, never left streaming into the same ring."""
+    session = make_session(pool, samples=8 * BATCH_SIZE, slots=3)
+    old = session.start_stream(0, 0)
+    end_stream = session.end_stream
+    raced: list[Stream] = []
+    racing = threading.Event()
+
+    def end_while_another_starts(stream: Stream) -> None:
+        if not racing.is_set():  # the second start runs between the first's two steps
+            racing.set()
+            raced.append(session.start_stream(0, 1))
+        end_stream(stream)
+
+    monkeypatch.setattr(session, "end_stream", end_while_another_starts)
+    first = session.start_stream(0, 2)
+    (second,) = raced
+    assert old.closed
+    assert [s.closed for s in (first, second)].count(False) == 1, "one live stream"
+    assert not first.closed  # it set itself last
+    session.end_stream(first)
 
 
 def test_closing_a_session_returns_only_the_tasks_still_writing(pool: FakePool) -> None:

@@ -338,6 +338,12 @@ class Session:
         with self._cond:
             if self.closed:  # closed (or expired) while the previous stream was ending
                 raise NotFound(f"session {self.id} is closed; open a new one")
+            raced = self._stream
+            if raced is not None:
+                # Another start (an inline call racing a doorbell START) set its stream while
+                # ours ended the previous one: the last to get here is the client's one
+                # stream, so that one ends too (the lock is reentrant).
+                self.end_stream(raced)
             if held_leases is not None:
                 still_held = set(held_leases)
                 for lease in [x for x in self._leases if x not in still_held]:
