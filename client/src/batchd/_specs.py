@@ -55,11 +55,9 @@ SAMPLING_MODES: Final[Mapping[str, loader_pb2.Sampling]] = {
     "bucketed": loader_pb2.SAMPLING_BUCKETED,
 }
 ON_ERROR_POLICIES: Final[Mapping[str, loader_pb2.OnError]] = {
-    "skip": loader_pb2.ON_ERROR_SKIP,
-    "raise": loader_pb2.ON_ERROR_RAISE,
-    "replace": loader_pb2.ON_ERROR_REPLACE,
+    name: loader_pb2.OnError.Value(f"ON_ERROR_{name.upper()}") for name in ON_ERROR_CHOICES
 }
-assert tuple(ON_ERROR_POLICIES) == ON_ERROR_CHOICES
+"""The wire's choices (``batchd._wire.specs``) as the proto's enum values, derived by name."""
 
 _TOKEN_DTYPES: Final = {"int32": (-(1 << 31), (1 << 31) - 1), "uint16": (0, (1 << 16) - 1)}
 # bool, signed, unsigned, float, complex: what a fixed-shape array field can hold.
