@@ -106,7 +106,7 @@ class ScalingPolicy:
     """Trainers waiting at least this share of their time count as stalled."""
     queued_share: float = 0.5
     """Work must have waited for a worker in at least this share of the samples."""
-    idle_cores: float = 0.75
+    idle_cores: float = 0.5
     """A new worker needs at least this many idle cores."""
     shrink_busy_share: float = 0.75
     """Shrink when the workers were busy at most this share of one fewer worker's time (so
