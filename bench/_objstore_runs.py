@@ -48,6 +48,7 @@ class Config:
     """Run before every epoch, untimed: a cold configuration's fresh cache and loader."""
     fetched_bytes: list[int] = field(default_factory=list)
     requests: list[int] = field(default_factory=list)
+    request_types: list[dict[str, int]] = field(default_factory=list)
     store_cpu_s: list[float] = field(default_factory=list)
 
 
@@ -74,17 +75,20 @@ def run_once(cfg: Config, store: Store, *, record: bool) -> None:
     quiesce()
     bytes0, requests0, cpu0 = store.bytes_down(), store.requests(), store.cpu_s()
     run = cfg.contender.run(batches=None, warmup_batches=0)
-    fetched, requests = store.bytes_down() - bytes0, store.requests() - requests0
+    fetched, counts = store.bytes_down() - bytes0, store.requests()
+    by_type = {k: n - requests0.get(k, 0) for k, n in counts.items() if n - requests0.get(k, 0)}
+    requests = sum(by_type.values())
     store_cpu = store.cpu_s() - cpu0
     print(
         f"  {cfg.label}: {run.samples_per_s:,.0f} samples/s, {fetched / 1e6:,.1f} MB, "
-        f"{requests:,} requests{'' if record else ' (warm-up)'}",
+        f"{requests:,} requests {by_type}{'' if record else ' (warm-up)'}",
         file=sys.stderr,
     )
     if record:
         cfg.contender.runs.append(run)
         cfg.fetched_bytes.append(fetched)
         cfg.requests.append(requests)
+        cfg.request_types.append(by_type)
         cfg.store_cpu_s.append(store_cpu)
 
 
@@ -195,10 +199,16 @@ def write_json(
                         "loader_cpu_s": r.loader_cpu_s,
                         "fetched_bytes": b,
                         "requests": q,
+                        "requests_by_type": t,
                         "store_cpu_s": s,
                     }
-                    for r, b, q, s in zip(
-                        c.contender.runs, c.fetched_bytes, c.requests, c.store_cpu_s, strict=True
+                    for r, b, q, t, s in zip(
+                        c.contender.runs,
+                        c.fetched_bytes,
+                        c.requests,
+                        c.request_types,
+                        c.store_cpu_s,
+                        strict=True,
                     )
                 ],
             }

@@ -86,16 +86,18 @@ class Store:
     def bytes_down(self) -> int:
         return int(self.control.stats()["bytes_down"])
 
-    def requests(self) -> int:
-        """S3 calls SeaweedFS answered on the bench's bucket since it started."""
+    def requests(self) -> dict[str, int]:
+        """S3 calls SeaweedFS answered on the bench's bucket since it started, by type
+        (``GET``, ``HEAD``, ``LIST``, ...)."""
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             text = response.read().decode()
-        total = 0.0
+        found: dict[str, int] = {}
         needle = f'bucket="{self.bucket}"'
         for line in text.splitlines():
             if line.startswith("SeaweedFS_s3_request_total{") and needle in line:
-                total += float(line.rsplit(" ", 1)[1])
-        return int(total)
+                kind = line.split('type="', 1)[1].split('"', 1)[0] if 'type="' in line else "?"
+                found[kind] = found.get(kind, 0) + int(float(line.rsplit(" ", 1)[1]))
+        return found
 
     def cpu_s(self) -> float:
         """CPU seconds of SeaweedFS and the proxy (the "network" and the store)."""

@@ -169,21 +169,24 @@ def serve_help() -> str:
     return subprocess.run(command, capture_output=True, text=True, check=False).stdout
 
 
-def ingest_s3(url: str, target: str, args: argparse.Namespace, store: Store, kind: str) -> str:
-    """Ingest the store's images (``kind`` "images") or Parquet export ("parquet") as dataset
-    ``bench-s3-<kind>`` with the CLI, as a user would. Returns "" or why it cannot."""
-    env = {**os.environ, **store.env(), "BATCHD_DATABASE_URL": url}
+def ingest(url: str, dataset: str, kind: str, root: str, parquet_files: int = 0) -> str:
+    """Ingest the image tree (``kind`` "images") or the Parquet export ("parquet") under
+    ``root`` (a directory or an ``s3://`` prefix) as ``dataset`` with the CLI, as a user
+    would (the store's address and keys come from the environment). Returns "" or why it
+    cannot."""
+    env = {**os.environ, "BATCHD_DATABASE_URL": url}
     if kind == "images":
-        command = ["imagefolder", "--dataset", "bench-s3-images", "--split", "train"]
-        command += ["--root", target]
+        command = ["imagefolder", "--dataset", dataset, "--split", "train", "--root", root]
     else:
-        command = ["parquet", "--dataset", "bench-s3-parquet", "--payload", "image"]
-        command += ["--label", "label", target]
+        names = [f"part-{i:05d}.parquet" for i in range(parquet_files)]
+        command = ["parquet", "--dataset", dataset, "--root", root, "--split", "train"]
+        command += ["--payload", "image", "--label", "label", *names]
     full = [sys.executable, "-m", "batchd_server.cli", "ingest", *command]
     done = subprocess.run(full, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return f"`batchd-server ingest {' '.join(command)}` failed: {' / '.join(tail)}"
+        tail = (done.stderr or done.stdout).strip().splitlines()[-2:]
+        shown = " ".join(command[:6]) + (" ..." if len(command) > 6 else "")
+        return f"`batchd-server ingest {shown}` failed: {' / '.join(tail)}"
     return ""
 
 
@@ -338,7 +341,7 @@ def main() -> None:
             data = prepare_data(args, root, store)
             print(f"data ready after {time.perf_counter() - started:.0f} s", file=sys.stderr)
             settings += data_lines(args, data)
-            configs, notes = build_configs(args, root, store, stack)
+            configs, notes = build_configs(args, root, store, stack, data)
             settings += notes
             for line in settings:
                 print(line)
@@ -384,7 +387,7 @@ def data_lines(args: argparse.Namespace, data: Data) -> list[str]:
 
 
 def build_configs(
-    args: argparse.Namespace, root: Path, store: Store, stack: contextlib.ExitStack
+    args: argparse.Namespace, root: Path, store: Store, stack: contextlib.ExitStack, data: Data
 ) -> tuple[list[Config], list[str]]:
     """Every configuration in the order of a round, and lines saying what was left out."""
     notes: list[str] = []
@@ -407,13 +410,14 @@ def build_configs(
         )
     )
     settle(warm.cpu_s)
-    kinds = {
-        "S3": ("images", f"s3://{BUCKET}/images"),
-        "Parquet": ("parquet", f"s3://{BUCKET}/parquet"),
+    sources = {  # name: (kind, root, dataset)
+        "Parquet local": ("parquet", str(root / "parquet"), "bench-parquet"),
+        "S3": ("images", f"s3://{BUCKET}/images", "bench-s3-images"),
+        "Parquet": ("parquet", f"s3://{BUCKET}/parquet", "bench-s3-parquet"),
     }
     available = {}
-    for name, (kind, target) in kinds.items():
-        why = ingest_s3(url, target, args, store, kind)
+    for name, (kind, where, dataset) in sources.items():
+        why = ingest(url, dataset, kind, where, data.parquet_files)
         if why:
             notes.append(f"left out: batchd {name} ({why})")
         available[name] = not why
@@ -432,6 +436,11 @@ def build_configs(
         warm.cpu_s,
     )
     configs = [Config(local.label, "batchd files", "local", 0.0, local)]
+    if available["Parquet local"]:
+        label = "batchd, Parquet, local files"
+        loader = batchd_loader(warm.target, "bench-parquet", args)
+        parquet = Contender(label, "batchd Parquet", loader, warm.cpu_s)
+        configs.append(Config(label, "batchd Parquet", "local", 0.0, parquet))
     for latency in args.latencies:
         for state in ("cold", "warm"):
             for name in ("S3", "Parquet"):
