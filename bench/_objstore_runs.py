@@ -46,6 +46,8 @@ class Config:
     contender: Contender
     prepare: Callable[[Config], None] | None = None
     """Run before every epoch, untimed: a cold configuration's fresh cache and loader."""
+    finish: Callable[[Config], None] | None = None
+    """Run after every epoch, untimed (after the CPU has been read)."""
     fetched_bytes: list[int] = field(default_factory=list)
     requests: list[int] = field(default_factory=list)
     request_types: list[dict[str, int]] = field(default_factory=list)
@@ -79,6 +81,8 @@ def run_once(cfg: Config, store: Store, *, record: bool) -> None:
     by_type = {k: n - requests0.get(k, 0) for k, n in counts.items() if n - requests0.get(k, 0)}
     requests = sum(by_type.values())
     store_cpu = store.cpu_s() - cpu0
+    if cfg.finish is not None:
+        cfg.finish(cfg)
     print(
         f"  {cfg.label}: {run.samples_per_s:,.0f} samples/s, {fetched / 1e6:,.1f} MB, "
         f"{requests:,} requests {by_type}{'' if record else ' (warm-up)'}",
