@@ -31,6 +31,7 @@ from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import EpochStart, source_starts
 from batchd_server.planning.sampling import EpochPlan
+from batchd_server.sessions.accounting import MixAccount
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
@@ -151,6 +152,7 @@ class Session:
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
         self._plans: dict[EpochStart, EpochPlan] = {first: probe}
+        self._account = None if options.mix is None else MixAccount(options.mix)
         self.ring = ring
         self.layout = layout
         self.slot_bytes = slot_bytes
@@ -499,6 +501,9 @@ class Session:
         first, self._delivered_any = not self._delivered_any, True
         since_open_s = time.monotonic() - self.opened_at if first else None
         metrics.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
+        if self._account is not None:
+            step = stream.epoch * self.num_batches + result.batch_index
+            self._account.record(self.slot_memory(result.slot), views, result.rows, step)
         return ReadyBatch(
             result.batch_index,
             result.slot,

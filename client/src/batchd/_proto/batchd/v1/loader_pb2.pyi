@@ -212,12 +212,24 @@ class MixSource(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., weight: _Optional[float] = ..., rows: _Optional[int] = ..., epoch_samples: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
 
 class Mix(_message.Message):
-    __slots__ = ("sources", "stop_samples")
+    __slots__ = ("sources", "stop_samples", "schedule", "interpolate")
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     STOP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    INTERPOLATE_FIELD_NUMBER: _ClassVar[int]
     sources: _containers.RepeatedCompositeFieldContainer[MixSource]
     stop_samples: int
-    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., stop_samples: _Optional[int] = ...) -> None: ...
+    schedule: _containers.RepeatedCompositeFieldContainer[MixSchedulePoint]
+    interpolate: str
+    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., stop_samples: _Optional[int] = ..., schedule: _Optional[_Iterable[_Union[MixSchedulePoint, _Mapping]]] = ..., interpolate: _Optional[str] = ...) -> None: ...
+
+class MixSchedulePoint(_message.Message):
+    __slots__ = ("step", "weights")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FieldSchema(_message.Message):
     __slots__ = ("name", "dtype", "shape")
