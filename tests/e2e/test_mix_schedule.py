@@ -32,6 +32,8 @@ BATCH = 50
 BASE = {"big": 0.75, "small": 0.25}
 # 80 batches per epoch at one rank: 10 at the base, 20 at 1:1, the rest at 1:3.
 SCHEDULE = [(10, {"big": 0.5, "small": 0.5}), (30, {"big": 0.25, "small": 0.75})]
+pytestmark = pytest.mark.slow(seconds=30)
+
 WINDOWS = [(0, 10, 0.75), (10, 30, 0.5), (30, 80, 0.25)]
 """(first batch, end, big's share) of epoch 0 at one rank."""
 
@@ -247,8 +249,9 @@ def test_stats_and_metrics_count_each_source_against_its_scheduled_share(
     assert abs(served[0] - expected[0]) <= 2
 
 
+@pytest.mark.parametrize("transport", ["shm", "inline"])
 def test_a_token_mix_counts_each_sources_tokens_in_stats_and_metrics(
-    server: RunningServer,
+    server: RunningServer, transport: str
 ) -> None:
     """Tokens per source are the unpadded lengths of its rows, in the stats and the
     ``batchd_mix_tokens_total`` counter alike."""
@@ -262,7 +265,9 @@ def test_a_token_mix_counts_each_sources_tokens_in_stats_and_metrics(
         pipeline=batchd.Tokens(max_len=16),
         device="cpu",
         seed=2,
+        transport=transport,
     ) as loader:
+        assert loader.transport == transport
         for batch in loader:
             lengths = np.asarray(batch["length"])
             for s in (0, 1):

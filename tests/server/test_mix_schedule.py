@@ -121,6 +121,17 @@ def test_each_window_of_a_step_schedule_keeps_its_weights_within_3_percent(
         assert np.abs(shares - np.array(weights)).max() <= 0.03, (shares, weights)
 
 
+def test_each_window_of_a_linear_schedule_keeps_the_weights_in_force_within_3_percent() -> None:
+    """Along a ramp from 0.7 to 0.1 over 300 steps, every 10 batches' shares are within 3% of
+    the mean of the weights in force over them."""
+    schedule = WeightSchedule(BASE, ((0, (0.7, 0.3)), (300, (0.1, 0.9))), "linear")
+    counts = batch_counts(schedule, length=400 * 16, global_batch=16, first_step=0, resolution=R)
+    for first in range(0, 400, 10):
+        got = counts[first : first + 10].sum(axis=0) / (10 * 16)
+        wanted = np.mean([schedule.shares_at(b) for b in range(first, first + 10)], axis=0)
+        assert np.abs(got - wanted).max() <= 0.03, (first, got, wanted)
+
+
 def test_a_source_weighed_zero_in_a_window_gets_nothing_there() -> None:
     """A 0 weight from step 5 to 9 keeps the source out of those batches entirely."""
     schedule = WeightSchedule((0.5, 0.5), ((5, (1.0, 0.0)), (10, (0.5, 0.5))))
@@ -194,9 +205,11 @@ def test_a_scheduled_epoch_has_the_base_weights_length_and_each_pass_once() -> N
 def test_a_plan_from_before_at_or_after_a_change_is_the_tail_of_the_whole_epoch(
     interpolate: str, resume_at: int
 ) -> None:
-    """Resuming at batch 5, 10 (a change), 15, 20 (another) or 33 replays the same batches."""
+    """Resuming at batch 5, 10 (a change), 15, 20 (another) or 33 replays the same batches,
+    with or without drop_last."""
     mix = _mix(BASE, TWO_CHANGES, interpolate)
-    options = SamplerOptions(batch_size=25, seed=9, world_size=2, rank=1)
+    drop_last = resume_at % 2 == 1
+    options = SamplerOptions(batch_size=25, seed=9, world_size=2, rank=1, drop_last=drop_last)
     whole = plan_mix_epoch(SIZES, mix, options, 2)
     rest = plan_mix_epoch(SIZES, mix, options, 2, start=resume_at * 25 * 2)
     assert np.array_equal(rest.positions, whole.positions[resume_at * 25 :])
