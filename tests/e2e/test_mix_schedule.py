@@ -27,13 +27,13 @@ from batchd_server.catalog.db import make_engine
 
 from serving import RECORD_FLOATS, record_dataset, serve, token_dataset
 
+pytestmark = pytest.mark.slow(seconds=30)
+
 BIG, SMALL = 3000, 1000
 BATCH = 50
 BASE = {"big": 0.75, "small": 0.25}
 # 80 batches per epoch at one rank: 10 at the base, 20 at 1:1, the rest at 1:3.
 SCHEDULE = [(10, {"big": 0.5, "small": 0.5}), (30, {"big": 0.25, "small": 0.75})]
-pytestmark = pytest.mark.slow(seconds=30)
-
 WINDOWS = [(0, 10, 0.75), (10, 30, 0.5), (30, 80, 0.25)]
 """(first batch, end, big's share) of epoch 0 at one rank."""
 
