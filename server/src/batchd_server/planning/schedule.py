@@ -28,7 +28,8 @@ window of constant weights has their shares to a sample or two whatever its leng
 
 *Within a global batch* the entries are interleaved by a smooth weighted round robin of the
 batch's counts (item j of a source with c entries in the batch is due at (2j + 1) / c, ties
-to the lower source), so that ``deal_blocks`` gives each rank a run that keeps the shares.
+to the lower source; each item's rank in the batch has a closed form, as in NOTE [ Mixed
+order ]), so that ``deal_blocks`` gives each rank a run that keeps the shares.
 Each source's items are its next entries in its own order (its passes), batch after batch.
 """
 
@@ -134,8 +135,27 @@ def scheduled_order(
         resolution=resolution,
     )
     order = np.empty(length, np.int64)
-    if length == 0:
-        return order
+    batches = counts.shape[0]
+    assert global_batch < 1 << 31, "(2j + 1) * count stays within int64"
+    start = 0
+    for s, n in enumerate(sizes):
+        per_batch = counts[:, s]
+        total = int(per_batch.sum())
+        batch = np.repeat(np.arange(batches, dtype=np.int64), per_batch)
+        # Each item's index j within its batch's items of this source, and its rank in the
+        # batch: the items of every other source due before it, as ``mixing._due_before``
+        # counts them with this batch's counts as the units (ties to the lower source).
+        first_item = np.cumsum(per_batch) - per_batch
+        local = np.arange(total, dtype=np.int64) - np.repeat(first_item, per_batch)
+        w = per_batch[batch]
+        odd = 2 * local + 1
+        rank = local.copy()
+        for other in range(len(sizes)):
+            if other != s:
+                rank += (odd * counts[batch, other] + (w if other < s else w - 1)) // (2 * w)
+        order[batch * global_batch + rank] = start + rows(s, total)
+        start += n
+    return order
     batches = counts.shape[0]
     start = 0
     keys: list[npt.NDArray[np.float64]] = []
