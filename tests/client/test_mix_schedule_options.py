@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import batchd
-from batchd._accounting import SourceAccount, global_step
+from batchd._accounting import SourceAccount
+from batchd._wire.schedule import global_step
 from batchd.errors import InvalidArgument
 
 BASE = {"web": 0.7, "code": 0.3}

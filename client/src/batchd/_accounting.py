@@ -20,9 +20,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd._wire.epoch import rest_of_epoch
-
-__all__ = ["SOURCE_FIELD", "TOKENS_FIELD", "SourceAccount", "SourceStats", "global_step"]
+__all__ = ["SOURCE_FIELD", "TOKENS_FIELD", "SourceAccount", "SourceStats"]
 
 SOURCE_FIELD: Final = "source"
 TOKENS_FIELD: Final = "length"
@@ -46,29 +44,6 @@ class SourceStats:
     """``samples`` over all sources' samples; None before the first batch."""
     expected_share: float | None
     """``expected_samples`` over all rows served; None before the first batch."""
-
-
-def global_step(
-    epoch: int,
-    batch: int,
-    *,
-    rows: int,
-    batch_size: int,
-    world_size: int,
-    drop_last: bool,
-    start: int = 0,
-    order_world_size: int = 0,
-) -> int:
-    """The global step of this rank's ``batch`` of ``epoch`` (NOTE [ Scheduled mix ] in
-    ``batchd_server.planning.schedule``): ``epoch * len(loader) + batch`` at the world size
-    that began the epoch; after an elastic resume (``start`` entries consumed, the order built
-    for ``order_world_size`` ranks) the global batch of that order the batch falls in."""
-    order_world = order_world_size or world_size
-    per_epoch = rest_of_epoch(
-        rows, 0, batch_size=batch_size, world_size=order_world, drop_last=drop_last
-    )[1]
-    within = (start + batch * batch_size * world_size) // (batch_size * order_world)
-    return epoch * per_epoch + within
 
 
 class SourceAccount:

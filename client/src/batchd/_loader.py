@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Final
 
-from batchd._accounting import SourceAccount, global_step
+from batchd._accounting import SourceAccount
 from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
@@ -33,6 +33,7 @@ from batchd._stats import LoaderStats, LoopClock
 from batchd._stream import BatchStream
 from batchd._targets import replicas_of
 from batchd._wire.lifetime import Closeable
+from batchd._wire.schedule import global_step
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 __all__ = ["Loader"]

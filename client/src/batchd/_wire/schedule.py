@@ -16,8 +16,9 @@ The weights in force at step ``s``:
   the start is a point at step 0.
 
 The server turns them into exact integer shares (:meth:`WeightSchedule.units_at`) so that
-every replica computes the same batches; the client uses the float shares
-(:meth:`WeightSchedule.shares_at`) only to say what a source was expected to get.
+every replica computes the same batches; both sides use the float shares
+(:meth:`WeightSchedule.shares_at`) only to say what a source was expected to get, at the
+step :func:`global_step` gives a batch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Final
 
+from batchd._wire.epoch import rest_of_epoch
 from batchd.errors import InvalidArgument
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "MAX_SCHEDULE_STEP",
     "WeightSchedule",
     "apportion",
+    "global_step",
 ]
 
 INTERPOLATIONS: Final = ("step", "linear")
@@ -73,6 +76,30 @@ def apportion(weights: Sequence[int | float | Fraction], seats: int) -> tuple[in
     for i in by_remainder[:left]:
         shares[i] += 1
     return tuple(shares)
+
+
+def global_step(
+    epoch: int,
+    batch: int,
+    *,
+    rows: int,
+    batch_size: int,
+    world_size: int,
+    drop_last: bool,
+    start: int = 0,
+    order_world_size: int = 0,
+) -> int:
+    """The global step of a rank's ``batch`` of ``epoch`` (see the module's docs):
+    ``epoch * len(loader) + batch`` at the world size that began the epoch; after an elastic
+    resume (a plan from entry ``start`` of an order built for ``order_world_size`` ranks), the
+    global batch of that order the batch begins in. Both sides count a batch's step with
+    it: the server's counters and the client's stats."""
+    order_world = order_world_size or world_size
+    per_epoch = rest_of_epoch(
+        rows, 0, batch_size=batch_size, world_size=order_world, drop_last=drop_last
+    )[1]
+    within = (start + batch * batch_size * world_size) // (batch_size * order_world)
+    return epoch * per_epoch + within
 
 
 @dataclass(frozen=True)

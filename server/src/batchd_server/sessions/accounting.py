@@ -4,10 +4,8 @@ A mix's batch says which source each row came from (its ``source`` field, which 
 write) and, for token pipelines, each row's tokens before padding (its ``length`` field).
 When a batch is ready, the session reads those two columns from its slot and counts them
 per source, beside the samples the weights in force at the batch's step expected
-(``metrics.record_mix_batch``). The step is ``epoch * num_batches + batch`` of the session's
-plan: exact for a run at one world size; after an elastic resume, the rest of the epoch is
-counted at the resumed plan's batches (the client's :meth:`batchd.Loader.stats` counts it
-exactly).
+(``metrics.record_mix_batch``); the step is ``batchd._wire.schedule.global_step``'s, as the
+client counts it.
 """
 
 from __future__ import annotations
