@@ -8,8 +8,10 @@ import pytest
 
 import batchd
 from batchd._accounting import SourceAccount
+from batchd._connection import check_schedule_applied
+from batchd._proto.batchd.v1 import loader_pb2
 from batchd._wire.schedule import global_step
-from batchd.errors import InvalidArgument
+from batchd.errors import FailedPrecondition, InvalidArgument
 
 BASE = {"web": 0.7, "code": 0.3}
 SCHEDULE = [(10_000, {"web": 0.5, "code": 0.5}), (20_000, {"web": 0.3, "code": 0.7})]
@@ -100,3 +102,14 @@ def test_the_account_has_no_tokens_without_a_length_field() -> None:
     account.record({"source": np.zeros(3, np.int64)}, step=0)
     (only,) = account.stats()
     assert (only.samples, only.tokens, only.share) == (3, None, 1.0)
+
+
+def test_a_session_from_a_server_that_ignores_the_schedule_is_refused() -> None:
+    """A server from before schedules confirms no points: serving the base weights
+    throughout would break the run's promise, so the client refuses, naming the remedy."""
+    request = loader_pb2.OpenSessionRequest(mix=batchd.Mix(BASE, schedule=SCHEDULE)._to_proto())
+    with pytest.raises(FailedPrecondition, match=r"does not apply mix schedules.*upgrade"):
+        check_schedule_applied(request, loader_pb2.OpenSessionResponse(), "unix:///x")
+    check_schedule_applied(request, loader_pb2.OpenSessionResponse(schedule_points=2), "t")
+    plain = loader_pb2.OpenSessionRequest(mix=batchd.Mix(BASE)._to_proto())
+    check_schedule_applied(plain, loader_pb2.OpenSessionResponse(), "t")

@@ -191,6 +191,7 @@ def open_session(
     session = sessions.open(options, client)
     ring = session.ring
     version, sources = _served(session)
+    mix_schedule = None if options.mix is None else options.mix.schedule
     return pb.OpenSessionResponse(
         session_id=session.id,
         num_batches=session.num_batches,
@@ -212,6 +213,7 @@ def open_session(
         split=options.split,
         prefetch=options.prefetch,
         sources=sources,
+        schedule_points=0 if mix_schedule is None else len(mix_schedule.points),
     )
 
 
