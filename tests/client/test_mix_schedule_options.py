@@ -55,6 +55,7 @@ def test_points_may_name_sources_in_any_order_or_as_sources() -> None:
         ([(5, {"web": 1, "code": 1})], "cubic", "interpolate='cubic'"),
         ([5], "step", r"a Mix schedule point is \(step, \{source: weight\}\)"),
         ({"web": 1}, "step", "must be a list of"),
+        ([(5, 0.5)], "step", "has weights 0.5; give"),
         ([("5", {"web": 1, "code": 1})], "step", "step '5' must be an integer"),
     ],
 )

@@ -191,6 +191,11 @@ class Mix:
                     f"a Mix schedule point is (step, {{source: weight}}); got {point!r}"
                 )
             step, weights = point
+            if not isinstance(weights, Mapping | Iterable) or isinstance(weights, str | bytes):
+                raise InvalidArgument(
+                    f"the Mix schedule point at step {step!r} has weights {weights!r}; give "
+                    "{source: weight, ...} for every source of the mix"
+                )
             pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
             given: dict[Source, float] = {}
             for pair in pairs:
