@@ -267,3 +267,11 @@ def test_the_same_options_give_the_same_scheduled_plan() -> None:
     b = plan_mix_epoch(SIZES, mix, options, 1).positions
     other = plan_mix_epoch(SIZES, mix, SamplerOptions(batch_size=32, seed=6), 1).positions
     assert np.array_equal(a, b) and not np.array_equal(a, other)
+
+
+def test_an_absurd_order_world_size_is_refused_not_planned() -> None:
+    """A stream's order_world_size comes from the client: out of range, it is refused."""
+    mix = _mix(BASE, TWO_CHANGES)
+    options = SamplerOptions(batch_size=50, seed=0)
+    with pytest.raises(InvalidArgument, match="order_world_size=100000 must be from 1 to 65536"):
+        plan_mix_epoch(SIZES, mix, options, 0, order_world_size=100_000)

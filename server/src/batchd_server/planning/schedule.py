@@ -37,15 +37,21 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
 from batchd._wire.epoch import rest_of_epoch
 from batchd._wire.schedule import WeightSchedule
+from batchd_server.errors import InvalidArgument
 from batchd_server.planning.sampling import SamplerOptions
 
 __all__ = ["batch_counts", "scheduled_order"]
+
+_MAX_WORLD_SIZE: Final = 1 << 16
+_MAX_GLOBAL_BATCH: Final = 1 << 31
+"""Keeps ``(2j + 1) * count`` (the ranks within a global batch) within int64."""
 
 Int64Array = npt.NDArray[np.int64]
 RowsOf = Callable[[int, int], Int64Array]
@@ -124,6 +130,12 @@ def scheduled_order(
     NOTE [ Scheduled mix ]."""
     world = order_world_size or options.world_size
     global_batch = options.batch_size * world
+    if not 1 <= world <= _MAX_WORLD_SIZE or global_batch >= _MAX_GLOBAL_BATCH:
+        raise InvalidArgument(
+            f"order_world_size={world} must be from 1 to {_MAX_WORLD_SIZE}, and a scheduled "
+            f"mix's global batch (batch_size * world_size = {global_batch}) below "
+            f"{_MAX_GLOBAL_BATCH}"
+        )
     per_epoch = rest_of_epoch(
         length, 0, batch_size=options.batch_size, world_size=world, drop_last=options.drop_last
     )[1]
@@ -136,7 +148,6 @@ def scheduled_order(
     )
     order = np.empty(length, np.int64)
     batches = counts.shape[0]
-    assert global_batch < 1 << 31, "(2j + 1) * count stays within int64"
     start = 0
     for s, n in enumerate(sizes):
         per_batch = counts[:, s]
