@@ -47,7 +47,11 @@ from batchd._wire.schedule import WeightSchedule
 from batchd_server.errors import InvalidArgument
 from batchd_server.planning.sampling import SamplerOptions
 
-__all__ = ["batch_counts", "scheduled_order"]
+__all__ = ["MAX_SCHEDULED_BATCHES", "batch_counts", "scheduled_order"]
+
+MAX_SCHEDULED_BATCHES: Final = 1 << 22
+"""Global batches of one epoch of a scheduled mix at most: each costs a few Python steps
+(about 20 s for this many), and a session plans its epochs as it starts them."""
 
 _MAX_WORLD_SIZE: Final = 1 << 16
 _MAX_GLOBAL_BATCH: Final = 1 << 31
@@ -139,6 +143,12 @@ def scheduled_order(
     per_epoch = rest_of_epoch(
         length, 0, batch_size=options.batch_size, world_size=world, drop_last=options.drop_last
     )[1]
+    if -(-length // global_batch) > MAX_SCHEDULED_BATCHES:
+        raise InvalidArgument(
+            f"an epoch of this scheduled mix has {length} samples in global batches of "
+            f"{global_batch}: more than {MAX_SCHEDULED_BATCHES} global batches, which the "
+            "server plans one by one; use a larger batch_size or a smaller stop"
+        )
     counts = batch_counts(
         schedule,
         length=length,
