@@ -51,6 +51,8 @@ class Config:
     fetched_bytes: list[int] = field(default_factory=list)
     requests: list[int] = field(default_factory=list)
     request_types: list[dict[str, int]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    """Epochs of a peer that raised (the error's last line), warm-ups included."""
     store_cpu_s: list[float] = field(default_factory=list)
 
 
@@ -76,7 +78,17 @@ def run_once(cfg: Config, store: Store, *, record: bool) -> None:
         cfg.prepare(cfg)
     quiesce()
     bytes0, requests0, cpu0 = store.bytes_down(), store.requests(), store.cpu_s()
-    run = cfg.contender.run(batches=None, warmup_batches=0)
+    try:
+        run = cfg.contender.run(batches=None, warmup_batches=0)
+    except Exception as e:  # a peer's epoch that fails is reported, the run goes on
+        if cfg.family.startswith("batchd"):
+            raise
+        cfg.failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160]}")
+        print(f"  {cfg.label}: FAILED {cfg.failures[-1]}", file=sys.stderr)
+        if cfg.finish is not None:
+            cfg.finish(cfg)
+        cfg.contender.loader = None  # the next epoch starts on a new loader
+        return
     fetched, counts = store.bytes_down() - bytes0, store.requests()
     by_type = {k: n - requests0.get(k, 0) for k, n in counts.items() if n - requests0.get(k, 0)}
     requests = sum(by_type.values())
@@ -115,7 +127,8 @@ def _median(values: list[float]) -> float:
 
 
 def rate(cfg: Config) -> float:
-    return cfg.contender.median("samples_per_s")
+    """Median samples/s; NaN when every epoch failed."""
+    return cfg.contender.median("samples_per_s") if cfg.contender.runs else float("nan")
 
 
 def peer_of(configs: list[Config], cfg: Config, family: str) -> Config | None:
@@ -133,6 +146,9 @@ def results_table(configs: list[Config], local: Config) -> str:
     rows = []
     for cfg in configs:
         runs = cfg.contender.runs
+        if not runs:
+            rows.append([cfg.label, f"every epoch failed ({len(cfg.failures)})"] + [""] * 8)
+            continue
         batches = _median([r.batches for r in runs])
         loader = [v for r in runs if (v := r.loader_cpu_ms_per_batch) is not None]
         row = [f"**{cfg.label}**" if cfg is local else cfg.label]
@@ -148,7 +164,17 @@ def results_table(configs: list[Config], local: Config) -> str:
         row.append(spread(loader, ".1f") if loader else "-")
         row.append(f"{1e3 * _median(cfg.store_cpu_s) / batches:.1f}")
         rows.append(row)
-    return markdown_table(header, rows) + f"\n\nReference (bold): {local.label}."
+    failed = [
+        f"{c.label}: {len(c.failures)} epoch(s) failed, {c.failures[0]}"
+        for c in configs
+        if c.failures
+    ]
+    notes = "".join(f"\n- {line}" for line in failed)
+    return (
+        markdown_table(header, rows)
+        + f"\n\nReference (bold): {local.label}."
+        + (f"\n\nEpochs that failed (left out of the medians):{notes}" if failed else "")
+    )
 
 
 def targets(configs: list[Config], local: Config, latency: float) -> list[list[str]]:
@@ -167,7 +193,7 @@ def targets(configs: list[Config], local: Config, latency: float) -> list[list[s
         )
         for family in ("Mosaic", "LitData"):
             peer = peer_of(configs, cfg, family)
-            if peer is not None:
+            if peer is not None and peer.contender.runs:
                 value = rate(cfg) / rate(peer)
                 rows.append(
                     [f"{cfg.label} vs {peer.label}", f"{value:.2f}x", "> 1x", _met(value > 1)]
@@ -193,6 +219,7 @@ def write_json(
                 "family": c.family,
                 "state": c.state,
                 "latency_ms": c.latency_ms,
+                "failures": c.failures,
                 "runs": [
                     {
                         "samples": r.samples,

@@ -317,6 +317,10 @@ def close_peer(cfg: Config) -> None:
         shutdown_dataloader(cfg.contender.loader)
         cfg.contender.loader = None
         gc.collect()
+    if cfg.family == "Mosaic":  # no Mosaic dataset is alive now: drop what they left
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
 
 
 # ---------------------------------------------------------------------------------- main
