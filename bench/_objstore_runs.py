@@ -87,7 +87,9 @@ def run_once(cfg: Config, store: Store, *, record: bool) -> None:
         print(f"  {cfg.label}: FAILED {cfg.failures[-1]}", file=sys.stderr)
         if cfg.finish is not None:
             cfg.finish(cfg)
-        cfg.contender.loader = None  # the next epoch starts on a new loader
+        if cfg.contender.loader is not None:  # the next epoch starts on a new loader
+            shutdown_dataloader(cfg.contender.loader)
+            cfg.contender.loader = None
         return
     fetched, counts = store.bytes_down() - bytes0, store.requests()
     by_type = {k: n - requests0.get(k, 0) for k, n in counts.items() if n - requests0.get(k, 0)}
