@@ -1,0 +1,340 @@
+"""Blocks of objects on a local disk: the node cache's store, shared by many processes.
+
+NOTE [ Cache files ]
+An object (named by its URL) is cut into aligned blocks of ``block_bytes``; block ``i``
+covers bytes ``[i * block_bytes, (i + 1) * block_bytes)``. Each cached block is one file::
+
+    <cache-dir>/blocks/<h[:2]>/<h>.<i>    h = the first 40 hex digits of sha256(url)
+    <cache-dir>/objects/<h>.json          {"url", "size", "etag"}: what was first seen
+    <cache-dir>/tmp/                      files being written
+    <cache-dir>/usage                     8 bytes: what every file together takes
+
+A block file is a 32-byte header (magic, the block's first byte in the object, the content's
+length, its crc32) and the content. A block may hold a prefix of its range only (the end of
+the object, or of what was asked for when the object's size is unknown); a read that needs
+more is a miss. A reader checks the magic, the offset, the length against the file's size
+and the crc32 of the content: a file that is corrupt or truncated (a disk error, a crash in
+the middle of a copy, an operator's ``truncate``) is deleted and the block fetched again.
+
+Writers (every worker process and the cache manager's prefetch threads) write a block under
+``tmp/`` and ``link`` it to its name: ``link`` never replaces, so two processes that fetched
+the same block leave one file, and a reader never sees a half-written one. The files'
+total is bounded by reserving each file's bytes in ``usage`` (under ``flock``) before it is
+written: a reservation that would pass the capacity is refused, and the block is served
+without being kept. What is deleted is given back. So the files never take more than
+``capacity_bytes``, whoever writes. A crash between a reservation and the link can leave the
+ledger high; :meth:`BlockStore.scan` (at start, and now and then from the cache manager)
+sets it to what the files really take.
+
+The directory is meant for one server at a time (``--cache-dir`` of one pod); it survives a
+restart of that server: nothing in it depends on the process that wrote it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "BLOCK_BYTES",
+    "HEADER_BYTES",
+    "BlockKey",
+    "BlockStore",
+    "ObjectMeta",
+    "object_hash",
+]
+
+logger = logging.getLogger(__name__)
+
+BLOCK_BYTES: Final = 4 << 20
+"""A block's bytes at most: large enough that one GET of a block costs little more than
+its latency, small enough that a sample's block is not mostly other samples."""
+HEADER_BYTES: Final = 32
+_HEADER: Final = struct.Struct("<8sQQI4x")
+_MAGIC: Final = b"batchdB1"
+_STALE_TMP_S: Final = 600.0
+"""A file under tmp/ older than this was left by a crashed writer."""
+
+
+def object_hash(url: str) -> str:
+    """The 40 hex digits naming ``url``'s files (NOTE [ Cache files ])."""
+    return hashlib.sha256(url.encode("utf-8")).hexdigest()[:40]
+
+
+@dataclass(frozen=True, order=True)
+class BlockKey:
+    """Block ``index`` of the object whose URL hashes to ``object``."""
+
+    object: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.object}.{self.index}"
+
+    @classmethod
+    def parse(cls, name: str) -> BlockKey | None:
+        """The key of a block file's name; None for a name that is not one."""
+        head, _, tail = name.partition(".")
+        if len(head) != 40 or not tail.isdigit():
+            return None
+        return cls(head, int(tail))
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """What the store said about an object when its first block was cached."""
+
+    url: str
+    size: int
+    """Bytes; -1 when the fetcher cannot say."""
+    etag: str = ""
+
+
+class BlockStore:
+    """The block files under one cache directory (NOTE [ Cache files ]). Thread- and
+    process-safe: every process opens its own.
+
+    Args:
+        root: The cache directory; created if missing.
+        capacity_bytes: What all files together may take.
+        block_bytes: Bytes per block; every process on one directory must use the same.
+    """
+
+    def __init__(self, root: Path, *, capacity_bytes: int, block_bytes: int = BLOCK_BYTES) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes} must be >= 0")
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes={block_bytes} must be >= 1")
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.block_bytes = block_bytes
+        self._blocks = root / "blocks"
+        self._objects = root / "objects"
+        self._tmp = root / "tmp"
+        for d in (self._blocks, self._objects, self._tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        self._ledger_fd = os.open(root / "usage", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # flock excludes other processes; threads of this one share the descriptor.
+        self._lock = threading.Lock()
+        self.on_corrupt: Callable[[], object] | None = None
+        """Called after a corrupt or truncated block file was found (and deleted)."""
+
+    def close(self) -> None:
+        """Close the ledger. Idempotent."""
+        with self._lock:
+            if self._ledger_fd >= 0:
+                os.close(self._ledger_fd)
+                self._ledger_fd = -1
+
+    # -- the ledger -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _ledger(self) -> Iterator[list[int]]:
+        """The bytes the files take, locked against every process; assign ``[0]`` to change it."""
+        with self._lock:
+            fcntl.flock(self._ledger_fd, fcntl.LOCK_EX)
+            try:
+                raw = os.pread(self._ledger_fd, 8, 0)
+                used = [int.from_bytes(raw, "little") if len(raw) == 8 else 0]
+                before = used[0]
+                yield used
+                if used[0] != before:
+                    os.pwrite(self._ledger_fd, max(used[0], 0).to_bytes(8, "little"), 0)
+            finally:
+                fcntl.flock(self._ledger_fd, fcntl.LOCK_UN)
+
+    def used_bytes(self) -> int:
+        """What the files take now, by the ledger."""
+        with self._ledger() as used:
+            return used[0]
+
+    def _reserve(self, nbytes: int) -> bool:
+        with self._ledger() as used:
+            if used[0] + nbytes > self.capacity_bytes:
+                return False
+            used[0] += nbytes
+            return True
+
+    def _give_back(self, nbytes: int) -> None:
+        with self._ledger() as used:
+            used[0] -= nbytes
+
+    # -- blocks -----------------------------------------------------------------------------
+
+    def path(self, key: BlockKey) -> Path:
+        return self._blocks / key.object[:2] / key.name
+
+    def read(self, key: BlockKey) -> bytes | None:
+        """The block's content if it is cached and checks out; else None (a bad file is
+        deleted on the way, and :attr:`on_corrupt` called)."""
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        content = self._check(key, raw)
+        if content is None:
+            logger.warning(
+                "cache block %s is corrupt or truncated (%d bytes); it is deleted and will "
+                "be fetched again",
+                path,
+                len(raw),
+            )
+            self.delete(key, reason="corrupt")
+            if self.on_corrupt is not None:
+                self.on_corrupt()
+        return content
+
+    def _check(self, key: BlockKey, raw: bytes) -> bytes | None:
+        if len(raw) < HEADER_BYTES:
+            return None
+        magic, offset, length, crc = _HEADER.unpack_from(raw)
+        if magic != _MAGIC or offset != key.index * self.block_bytes:
+            return None
+        if length != len(raw) - HEADER_BYTES or length > self.block_bytes:
+            return None
+        content = raw[HEADER_BYTES:]
+        return content if zlib.crc32(content) == crc else None
+
+    def write(self, key: BlockKey, content: bytes, *, replace: bool = False) -> bool:
+        """Keep ``content`` as the block; whether it is now cached (False: no room, or the
+        disk refused). ``replace``: an existing file (a shorter prefix) gives way."""
+        assert len(content) <= self.block_bytes, "a block's content fits a block"
+        nbytes = HEADER_BYTES + len(content)
+        if not self._reserve(nbytes):
+            return False
+        tmp = self._tmp / f"{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            header = _HEADER.pack(
+                _MAGIC, key.index * self.block_bytes, len(content), zlib.crc32(content)
+            )
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(content)
+            path = self.path(key)
+            path.parent.mkdir(exist_ok=True)
+            if replace:
+                self.delete(key, reason="extended")
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # another process cached it first: one file stays
+                self._give_back(nbytes)
+            return True
+        except OSError:
+            self._give_back(nbytes)
+            return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def delete(self, key: BlockKey, *, reason: str = "") -> bool:
+        """Delete the block's file (if any) and give its bytes back; whether one was there."""
+        del reason  # for the reader: why a caller deletes
+        path = self.path(key)
+        try:
+            size = path.stat().st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        self._give_back(size)
+        return True
+
+    def blocks(self) -> dict[BlockKey, tuple[int, float]]:
+        """Every block file: its bytes and modification time."""
+        found: dict[BlockKey, tuple[int, float]] = {}
+        for sub in _entries(self._blocks):
+            if not sub.is_dir():
+                continue
+            for entry in _entries(Path(sub.path)):
+                key = BlockKey.parse(entry.name)
+                if key is None:
+                    continue
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                found[key] = (st.st_size, st.st_mtime)
+        return found
+
+    def scan(self) -> dict[BlockKey, tuple[int, float]]:
+        """Set the ledger to what the files take (deleting writes left by a crash), and return
+        :meth:`blocks`. Writers wait meanwhile."""
+        now = time.time()
+        with self._ledger() as used:
+            pending = 0
+            for entry in _entries(self._tmp):
+                try:
+                    st = entry.stat()
+                    if now - st.st_mtime > _STALE_TMP_S:
+                        os.unlink(entry.path)
+                    else:
+                        pending += st.st_size
+                except FileNotFoundError:
+                    continue
+            found = self.blocks()
+            used[0] = pending + sum(size for size, _ in found.values())
+        return found
+
+    # -- objects ----------------------------------------------------------------------------
+
+    def meta(self, url: str) -> ObjectMeta | None:
+        """What was recorded of ``url`` (None: nothing, or a record that does not parse)."""
+        path = self._objects / f"{object_hash(url)}.json"
+        try:
+            record = json.loads(path.read_text("utf-8"))
+            meta = ObjectMeta(str(record["url"]), int(record["size"]), str(record["etag"]))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return meta if meta.url == url else None
+
+    def record(self, meta: ObjectMeta) -> None:
+        """Record ``meta`` (replacing what was recorded of its URL)."""
+        path = self._objects / f"{object_hash(meta.url)}.json"
+        tmp = self._tmp / f"{os.getpid()}-{secrets.token_hex(8)}.json"
+        record = {"url": meta.url, "size": meta.size, "etag": meta.etag}
+        try:
+            tmp.write_text(json.dumps(record), "utf-8")
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+
+    def forget(self, url: str) -> int:
+        """Delete every block of ``url`` and its record (the object changed); blocks deleted."""
+        h = object_hash(url)
+        deleted = 0
+        for entry in _entries(self._blocks / h[:2]):
+            key = BlockKey.parse(entry.name)
+            if key is not None and key.object == h and self.delete(key, reason="changed"):
+                deleted += 1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._objects / f"{h}.json")
+        return deleted
+
+
+def _entries(directory: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,284 @@
+"""The node cache: a :class:`~batchd_server.storage.base.RangeFetcher` that keeps what it
+fetched on a local disk, shared by every process and session of the server.
+
+A worker's read of some ranges of an object becomes reads of the aligned blocks they fall in
+(NOTE [ Cache files ] in ``blocks.py``): blocks on disk are read and checked, the missing
+ones are fetched from the store in one request of one range per run of neighbouring blocks,
+kept, and the asked ranges cut out of them. Nothing in a worker decides what leaves the
+cache: the cache manager in the server's main process does, from the plans of the live
+sessions (``storage/manager.py``), and prefetches through a fetcher of this class too.
+
+An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
+``stat`` if it has one) so that the last block is asked for exactly; with no size known, a
+block is fetched up to the last byte asked of it, and a later read that needs more of it
+fetches it again. Objects are taken to be immutable while cached: a catalog's byte offsets
+are a snapshot of them anyway. The cache manager checks an object's size and etag against
+its record when a session that reads it opens, and forgets every block of one that changed.
+
+What a process read through its fetchers (hits, misses, bytes, the latency of each request
+to the store) is counted in :data:`STATS`; a worker sends its counts back with each result
+and the server adds them to its metrics (``metrics.record_cache``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Protocol, runtime_checkable
+
+from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.base import RangeFetcher
+from batchd_server.storage.blocks import BLOCK_BYTES, BlockKey, BlockStore, ObjectMeta, object_hash
+
+__all__ = [
+    "STATS",
+    "CacheCounts",
+    "CacheStats",
+    "CachingFetcher",
+    "StatsObjects",
+    "cached",
+    "object_url",
+]
+
+_MAX_LATENCIES: Final = 256
+"""Request latencies a process keeps between two :meth:`CacheStats.take`; more are dropped
+(the counts stay exact)."""
+
+
+@runtime_checkable
+class StatsObjects(Protocol):
+    """A fetcher that can also say an object's size and etag (a HEAD request)."""
+
+    def stat(self, url: str) -> ObjectMeta:
+        """Raises BadSample (``missing``, ``transient``) as ``RangeFetcher.fetch`` does."""
+        ...
+
+
+def object_url(root: str, path: str) -> str:
+    """The URL of a catalog path under a dataset root (``s3://bucket/prefix`` + ``a/b.tar``)."""
+    return f"{root.rstrip('/')}/{path.lstrip('/')}"
+
+
+@dataclass
+class CacheCounts:
+    """What a process read through the cache since the counts were last taken."""
+
+    hits: int = 0
+    """Blocks found on disk, intact."""
+    misses: int = 0
+    """Blocks fetched from the store by a reader (a worker)."""
+    hit_bytes: int = 0
+    fetched_bytes: int = 0
+    """Bytes received from the store, prefetches included."""
+    prefetched_bytes: int = 0
+    """Of ``fetched_bytes``, those fetched ahead of a session by the cache manager."""
+    corrupt: int = 0
+    """Block files found corrupt or truncated, deleted and fetched again."""
+    get_seconds: list[float] = field(default_factory=list)
+    """The latency of each request to the store (at most ``_MAX_LATENCIES`` of them)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.hits or self.misses or self.fetched_bytes or self.get_seconds)
+
+
+class CacheStats:
+    """A process's :class:`CacheCounts`, safe to add to from many threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = CacheCounts()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self._counts, name, getattr(self._counts, name) + value)
+
+    def latency(self, seconds: float) -> None:
+        with self._lock:
+            if len(self._counts.get_seconds) < _MAX_LATENCIES:
+                self._counts.get_seconds.append(seconds)
+
+    def take(self) -> CacheCounts:
+        """The counts so far; they start again from zero."""
+        with self._lock:
+            counts, self._counts = self._counts, CacheCounts()
+        return counts
+
+
+STATS: Final = CacheStats()
+"""This process's counts (see the module docs)."""
+
+
+class CachingFetcher:
+    """A :class:`RangeFetcher` over ``inner`` that keeps every block it fetches in ``store``.
+
+    Thread-safe (a worker uses it from one thread, the cache manager's prefetch from many).
+
+    Args:
+        inner: The store's fetcher.
+        store: The blocks on disk.
+        stats: Where the counts go (default: this process's :data:`STATS`).
+    """
+
+    def __init__(
+        self, inner: RangeFetcher, store: BlockStore, *, stats: CacheStats | None = None
+    ) -> None:
+        self.inner = inner
+        self.store = store
+        self.stats = STATS if stats is None else stats
+        self._sizes: dict[str, int] = {}
+        store.on_corrupt = lambda: self.stats.add(corrupt=1)
+
+    def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each range, from the disk where cached, else from the store (and kept).
+
+        Raises:
+            BadSample: ``missing``/``transient`` from the store, or ``unreadable`` for a range
+                past the end of the object (by its recorded size) or a short answer.
+        """
+        blocks, _ = self._blocks(url, ranges, prefetch=False)
+        return [self._cut(blocks, offset, length) for offset, length in ranges]
+
+    def prefetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> int:
+        """Cache the blocks that ``ranges`` touch; how many had to be fetched.
+
+        Raises:
+            BadSample: as :meth:`fetch`.
+        """
+        return self._blocks(url, ranges, prefetch=True)[1]
+
+    def size(self, url: str) -> int:
+        """``url``'s size in bytes, as recorded or stated by the store; -1 if unknown.
+
+        Raises:
+            BadSample: the inner fetcher's ``stat`` failed.
+        """
+        size = self._sizes.get(url)
+        if size is not None:
+            return size
+        meta = self.store.meta(url)
+        if meta is None and isinstance(self.inner, StatsObjects):
+            meta = self.inner.stat(url)
+            self.store.record(meta)
+        size = -1 if meta is None else meta.size
+        if size >= 0:
+            self._sizes[url] = size
+        return size
+
+    def _blocks(
+        self, url: str, ranges: Sequence[tuple[int, int]], *, prefetch: bool
+    ) -> tuple[dict[int, bytes], int]:
+        """The content of every block that ``ranges`` touch, at least up to their ends, and
+        how many of them were fetched."""
+        size = self.size(url)
+        b = self.store.block_bytes
+        need: dict[int, int] = {}
+        for offset, length in ranges:
+            if offset < 0 or length < 0:
+                raise BadSample("unreadable", f"{url}: byte range ({offset}, {length}) is invalid")
+            end = offset + length
+            if size >= 0 and end > size:
+                raise BadSample(
+                    "unreadable",
+                    f"{url}: byte range [{offset}, {end}) is past the end of the object "
+                    f"({size} bytes)",
+                )
+            if length == 0:
+                continue
+            for i in range(offset // b, (end - 1) // b + 1):
+                need[i] = max(need.get(i, 0), min(end, (i + 1) * b) - i * b)
+        h = object_hash(url)
+        have: dict[int, bytes] = {}
+        short: set[int] = set()
+        for i in sorted(need):
+            found = self.store.read(BlockKey(h, i))
+            if found is None:
+                continue
+            if len(found) >= need[i]:
+                have[i] = found
+            else:
+                short.add(i)
+        missing = [i for i in sorted(need) if i not in have]
+        if not prefetch:
+            hit_bytes = sum(len(v) for v in have.values())
+            self.stats.add(hits=len(have), misses=len(missing), hit_bytes=hit_bytes)
+        if missing:
+            have.update(self._fetch_missing(url, size, need, missing, short, prefetch=prefetch))
+        return have, len(missing)
+
+    def _fetch_missing(
+        self,
+        url: str,
+        size: int,
+        need: dict[int, int],
+        missing: list[int],
+        short: set[int],
+        *,
+        prefetch: bool,
+    ) -> dict[int, bytes]:
+        """Fetch ``missing`` blocks, one range per run of neighbours, and keep them."""
+        b = self.store.block_bytes
+        runs: list[list[int]] = []
+        for i in missing:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+
+        def want_end(i: int) -> int:
+            return min((i + 1) * b, size) if size >= 0 else i * b + need[i]
+
+        spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
+        started = time.perf_counter()
+        datas = self.inner.fetch(url, spans)
+        self.stats.latency(time.perf_counter() - started)
+        fetched = sum(len(d) for d in datas)
+        self.stats.add(fetched_bytes=fetched, prefetched_bytes=fetched if prefetch else 0)
+        got: dict[int, bytes] = {}
+        h = object_hash(url)
+        for run, (start, length), data in zip(runs, spans, datas, strict=True):
+            if len(data) != length:
+                raise BadSample(
+                    "unreadable",
+                    f"{url}: the store answered {len(data)} bytes for the {length} at {start}; "
+                    "the object may have changed or been truncated",
+                )
+            view = memoryview(data)
+            for i in run:
+                content = bytes(view[i * b - start : min((i + 1) * b, start + length) - start])
+                got[i] = content
+                self.store.write(BlockKey(h, i), content, replace=i in short)
+        return got
+
+    def _cut(self, blocks: dict[int, bytes], offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        b = self.store.block_bytes
+        first, last = offset // b, (offset + length - 1) // b
+        if first == last:
+            start = offset - first * b
+            return blocks[first][start : start + length]
+        parts = []
+        for i in range(first, last + 1):
+            lo = max(offset, i * b) - i * b
+            hi = min(offset + length, (i + 1) * b) - i * b
+            parts.append(blocks[i][lo:hi])
+        return b"".join(parts)
+
+
+def cached(
+    inner: RangeFetcher,
+    cache_dir: Path | None,
+    *,
+    capacity_bytes: int,
+    block_bytes: int = BLOCK_BYTES,
+) -> RangeFetcher:
+    """``inner`` read through the node cache in ``cache_dir``; ``inner`` itself when there is
+    none (``--cache-dir`` unset). What the object-store reader calls to get its fetcher."""
+    if cache_dir is None:
+        return inner
+    store = BlockStore(cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes)
+    return CachingFetcher(inner, store)

@@ -1,0 +1,193 @@
+"""The node cache's block store and caching fetcher: exact bytes, blocks shared between
+processes and restarts, bad files fetched again, and a size never passed."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, BlockStore, object_hash
+from batchd_server.storage.cache import CacheStats, CachingFetcher, cached
+from tests.cache_support import DirFetcher, StatDirFetcher
+
+BLOCK = 1024
+
+
+@pytest.fixture
+def objects(tmp_path: Path) -> Path:
+    root = tmp_path / "objects"
+    root.mkdir()
+    rng = np.random.default_rng(7)
+    for i in range(4):
+        (root / f"shard{i}.bin").write_bytes(rng.bytes(10 * BLOCK + 123))
+    return root
+
+
+def make(
+    objects: Path, cache: Path, *, capacity: int = 1 << 30, stat: bool = True
+) -> tuple[CachingFetcher, DirFetcher]:
+    inner = StatDirFetcher(objects) if stat else DirFetcher(objects)
+    store = BlockStore(cache, capacity_bytes=capacity, block_bytes=BLOCK)
+    return CachingFetcher(inner, store, stats=CacheStats()), inner
+
+
+def random_ranges(rng: np.random.Generator, size: int, n: int) -> list[tuple[int, int]]:
+    offsets = rng.integers(0, size, n)
+    lengths = rng.integers(0, 3 * BLOCK, n)
+    return [(int(o), int(min(ln, size - o))) for o, ln in zip(offsets, lengths, strict=True)]
+
+
+@pytest.mark.parametrize("stat", [True, False], ids=["size-known", "size-unknown"])
+def test_ranges_read_through_the_cache_are_the_objects_bytes(
+    objects: Path, tmp_path: Path, stat: bool
+) -> None:
+    """Any ranges, across block edges and at the object's end, come back exactly, the first
+    time (from the store) and the second (from the disk, with no request to the store)."""
+    fetcher, inner = make(objects, tmp_path / "cache", stat=stat)
+    rng = np.random.default_rng(0)
+    data = (objects / "shard0.bin").read_bytes()
+    url = inner.url("shard0.bin")
+    ranges = [*random_ranges(rng, len(data), 40), (len(data) - 5, 5), (0, len(data))]
+    want = [data[o : o + n] for o, n in ranges]
+    assert fetcher.fetch(url, ranges) == want
+    requests = len(inner.requests)
+    assert fetcher.fetch(url, ranges) == want
+    assert len(inner.requests) == requests, "the second read came from the disk"
+    counts = fetcher.stats.take()
+    assert counts.hits > 0 and counts.misses > 0
+    assert counts.fetched_bytes == inner.fetched_bytes()
+
+
+def test_missing_blocks_are_fetched_in_one_request_a_run(objects: Path, tmp_path: Path) -> None:
+    """A read of blocks 0..9 where 3 and 4 are cached asks the store once, for two runs."""
+    fetcher, inner = make(objects, tmp_path / "cache")
+    url = inner.url("shard1.bin")
+    fetcher.fetch(url, [(3 * BLOCK, 2 * BLOCK)])
+    inner.requests.clear()
+    fetcher.fetch(url, [(0, 10 * BLOCK)])
+    assert inner.requests == [(url, [(0, 3 * BLOCK), (5 * BLOCK, 5 * BLOCK)])]
+
+
+def test_blocks_outlive_the_fetcher_that_wrote_them(objects: Path, tmp_path: Path) -> None:
+    """A new store on the same directory (a restarted server) finds every block, and its
+    scan counts the bytes they take."""
+    first, inner = make(objects, tmp_path / "cache")
+    url = inner.url("shard2.bin")
+    first.fetch(url, [(0, 10 * BLOCK + 123)])
+    used = first.store.used_bytes()
+    first.store.close()
+    (tmp_path / "cache" / "usage").unlink()  # a ledger lost in the restart is rebuilt
+    second, inner2 = make(objects, tmp_path / "cache")
+    found = second.store.scan()
+    assert len(found) == 11
+    assert second.store.used_bytes() == used == 11 * HEADER_BYTES + 10 * BLOCK + 123
+    inner2.stopped = True  # and no request is needed: not even for the size
+    assert second.fetch(url, [(5, 100)]) == [(objects / "shard2.bin").read_bytes()[5:105]]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "header"])
+def test_a_corrupt_or_truncated_block_file_is_fetched_again(
+    objects: Path, tmp_path: Path, damage: str
+) -> None:
+    """A block file with a flipped byte, cut short, emptied or with a wrong header is
+    detected, deleted and fetched again; the answer is right."""
+    fetcher, inner = make(objects, tmp_path / "cache")
+    url = inner.url("shard3.bin")
+    data = (objects / "shard3.bin").read_bytes()
+    fetcher.fetch(url, [(BLOCK, BLOCK)])
+    path = fetcher.store.path(BlockKey(object_hash(url), 1))
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[HEADER_BYTES + 10] ^= 0xFF
+    elif damage == "truncate":
+        raw = raw[:-1]
+    elif damage == "empty":
+        raw = bytearray()
+    else:
+        raw[0] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    fetcher.stats.take()
+    inner.requests.clear()
+    assert fetcher.fetch(url, [(BLOCK + 7, 50)]) == [data[BLOCK + 7 : BLOCK + 57]]
+    assert inner.requests == [(url, [(BLOCK, BLOCK)])]
+    assert fetcher.stats.take().corrupt == 1
+    assert path.read_bytes()[HEADER_BYTES:] == data[BLOCK : 2 * BLOCK]
+    # The damage happened behind the ledger's back; a scan sets it right.
+    assert sum(size for size, _ in fetcher.store.scan().values()) == HEADER_BYTES + BLOCK
+    assert fetcher.store.used_bytes() == HEADER_BYTES + BLOCK
+
+
+def test_the_files_never_pass_the_capacity(objects: Path, tmp_path: Path) -> None:
+    """With room for 3 blocks, reads of 40 blocks keep at most 3, and serve them all right."""
+    capacity = 3 * (HEADER_BYTES + BLOCK) + 10
+    fetcher, inner = make(objects, tmp_path / "cache", capacity=capacity)
+    data = (objects / "shard0.bin").read_bytes()
+    url = inner.url("shard0.bin")
+    assert fetcher.fetch(url, [(0, len(data))]) == [data]
+    assert fetcher.store.used_bytes() <= capacity
+    assert len(fetcher.store.scan()) == 3
+    assert fetcher.store.used_bytes() == 3 * (HEADER_BYTES + BLOCK)
+
+
+def test_a_block_kept_short_is_extended_when_more_is_needed(objects: Path, tmp_path: Path) -> None:
+    """With no size known, a block is fetched up to the last byte asked; a later read that
+    needs more of it fetches it again and replaces the file."""
+    fetcher, inner = make(objects, tmp_path / "cache", stat=False)
+    url = inner.url("shard1.bin")
+    data = (objects / "shard1.bin").read_bytes()
+    assert fetcher.fetch(url, [(10, 20)]) == [data[10:30]]
+    assert fetcher.fetch(url, [(100, 200)]) == [data[100:300]]
+    assert inner.requests[-1] == (url, [(0, 300)])
+    path = fetcher.store.path(BlockKey(object_hash(url), 0))
+    assert len(path.read_bytes()) == HEADER_BYTES + 300
+    assert fetcher.store.used_bytes() == HEADER_BYTES + 300
+
+
+def test_a_range_past_the_objects_end_is_a_bad_sample(objects: Path, tmp_path: Path) -> None:
+    fetcher, inner = make(objects, tmp_path / "cache")
+    with pytest.raises(BadSample) as caught:
+        fetcher.fetch(inner.url("shard0.bin"), [(10 * BLOCK, 1000)])
+    assert caught.value.kind == "unreadable"
+    with pytest.raises(BadSample) as missing:
+        fetcher.fetch(inner.url("nope.bin"), [(0, 1)])
+    assert missing.value.kind == "missing"
+
+
+def _read_all(cache: str, objects: str, seed: int) -> list[bytes]:
+    store = BlockStore(Path(cache), capacity_bytes=1 << 30, block_bytes=BLOCK)
+    fetcher = CachingFetcher(StatDirFetcher(Path(objects)), store, stats=CacheStats())
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(30):
+        shard = f"shard{int(rng.integers(4))}.bin"
+        out += fetcher.fetch("file+test://" + shard, random_ranges(rng, 10 * BLOCK + 123, 5))
+    return out
+
+
+def test_processes_reading_the_same_blocks_at_once_leave_one_file_each(
+    objects: Path, tmp_path: Path
+) -> None:
+    """Four processes read overlapping blocks together: every answer is right, each block
+    has one intact file, and the ledger counts each once."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        results = pool.starmap(
+            _read_all, [(str(tmp_path / "cache"), str(objects), s % 2) for s in range(4)]
+        )
+    assert results[0] == results[2] and results[1] == results[3]
+    store = BlockStore(tmp_path / "cache", capacity_bytes=1 << 30, block_bytes=BLOCK)
+    used = store.used_bytes()
+    found = store.blocks()
+    assert used == sum(size for size, _ in found.values())
+    assert all(store.read(key) is not None for key in found)
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+
+
+def test_no_cache_dir_means_the_store_itself(objects: Path) -> None:
+    inner = DirFetcher(objects)
+    assert cached(inner, None, capacity_bytes=1) is inner
