@@ -10,11 +10,12 @@ from pathlib import Path
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.blocks import ObjectMeta
 
-SCHEME = "file+test://"
+ROOT_URL = "file+test://bucket"
+"""The root URL of a DirFetcher's objects (as a dataset root ``s3://bucket`` would be)."""
 
 
 class DirFetcher:
-    """Objects are the files under ``root``; ``file+test://<relative path>`` names one."""
+    """Objects are the files under ``root``; ``file+test://bucket/<relative path>`` names one."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -24,13 +25,13 @@ class DirFetcher:
         self._lock = threading.Lock()
 
     def url(self, relative: str) -> str:
-        return SCHEME + relative
+        return f"{ROOT_URL}/{relative}"
 
     def _path(self, url: str) -> Path:
-        assert url.startswith(SCHEME), url
+        assert url.startswith(ROOT_URL + "/"), url
         if self.stopped:
             raise BadSample("transient", f"{url}: the store is stopped")
-        path = self.root / url[len(SCHEME) :]
+        path = self.root / url[len(ROOT_URL) + 1 :]
         if not path.is_file():
             raise BadSample("missing", f"{url}: no such object")
         return path

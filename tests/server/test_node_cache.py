@@ -13,7 +13,7 @@ import pytest
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, BlockStore, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher, cached
-from tests.cache_support import DirFetcher, StatDirFetcher
+from tests.cache_support import ROOT_URL, DirFetcher, StatDirFetcher
 
 BLOCK = 1024
 
@@ -165,7 +165,7 @@ def _read_all(cache: str, objects: str, seed: int) -> list[bytes]:
     out = []
     for _ in range(30):
         shard = f"shard{int(rng.integers(4))}.bin"
-        out += fetcher.fetch("file+test://" + shard, random_ranges(rng, 10 * BLOCK + 123, 5))
+        out += fetcher.fetch(f"{ROOT_URL}/{shard}", random_ranges(rng, 10 * BLOCK + 123, 5))
     return out
 
 

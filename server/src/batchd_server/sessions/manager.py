@@ -299,6 +299,11 @@ class SessionManager:
             )
         return str(resolved)
 
+    def live(self) -> list[Session]:
+        """Every open session, now (the node cache's manager reads their plans)."""
+        with self._lock:
+            return list(self._sessions.values())
+
     def get(self, session_id: str, client: str | None = None) -> Session:
         """The open session ``session_id``; with ``client``, only if that client opened it.
 

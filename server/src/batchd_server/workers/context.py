@@ -30,6 +30,7 @@ from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
+from batchd_server.storage.cache import STATS as CACHE_STATS
 from batchd_server.workers.task import (
     ROW_FIELDS,
     SOURCE_FIELD,
@@ -186,6 +187,7 @@ class SessionContext:
             read_s=self._read_s,
             decode_s=self._decode_s,
             collate_s=time.perf_counter() - finish_start,
+            cache=CACHE_STATS.take() or None,
         )
         return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
 

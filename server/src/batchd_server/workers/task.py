@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.storage.cache import CacheCounts
 
 __all__ = [
     "ROW_FIELDS",
@@ -138,6 +139,8 @@ class StageTimes:
     fixed-size records: the one vectorised gather)."""
     collate_s: float = 0.0
     """Batch-wide work after the samples: padding to the longest, the pipeline's finish."""
+    cache: CacheCounts | None = None
+    """What the worker read through the node cache since its previous result (None: nothing)."""
 
 
 @dataclass(frozen=True)
