@@ -191,3 +191,24 @@ def test_processes_reading_the_same_blocks_at_once_leave_one_file_each(
 def test_no_cache_dir_means_the_store_itself(objects: Path) -> None:
     inner = DirFetcher(objects)
     assert cached(inner, None, capacity_bytes=1) is inner
+
+
+def test_fetchers_of_one_process_share_one_store(objects: Path, tmp_path: Path) -> None:
+    """Every session's fetcher in a worker uses the same ledger descriptor."""
+    a = cached(DirFetcher(objects), tmp_path / "c", capacity_bytes=1 << 20)
+    b = cached(DirFetcher(objects), tmp_path / "c", capacity_bytes=1 << 20)
+    assert isinstance(a, CachingFetcher) and isinstance(b, CachingFetcher)
+    assert a.store is b.store
+
+
+def test_a_cached_objects_size_needs_no_request(objects: Path, tmp_path: Path) -> None:
+    """The size recorded with an object's first block answers later, with the store gone."""
+    fetcher, inner = make(objects, tmp_path / "cache")
+    url = inner.url("shard0.bin")
+    fetcher.fetch(url, [(0, 1)])
+    again, inner2 = make(objects, tmp_path / "cache")
+    inner2.stopped = True
+    assert again.size(url) == (objects / "shard0.bin").stat().st_size
+    with pytest.raises(BadSample) as caught:
+        again.size(inner2.url("shard1.bin"))
+    assert caught.value.kind == "transient"

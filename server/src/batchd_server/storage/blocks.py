@@ -5,7 +5,7 @@ An object (named by its URL) is cut into aligned blocks of ``block_bytes``; bloc
 covers bytes ``[i * block_bytes, (i + 1) * block_bytes)``. Each cached block is one file::
 
     <cache-dir>/blocks/<h[:2]>/<h>.<i>    h = the first 40 hex digits of sha256(url)
-    <cache-dir>/objects/<h>.json          {"url", "size", "etag"}: what was first seen
+    <cache-dir>/objects/<h>.json          {"url", "size"}: the object's size when first cached
     <cache-dir>/tmp/                      files being written
     <cache-dir>/usage                     8 bytes: what every file together takes
 
@@ -101,8 +101,7 @@ class ObjectMeta:
 
     url: str
     size: int
-    """Bytes; -1 when the fetcher cannot say."""
-    etag: str = ""
+    """Bytes."""
 
 
 class BlockStore:
@@ -298,7 +297,7 @@ class BlockStore:
         path = self._objects / f"{object_hash(url)}.json"
         try:
             record = json.loads(path.read_text("utf-8"))
-            meta = ObjectMeta(str(record["url"]), int(record["size"]), str(record["etag"]))
+            meta = ObjectMeta(str(record["url"]), int(record["size"]))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError):
@@ -309,7 +308,7 @@ class BlockStore:
         """Record ``meta`` (replacing what was recorded of its URL)."""
         path = self._objects / f"{object_hash(meta.url)}.json"
         tmp = self._tmp / f"{os.getpid()}-{secrets.token_hex(8)}.json"
-        record = {"url": meta.url, "size": meta.size, "etag": meta.etag}
+        record = {"url": meta.url, "size": meta.size}
         try:
             tmp.write_text(json.dumps(record), "utf-8")
             os.replace(tmp, path)

@@ -9,11 +9,12 @@ cache: the cache manager in the server's main process does, from the plans of th
 sessions (``storage/manager.py``), and prefetches through a fetcher of this class too.
 
 An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
-``stat`` if it has one) so that the last block is asked for exactly; with no size known, a
-block is fetched up to the last byte asked of it, and a later read that needs more of it
-fetches it again. Objects are taken to be immutable while cached: a catalog's byte offsets
-are a snapshot of them anyway. The cache manager checks an object's size and etag against
-its record when a session that reads it opens, and forgets every block of one that changed.
+``size`` if it has one: a HEAD) so that the last block is asked for exactly; with no size
+known, a block is fetched up to the last byte asked of it, and a later read that needs more
+of it fetches it again. Objects are taken to be immutable while cached: a catalog's byte
+offsets are a snapshot of them anyway, and a range past the recorded size is ``unreadable``.
+An object rewritten in place under the same key must be forgotten (``BlockStore.forget``,
+or a new cache directory): see the node cache's page in the docs.
 
 What a process read through its fetchers (hits, misses, bytes, the latency of each request
 to the store) is counted in :data:`STATS`; a worker sends its counts back with each result
@@ -22,6 +23,7 @@ and the server adds them to its metrics (``metrics.record_cache``).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -38,21 +40,23 @@ __all__ = [
     "CacheCounts",
     "CacheStats",
     "CachingFetcher",
-    "StatsObjects",
+    "SizesObjects",
     "cached",
     "object_url",
 ]
 
+_MAX_SIZES: Final = 1 << 16
+"""Object sizes a fetcher remembers in memory (the records on disk keep them all)."""
 _MAX_LATENCIES: Final = 256
 """Request latencies a process keeps between two :meth:`CacheStats.take`; more are dropped
 (the counts stay exact)."""
 
 
 @runtime_checkable
-class StatsObjects(Protocol):
-    """A fetcher that can also say an object's size and etag (a HEAD request)."""
+class SizesObjects(Protocol):
+    """A fetcher that can also say an object's size (a HEAD request)."""
 
-    def stat(self, url: str) -> ObjectMeta:
+    def size(self, url: str) -> int:
         """Raises BadSample (``missing``, ``transient``) as ``RangeFetcher.fetch`` does."""
         ...
 
@@ -151,29 +155,42 @@ class CachingFetcher:
         return self._blocks(url, ranges, prefetch=True)[1]
 
     def size(self, url: str) -> int:
-        """``url``'s size in bytes, as recorded or stated by the store; -1 if unknown.
+        """``url``'s size in bytes: as recorded when it was first cached (no request, so a
+        cached object's size is known with the store gone), else the store's answer.
 
         Raises:
-            BadSample: the inner fetcher's ``stat`` failed.
+            BadSample: the store's (``missing``, ``transient``), or ``unreadable`` when the
+                inner fetcher cannot tell sizes.
         """
+        size = self.known_size(url)
+        if size < 0:
+            raise BadSample(
+                "unreadable", f"{url}: the object store's client cannot say the object's size"
+            )
+        return size
+
+    def known_size(self, url: str) -> int:
+        """As :meth:`size`, but -1 when the inner fetcher cannot tell sizes."""
         size = self._sizes.get(url)
         if size is not None:
             return size
         meta = self.store.meta(url)
-        if meta is None and isinstance(self.inner, StatsObjects):
-            meta = self.inner.stat(url)
+        if meta is None and isinstance(self.inner, SizesObjects):
+            meta = ObjectMeta(url, self.inner.size(url))
             self.store.record(meta)
-        size = -1 if meta is None else meta.size
-        if size >= 0:
-            self._sizes[url] = size
-        return size
+        if meta is None:
+            return -1
+        if len(self._sizes) >= _MAX_SIZES:
+            self._sizes.clear()
+        self._sizes[url] = meta.size
+        return meta.size
 
     def _blocks(
         self, url: str, ranges: Sequence[tuple[int, int]], *, prefetch: bool
     ) -> tuple[dict[int, bytes], int]:
         """The content of every block that ``ranges`` touch, at least up to their ends, and
         how many of them were fetched."""
-        size = self.size(url)
+        size = self.known_size(url)
         b = self.store.block_bytes
         need: dict[int, int] = {}
         for offset, length in ranges:
@@ -269,6 +286,13 @@ class CachingFetcher:
         return b"".join(parts)
 
 
+_STORES: dict[tuple[int, Path, int, int], BlockStore] = {}
+"""The block stores this process opened, by (pid, directory, capacity, block size): one
+ledger descriptor each, however many sessions read. The pid keeps a forked child from
+using its parent's descriptor, whose ``flock`` the two would share."""
+_STORES_LOCK = threading.Lock()
+
+
 def cached(
     inner: RangeFetcher,
     cache_dir: Path | None,
@@ -280,5 +304,10 @@ def cached(
     none (``--cache-dir`` unset). What the object-store reader calls to get its fetcher."""
     if cache_dir is None:
         return inner
-    store = BlockStore(cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes)
+    key = (os.getpid(), cache_dir, capacity_bytes, block_bytes)
+    with _STORES_LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            store = BlockStore(cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes)
+            _STORES[key] = store
     return CachingFetcher(inner, store)
