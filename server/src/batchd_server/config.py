@@ -36,6 +36,7 @@ from batchd_server.settings import (
     within,
 )
 from batchd_server.shm.space import usable_bytes
+from batchd_server.storage.cache_settings import CacheSettings
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -128,7 +129,7 @@ class ShmLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig:
+class ServerConfig(CacheSettings):
     """Everything the server needs to know, validated on construction.
 
     Each field's ``setting(...)`` says what it does, how to set it and what it allows; the
