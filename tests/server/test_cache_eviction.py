@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from batchd_server import metrics
 from batchd_server.catalog.types import SampleColumns
+from batchd_server.errors import FailedPrecondition
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, BlockStore, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher
@@ -248,3 +249,16 @@ def test_a_full_cache_gives_up_unread_blocks_then_the_farthest_never_the_window(
         assert set(manager.store.blocks()) == window | set(soon) | {last[0]}
         assert manager.evicted == 3
         assert manager.store.used_bytes() <= capacity
+
+
+def test_a_second_server_on_the_same_cache_directory_is_refused(
+    shards: Path, tmp_path: Path
+) -> None:
+    """Two managers would evict by different plans: the second is refused, saying why, and
+    the directory is free again once the first closes."""
+    for _ in make_manager(shards, tmp_path / "c", 1 << 20, [], prefetch=1):
+        with pytest.raises(FailedPrecondition, match="another batchd-server uses the cache"):
+            for _ in make_manager(shards, tmp_path / "c", 1 << 20, [], prefetch=1):
+                pass
+    for manager in make_manager(shards, tmp_path / "c", 1 << 20, [], prefetch=1):
+        assert manager.store.used_bytes() == 0

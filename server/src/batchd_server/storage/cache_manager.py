@@ -25,13 +25,16 @@ lost when a worker dies. A restart finds the files as they were (``BlockStore.sc
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 import numpy as np
@@ -39,6 +42,7 @@ import numpy.typing as npt
 
 from batchd_server import metrics
 from batchd_server.catalog.types import SampleColumns
+from batchd_server.errors import FailedPrecondition
 from batchd_server.pipelines.base import BadSample
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage.blocks import HEADER_BYTES, BlockKey
@@ -100,8 +104,29 @@ class _Job:
     """Those of its blocks that are not cached."""
 
 
+def _own(root: Path) -> int:
+    """An exclusive lock on ``root`` for this server's life: two servers on one directory
+    would each evict by their own sessions' plans and undo the other's prefetches.
+
+    Raises:
+        FailedPrecondition: another process holds it.
+    """
+    fd = os.open(root / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FailedPrecondition(
+            f"another batchd-server uses the cache directory {root}; give each server its "
+            "own --cache-dir (BATCHD_CACHE_DIR)"
+        ) from None
+    return fd
+
+
 class CacheManager:
     """Prefetch and eviction for one cache directory (NOTE [ Cache manager ]).
+
+    Holds the cache directory for the server's life (one server per directory).
 
     Args:
         fetcher: The main process's fetcher over the cache (prefetches go through it).
@@ -136,6 +161,7 @@ class CacheManager:
         self._thread: threading.Thread | None = None
         self.evicted = 0
         """Blocks deleted to make room, since the start."""
+        self._owner = _own(self.store.root)
         self.store.scan()
         metrics.CACHE_CAPACITY_BYTES.set(self.store.capacity_bytes)
 
@@ -150,6 +176,9 @@ class CacheManager:
             self._thread.join(5.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
+        if self._owner >= 0:
+            os.close(self._owner)  # the lock goes with the descriptor
+            self._owner = -1
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait for the prefetches under way (tests; shutdown)."""
