@@ -12,6 +12,7 @@ import pytest
 from batchd_server.cli import build_parser, main
 from batchd_server.config import REGENERATE_DOC, ServerConfig, settings_table
 from batchd_server.settings import EVERY_COMMAND, declared, default_text, given
+from batchd_server.workers.sizing import WorkerRange
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "reference" / "server-settings.md"
@@ -68,6 +69,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "data_roots": ("/data", (Path("/data"),)),
     "cache_dir": ("/var/cache/batchd", Path("/var/cache/batchd")),
     "cache_size_bytes": ("20GiB", 20 << 30),
+    "workers": ("2..6", WorkerRange(2, 6)),
 }
 """A valid text for each setting whose type alone does not give one."""
 
@@ -81,6 +83,7 @@ BAD: dict[str, Any] = {
     "log_format": "xml",
     "data_roots": (Path("relative"),),
     "cache_dir": Path("relative"),
+    "workers": WorkerRange(3, 2),
 }
 """A value each non-numeric check refuses (every numeric one refuses -1)."""
 

@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from batchd_server.storage.cache import CacheCounts
+    from batchd_server.workers.sizing import Signals
     from batchd_server.workers.task import BatchResult, BatchTask
 
 __all__ = [
@@ -70,9 +72,11 @@ __all__ = [
     "OTHER_DATASET",
     "QUEUE_WAIT_SECONDS",
     "READY",
+    "RECENT_STALL",
     "REGISTRY",
     "SAMPLES",
     "SAMPLE_ERRORS",
+    "SCALING_SIGNAL",
     "SESSIONS",
     "SHM_BUDGET_BYTES",
     "SHM_FREE_BYTES",
@@ -84,7 +88,10 @@ __all__ = [
     "WORKERS_ALIVE",
     "WORKERS_CONFIGURED",
     "WORKERS_CRASH_LOOP",
+    "WORKERS_MIN",
+    "WORKERS_TARGET",
     "WORKER_RESTARTS",
+    "WORKER_SCALING",
     "WORKER_TIMEOUTS",
     "LabelValues",
     "MetricsEndpoint",
@@ -99,6 +106,8 @@ __all__ = [
     "record_client_timings",
     "record_delivery",
     "record_sample_error",
+    "record_scaling_signals",
+    "record_worker_scaling",
     "serve",
 ]
 
@@ -153,6 +162,32 @@ SHM_BUDGET_BYTES = Gauge(
 WORKERS_ALIVE = Gauge("batchd_workers_alive", "Decode worker processes alive.", registry=REGISTRY)
 WORKERS_CONFIGURED = Gauge(
     "batchd_workers_configured", "Decode worker processes configured.", registry=REGISTRY
+)
+WORKERS_MIN = Gauge(
+    "batchd_workers_min",
+    "The fewest decode workers --workers allows (equal to batchd_workers_configured when fixed).",
+    registry=REGISTRY,
+)
+WORKERS_TARGET = Gauge(
+    "batchd_workers_target",
+    "Decode workers the pool runs now: --workers, or what the autoscaler chose within MIN..MAX.",
+    registry=REGISTRY,
+)
+WORKER_SCALING = Counter(
+    "batchd_worker_scaling",
+    "Autoscaler changes of the pool's size, by direction (up, down) and reason (stall: "
+    "trainers waited on queued work with idle cores; idle: a worker was not needed; limits: "
+    "memory or CPUs no longer afford the size).",
+    ["direction", "reason"],
+    registry=REGISTRY,
+)
+SCALING_SIGNAL = Gauge(
+    "batchd_worker_scaling_signal",
+    "What the autoscaler last decided on, averaged over its growth window: busy (workers "
+    "holding a task), queued (share of samples with work waiting for a worker), idle_cores, "
+    "stall_ratio (-1: no client reported), ceiling (most workers allowed now).",
+    ["signal"],
+    registry=REGISTRY,
 )
 WORKER_RESTARTS = Counter(
     "batchd_worker_restarts",
@@ -488,6 +523,42 @@ STALL_RATIOS: Final = StallRatios(DATA_STALL_RATIO)
 """The process's stall windows, behind ``batchd_data_stall_ratio``."""
 
 
+class RecentStall:
+    """The stall ratio of every client together over the last few seconds: the demand the
+    worker autoscaler reacts to (a minute, as the gauge shows, is too slow to act on)."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self._window = StallWindow(window_s)
+
+    def add(self, wait_s: float, step_s: float, *, now: float) -> None:
+        self._window.add(now, wait_s, step_s)
+
+    def current(self) -> float | None:
+        """The ratio over the window ending now (``time.monotonic``); None with no reports."""
+        return self._window.ratio(time.monotonic())
+
+
+RECENT_STALL: Final = RecentStall()
+
+
+def record_worker_scaling(direction: str, reason: str) -> None:
+    """One change of the pool's size by the autoscaler."""
+    WORKER_SCALING.labels(direction=direction, reason=reason).inc()
+
+
+def record_scaling_signals(signals: Signals) -> None:
+    """The signals of the autoscaler's latest growth window."""
+    stall = -1.0 if signals.stall_ratio is None else signals.stall_ratio
+    for name, value in (
+        ("busy", signals.busy),
+        ("queued", signals.queued_share),
+        ("idle_cores", signals.idle_cores),
+        ("stall_ratio", stall),
+        ("ceiling", float(signals.ceiling)),
+    ):
+        SCALING_SIGNAL.labels(signal=name).set(value)
+
+
 def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: float) -> None:
     """One batch as a client reported it (see NOTE [ Client wait histogram ])."""
     dataset = dataset_label(dataset)
@@ -495,6 +566,7 @@ def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: floa
     CLIENT_WAIT_SECONDS.labels(dataset=dataset).observe(wait_s)
     CLIENT_STEP_SECONDS.labels(dataset=dataset).observe(step_s)
     STALL_RATIOS.add(dataset, wait_s, step_s, now=now)
+    RECENT_STALL.add(wait_s, step_s, now=now)
 
 
 MAX_TIMINGS_PER_ACK: Final = 4096
