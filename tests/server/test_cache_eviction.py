@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchd_server import metrics
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
 from batchd_server.planning.sampling import EpochPlan
+from batchd_server.storage import cache_metrics
 from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, BlockStore, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher
 from batchd_server.storage.cache_manager import CacheManager, Reading, SourceRef
@@ -198,7 +198,7 @@ def test_the_manager_prefetches_the_batches_ahead_of_the_cursor(
             for url, ranges in _ranges(reading, k):
                 manager.fetcher.fetch(url, ranges)
         rounds(manager, 1)
-        lead = metrics.CACHE_PREFETCH_LEAD.labels(dataset="cached")._value.get()
+        lead = cache_metrics.CACHE_PREFETCH_LEAD.labels(dataset="cached")._value.get()
         assert lead == 4
 
 

@@ -29,8 +29,10 @@ from batchd_server.sessions import SessionManager
 from batchd_server.settings import setting_of
 from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.shm.space import shm_space
+from batchd_server.storage import cache_metrics
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.sizing import Autoscaler
+from batchd_server.workers.task import BatchResult, BatchTask
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
     from batchd_server.catalog.db import Engine
@@ -90,13 +92,21 @@ class Parts:
                     self.engine.dispose()
 
 
+def _observe_result(
+    task: BatchTask, result: BatchResult, queued_s: float, latency_s: float
+) -> None:
+    """The pool's result hook: a batch's timings, and what its worker read through the cache."""
+    metrics.observe_worker_result(task, result, queued_s, latency_s)
+    cache_metrics.observe_worker_cache(task, result, queued_s, latency_s)
+
+
 def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     pool = WorkerPool(
         config.workers.min,
         task_timeout_s=config.task_timeout_s,
         on_restart=metrics.WORKER_RESTARTS.inc,
         on_timeout=metrics.WORKER_TIMEOUTS.inc,
-        on_result=metrics.observe_worker_result,
+        on_result=_observe_result,
     )
     pool.start()
     metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)

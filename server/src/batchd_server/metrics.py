@@ -44,7 +44,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from batchd_server.storage.cache import CacheCounts
     from batchd_server.workers.sizing import Signals
     from batchd_server.workers.task import BatchResult, BatchTask
 
@@ -52,15 +51,6 @@ __all__ = [
     "BATCHES",
     "BATCH_SECONDS",
     "BYTES_SERVED",
-    "CACHE_CAPACITY_BYTES",
-    "CACHE_CORRUPT",
-    "CACHE_EVICTED",
-    "CACHE_FETCHED_BYTES",
-    "CACHE_GET_SECONDS",
-    "CACHE_HITS",
-    "CACHE_MISSES",
-    "CACHE_PREFETCH_LEAD",
-    "CACHE_USED_BYTES",
     "CATALOG_LOAD_SECONDS",
     "CLIENT_STEP_SECONDS",
     "CLIENT_WAIT_SECONDS",
@@ -100,7 +90,6 @@ __all__ = [
     "clamp_client_seconds",
     "dataset_label",
     "observe_worker_result",
-    "record_cache",
     "record_catalog_load",
     "record_client_batch",
     "record_client_timings",
@@ -274,78 +263,6 @@ DATA_STALL_RATIO = Gauge(
     registry=REGISTRY,
 )
 
-# -- the node cache of object-store bytes (storage/cache.py, storage/cache_manager.py) --
-CACHE_HITS = Counter(
-    "batchd_cache_hits",
-    "Cache blocks a worker found on the node's disk, intact.",
-    ["dataset"],
-    registry=REGISTRY,
-)
-CACHE_MISSES = Counter(
-    "batchd_cache_misses",
-    "Cache blocks a worker had to fetch from the object store.",
-    ["dataset"],
-    registry=REGISTRY,
-)
-CACHE_FETCHED_BYTES = Counter(
-    "batchd_cache_fetched_bytes",
-    "Bytes fetched from the object store, by reader (worker: a miss; prefetch: ahead).",
-    ["reader"],
-    registry=REGISTRY,
-)
-CACHE_CORRUPT = Counter(
-    "batchd_cache_corrupt_blocks",
-    "Cache block files found corrupt or truncated, deleted and fetched again.",
-    registry=REGISTRY,
-)
-CACHE_EVICTED = Counter(
-    "batchd_cache_evicted_blocks",
-    "Cache blocks deleted to make room (by the live sessions' plans).",
-    registry=REGISTRY,
-)
-CACHE_GET_SECONDS = Histogram(
-    "batchd_object_get_seconds",
-    "Latency of one request (GET of byte ranges) to the object store.",
-    buckets=_STAGE_BUCKETS,
-    registry=REGISTRY,
-)
-CACHE_PREFETCH_LEAD = Gauge(
-    "batchd_cache_prefetch_lead_batches",
-    "Batches ahead of a stream whose bytes are all cached (the least over the dataset's "
-    "streams); up to --cache-prefetch-batches plus those being read.",
-    ["dataset"],
-    registry=REGISTRY,
-)
-CACHE_USED_BYTES = Gauge(
-    "batchd_cache_used_bytes", "Bytes the cache's files take on disk.", registry=REGISTRY
-)
-CACHE_CAPACITY_BYTES = Gauge(
-    "batchd_cache_capacity_bytes", "The cache's size bound (--cache-size).", registry=REGISTRY
-)
-
-
-def record_cache(dataset: str | None, counts: CacheCounts | None) -> None:
-    """Add a process's cache counts: a worker's with its task's ``dataset``, the cache
-    manager's prefetches with None."""
-    if counts is None:
-        return
-    if dataset is not None:
-        label = dataset_label(dataset)
-        if counts.hits:
-            CACHE_HITS.labels(dataset=label).inc(counts.hits)
-        if counts.misses:
-            CACHE_MISSES.labels(dataset=label).inc(counts.misses)
-    worker = counts.fetched_bytes - counts.prefetched_bytes
-    if worker:
-        CACHE_FETCHED_BYTES.labels(reader="worker").inc(worker)
-    if counts.prefetched_bytes:
-        CACHE_FETCHED_BYTES.labels(reader="prefetch").inc(counts.prefetched_bytes)
-    if counts.corrupt:
-        CACHE_CORRUPT.inc(counts.corrupt)
-    for seconds in counts.get_seconds:
-        CACHE_GET_SECONDS.observe(max(0.0, seconds))
-
-
 MAX_CLIENT_SECONDS: Final = 3600.0
 """A client-reported duration is clamped to this: one batch never takes an hour to wait for."""
 MAX_DATASET_LABELS: Final = 128
@@ -397,7 +314,6 @@ def observe_worker_result(
         STAGE_SECONDS.labels(dataset=dataset, stage=stage).observe(max(0.0, seconds))
     QUEUE_WAIT_SECONDS.labels(dataset=dataset).observe(max(0.0, queued_s))
     BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, latency_s))
-    record_cache(task.spec.dataset, times.cache)
 
 
 def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = None) -> None:

@@ -45,6 +45,7 @@ from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
 from batchd_server.pipelines.base import BadSample
 from batchd_server.planning.sampling import EpochPlan
+from batchd_server.storage import cache_metrics
 from batchd_server.storage.blocks import HEADER_BYTES, BlockKey
 from batchd_server.storage.cache import CachingFetcher
 from batchd_server.storage.eviction import next_uses, victims
@@ -163,7 +164,7 @@ class CacheManager:
         """Blocks deleted to make room, since the start."""
         self._owner = _own(self.store.root)
         self.store.scan()
-        metrics.CACHE_CAPACITY_BYTES.set(self.store.capacity_bytes)
+        cache_metrics.CACHE_CAPACITY_BYTES.set(self.store.capacity_bytes)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="batchd-cache", daemon=True)
@@ -209,7 +210,7 @@ class CacheManager:
             lead_by_dataset[label] = min(lead, lead_by_dataset.get(label, lead))
             wanted += jobs
         for label, lead in lead_by_dataset.items():
-            metrics.CACHE_PREFETCH_LEAD.labels(dataset=label).set(lead)
+            cache_metrics.CACHE_PREFETCH_LEAD.labels(dataset=label).set(lead)
         self._make_room(readings, len(missing) * (HEADER_BYTES + self.store.block_bytes))
         wanted.sort(key=lambda job: job.distance)
         running = len({id(f) for f in self._in_flight.values()})
@@ -221,8 +222,8 @@ class CacheManager:
             future = self._pool.submit(self._prefetch, job.url, job.ranges)
             running += 1
             self._in_flight.update((key, future) for key in job.blocks)
-        metrics.record_cache(None, self.fetcher.stats.take())
-        metrics.CACHE_USED_BYTES.set(self.store.used_bytes())
+        cache_metrics.record_cache(None, self.fetcher.stats.take())
+        cache_metrics.CACHE_USED_BYTES.set(self.store.used_bytes())
 
     def _prefetch(self, url: str, ranges: list[tuple[int, int]]) -> int:
         try:
@@ -307,7 +308,7 @@ class CacheManager:
         for key in victims(self.store.blocks(), self._uses, want, farther_than=window):
             if self.store.delete(key, reason="evicted"):
                 self.evicted += 1
-                metrics.CACHE_EVICTED.inc()
+                cache_metrics.CACHE_EVICTED.inc()
 
     def _future(self, reading: Reading) -> Iterator[Uses]:
         """The blocks the stream reads from its cursor to the end of its next epoch (within
