@@ -7,9 +7,27 @@ from collections.abc import Callable
 
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.session import Session
-from batchd_server.storage.cache_manager import Reading, SourceRef
+from batchd_server.storage.base import RangeFetcher
+from batchd_server.storage.cache import CachingFetcher
+from batchd_server.storage.cache_manager import CacheManager, Reading, SourceRef
 
-__all__ = ["readings_of"]
+__all__ = ["readings_of", "start_cache_manager"]
+
+
+def start_cache_manager(
+    live: Callable[[], list[Session]], fetcher: RangeFetcher, *, prefetch_batches: int
+) -> CacheManager | None:
+    """The node cache's manager over the sessions ``live()`` returns, started; None when
+    ``fetcher`` reads through no cache (no ``--cache-dir``).
+
+    Raises:
+        FailedPrecondition: another server holds the cache directory.
+    """
+    if not isinstance(fetcher, CachingFetcher):
+        return None
+    manager = CacheManager(fetcher, readings_of(live), prefetch_batches=prefetch_batches)
+    manager.start()
+    return manager
 
 
 def readings_of(live: Callable[[], list[Session]]) -> Callable[[], list[Reading]]:

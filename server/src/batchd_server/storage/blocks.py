@@ -133,6 +133,10 @@ class BlockStore:
         self.on_corrupt: Callable[[], object] | None = None
         """Called after a corrupt or truncated block file was found (and deleted)."""
 
+    @property
+    def closed(self) -> bool:
+        return self._ledger_fd < 0
+
     def close(self) -> None:
         """Close the ledger. Idempotent."""
         with self._lock:

@@ -307,7 +307,7 @@ def cached(
     key = (os.getpid(), cache_dir, capacity_bytes, block_bytes)
     with _STORES_LOCK:
         store = _STORES.get(key)
-        if store is None:
+        if store is None or store.closed:
             store = BlockStore(cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes)
             _STORES[key] = store
     return CachingFetcher(inner, store)
