@@ -262,3 +262,25 @@ def test_a_second_server_on_the_same_cache_directory_is_refused(
                 pass
     for manager in make_manager(shards, tmp_path / "c", 1 << 20, [], prefetch=1):
         assert manager.store.used_bytes() == 0
+
+
+def test_whole_objects_of_unknown_size_are_prefetched_whole(shards: Path, tmp_path: Path) -> None:
+    """Rows that are whole objects (an image folder) never seen before: the prefetch asks
+    the store for each one's size and caches all its blocks."""
+    names = [f"s{i}.bin" for i in range(3)]
+    whole = columns_of(names, 1)
+    whole = SampleColumns(
+        ids=whole.ids,
+        labels=whole.labels,
+        lengths=whole.lengths,
+        byte_offsets=np.full(3, -1, np.int64),
+        byte_lengths=np.full(3, -1, np.int64),
+        path_bytes=whole.path_bytes,
+        path_offsets=whole.path_offsets,
+    )
+    plan = EpochPlan(np.array([2, 0, 1], np.int64), 1, 3)
+    reading = Reading("whole", plan, 0, 0, 1, (SourceRef("w", 0, whole, ROOT_URL),), lambda: None)
+    for manager in make_manager(shards, tmp_path / "c", 1 << 30, [reading], prefetch=3):
+        rounds(manager, 1)
+        assert len(manager.store.blocks()) == 3 * 8, "every block of the three objects"
+        assert manager.fetcher.known_size(f"{ROOT_URL}/s0.bin") == 8 * BLOCK

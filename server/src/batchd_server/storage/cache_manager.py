@@ -20,7 +20,9 @@ a file read, a miss a request to the store whose blocks are kept if the ledger h
 
 It learns what the workers cached by looking (a ``stat`` per block of the window; the
 directory listing only when it must evict), so nothing has to be told to it, and nothing is
-lost when a worker dies. A restart finds the files as they were (``BlockStore.scan``).
+lost when a worker dies. A restart finds the files as they were (``BlockStore.scan``), and
+every ``_RESCAN_S`` the ledger is set again to what the files take (a worker killed between
+its reservation and its link leaves it high).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ _USES_MAX_AGE_S: Final = 1.0
 _HORIZON_SAMPLES: Final = 1 << 22
 """The samples of each session's future that eviction looks at; blocks read only later
 count as never read (no live session reads them within the horizon)."""
+_RESCAN_S: Final = 300.0
+"""How often the ledger is set again to what the files take (``BlockStore.scan``)."""
 _MARGIN_FRACTION: Final = 20
 """The manager keeps 1/this of the capacity free for the workers' own misses."""
 
@@ -164,6 +168,7 @@ class CacheManager:
         """Blocks deleted to make room, since the start."""
         self._owner = _own(self.store.root)
         self.store.scan()
+        self._scanned_at = time.monotonic()
         cache_metrics.CACHE_CAPACITY_BYTES.set(self.store.capacity_bytes)
 
     def start(self) -> None:
@@ -223,10 +228,18 @@ class CacheManager:
             running += 1
             self._in_flight.update((key, future) for key in job.blocks)
         cache_metrics.record_cache(None, self.fetcher.stats.take())
+        if time.monotonic() - self._scanned_at >= _RESCAN_S:
+            self.store.scan()  # what crashed writers left reserved comes back
+            self._scanned_at = time.monotonic()
         cache_metrics.CACHE_USED_BYTES.set(self.store.used_bytes())
 
     def _prefetch(self, url: str, ranges: list[tuple[int, int]]) -> int:
+        """Fetch the blocks of ``ranges``; a length of -1 is the whole object (of a size
+        asked of the store here, off the manager's thread)."""
         try:
+            if any(length < 0 for _, length in ranges):
+                size = self.fetcher.size(url)
+                ranges = [(o, size - o if n < 0 else n) for o, n in ranges]
             return self.fetcher.prefetch(url, ranges)
         except BadSample as e:  # the worker that reads it reports it, with its sample
             logger.debug("prefetch of %s failed: %s", url, e)
@@ -266,7 +279,7 @@ class CacheManager:
                     if not absent:
                         continue
                     complete = False
-                    if k >= reading.ahead and (source.lengths[mine] >= 0).all():
+                    if k >= reading.ahead:
                         missing |= absent
                         ranges = list(
                             zip(
