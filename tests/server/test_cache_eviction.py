@@ -234,7 +234,7 @@ def test_a_full_cache_gives_up_unread_blocks_then_the_farthest_never_the_window(
     late = sorted((b for b in first_read if b not in window), key=first_read.__getitem__)
     soon, last = late[:2], late[-2:]
     assert first_read[soon[1]] < first_read[last[0]] < first_read[last[1]]
-    per_block = HEADER_BYTES + BLOCK
+    per_block = HEADER_BYTES + 4 + BLOCK  # one chunk a block: a 4-byte chunk table
     capacity = (len(window) + 4) * per_block
     urls = {object_hash(u): u for u in (f"{ROOT_URL}/s{i}.bin" for i in range(3))}
     for manager in make_manager(shards, tmp_path / "c", capacity, [reading], prefetch=2):

@@ -16,6 +16,8 @@ from batchd_server.storage.cache import CacheStats, CachingFetcher, cached
 from tests.cache_support import ROOT_URL, DirFetcher, StatDirFetcher
 
 BLOCK = 1024
+CHUNK = 256
+"""Four checksummed chunks a block."""
 
 
 @pytest.fixture
@@ -32,7 +34,7 @@ def make(
     objects: Path, cache: Path, *, capacity: int = 1 << 30, stat: bool = True
 ) -> tuple[CachingFetcher, DirFetcher]:
     inner = StatDirFetcher(objects) if stat else DirFetcher(objects)
-    store = BlockStore(cache, capacity_bytes=capacity, block_bytes=BLOCK)
+    store = BlockStore(cache, capacity_bytes=capacity, block_bytes=BLOCK, chunk_bytes=CHUNK)
     return CachingFetcher(inner, store, stats=CacheStats()), inner
 
 
@@ -85,25 +87,29 @@ def test_blocks_outlive_the_fetcher_that_wrote_them(objects: Path, tmp_path: Pat
     second, inner2 = make(objects, tmp_path / "cache")
     found = second.store.scan()
     assert len(found) == 11
-    assert second.store.used_bytes() == used == 11 * HEADER_BYTES + 10 * BLOCK + 123
+    files = 10 * second.store.file_bytes(BLOCK) + second.store.file_bytes(123)
+    assert second.store.used_bytes() == used == files
     inner2.stopped = True  # and no request is needed: not even for the size
     assert second.fetch(url, [(5, 100)]) == [(objects / "shard2.bin").read_bytes()[5:105]]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "header"])
+@pytest.mark.parametrize("damage", ["flip", "table", "truncate", "empty", "header"])
 def test_a_corrupt_or_truncated_block_file_is_fetched_again(
     objects: Path, tmp_path: Path, damage: str
 ) -> None:
-    """A block file with a flipped byte, cut short, emptied or with a wrong header is
-    detected, deleted and fetched again; the answer is right."""
+    """A block file with a flipped byte in a chunk read or in the chunk table, cut short,
+    emptied or with a wrong header is detected, deleted and fetched again; the answer is
+    right."""
     fetcher, inner = make(objects, tmp_path / "cache")
     url = inner.url("shard3.bin")
     data = (objects / "shard3.bin").read_bytes()
     fetcher.fetch(url, [(BLOCK, BLOCK)])
     path = fetcher.store.path(BlockKey(object_hash(url), 1))
     raw = bytearray(path.read_bytes())
-    if damage == "flip":
-        raw[HEADER_BYTES + 10] ^= 0xFF
+    if damage == "flip":  # in the chunk the read needs (the range is in the first chunk)
+        raw[len(raw) - BLOCK + 10] ^= 0xFF
+    elif damage == "table":
+        raw[HEADER_BYTES + 1] ^= 0xFF
     elif damage == "truncate":
         raw = raw[:-1]
     elif damage == "empty":
@@ -116,22 +122,24 @@ def test_a_corrupt_or_truncated_block_file_is_fetched_again(
     assert fetcher.fetch(url, [(BLOCK + 7, 50)]) == [data[BLOCK + 7 : BLOCK + 57]]
     assert inner.requests == [(url, [(BLOCK, BLOCK)])]
     assert fetcher.stats.take().corrupt == 1
-    assert path.read_bytes()[HEADER_BYTES:] == data[BLOCK : 2 * BLOCK]
+    assert path.read_bytes()[-BLOCK:] == data[BLOCK : 2 * BLOCK]
     # The damage happened behind the ledger's back; a scan sets it right.
-    assert sum(size for size, _ in fetcher.store.scan().values()) == HEADER_BYTES + BLOCK
-    assert fetcher.store.used_bytes() == HEADER_BYTES + BLOCK
+    one = fetcher.store.file_bytes(BLOCK)
+    assert sum(size for size, _ in fetcher.store.scan().values()) == one
+    assert fetcher.store.used_bytes() == one
 
 
 def test_the_files_never_pass_the_capacity(objects: Path, tmp_path: Path) -> None:
     """With room for 3 blocks, reads of 40 blocks keep at most 3, and serve them all right."""
-    capacity = 3 * (HEADER_BYTES + BLOCK) + 10
-    fetcher, inner = make(objects, tmp_path / "cache", capacity=capacity)
+    fetcher, inner = make(objects, tmp_path / "cache")
+    capacity = 3 * fetcher.store.file_bytes(BLOCK) + 10
+    fetcher.store.capacity_bytes = capacity
     data = (objects / "shard0.bin").read_bytes()
     url = inner.url("shard0.bin")
     assert fetcher.fetch(url, [(0, len(data))]) == [data]
     assert fetcher.store.used_bytes() <= capacity
     assert len(fetcher.store.scan()) == 3
-    assert fetcher.store.used_bytes() == 3 * (HEADER_BYTES + BLOCK)
+    assert fetcher.store.used_bytes() == 3 * fetcher.store.file_bytes(BLOCK)
 
 
 def test_a_block_kept_short_is_extended_when_more_is_needed(objects: Path, tmp_path: Path) -> None:
@@ -144,8 +152,8 @@ def test_a_block_kept_short_is_extended_when_more_is_needed(objects: Path, tmp_p
     assert fetcher.fetch(url, [(100, 200)]) == [data[100:300]]
     assert inner.requests[-1] == (url, [(0, 300)])
     path = fetcher.store.path(BlockKey(object_hash(url), 0))
-    assert len(path.read_bytes()) == HEADER_BYTES + 300
-    assert fetcher.store.used_bytes() == HEADER_BYTES + 300
+    assert len(path.read_bytes()) == fetcher.store.file_bytes(300)
+    assert fetcher.store.used_bytes() == fetcher.store.file_bytes(300)
 
 
 def test_a_range_past_the_objects_end_is_a_bad_sample(objects: Path, tmp_path: Path) -> None:
@@ -159,7 +167,7 @@ def test_a_range_past_the_objects_end_is_a_bad_sample(objects: Path, tmp_path: P
 
 
 def _read_all(cache: str, objects: str, seed: int) -> list[bytes]:
-    store = BlockStore(Path(cache), capacity_bytes=1 << 30, block_bytes=BLOCK)
+    store = BlockStore(Path(cache), capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK)
     fetcher = CachingFetcher(StatDirFetcher(Path(objects)), store, stats=CacheStats())
     rng = np.random.default_rng(seed)
     out = []
@@ -180,11 +188,15 @@ def test_processes_reading_the_same_blocks_at_once_leave_one_file_each(
             _read_all, [(str(tmp_path / "cache"), str(objects), s % 2) for s in range(4)]
         )
     assert results[0] == results[2] and results[1] == results[3]
-    store = BlockStore(tmp_path / "cache", capacity_bytes=1 << 30, block_bytes=BLOCK)
+    store = BlockStore(
+        tmp_path / "cache", capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK
+    )
     used = store.used_bytes()
     found = store.blocks()
     assert used == sum(size for size, _ in found.values())
-    assert all(store.read(key) is not None for key in found)
+    for key in found:
+        intact = store.read(key, 0, 1)
+        assert intact is not None and intact.data is not None
     assert os.listdir(tmp_path / "cache" / "tmp") == []
 
 
@@ -212,3 +224,21 @@ def test_a_cached_objects_size_needs_no_request(objects: Path, tmp_path: Path) -
     with pytest.raises(BadSample) as caught:
         again.size(inner2.url("shard1.bin"))
     assert caught.value.kind == "transient"
+
+
+def test_a_hit_reads_and_checks_only_the_chunks_it_needs(objects: Path, tmp_path: Path) -> None:
+    """A few bytes of a cached block cost a read of their chunk: a flipped byte in another
+    chunk of the block does not spoil them (it is found when that chunk is read)."""
+    fetcher, inner = make(objects, tmp_path / "cache")
+    url = inner.url("shard0.bin")
+    data = (objects / "shard0.bin").read_bytes()
+    fetcher.fetch(url, [(0, BLOCK)])
+    path = fetcher.store.path(BlockKey(object_hash(url), 0))
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - 1] ^= 0xFF  # in the block's last chunk
+    path.write_bytes(bytes(raw))
+    inner.requests.clear()
+    assert fetcher.fetch(url, [(10, 20)]) == [data[10:30]]
+    assert inner.requests == [], "the first chunk is intact: no request"
+    assert fetcher.fetch(url, [(BLOCK - 5, 5)]) == [data[BLOCK - 5 : BLOCK]]
+    assert inner.requests == [(url, [(0, BLOCK)])], "the bad chunk sent the block back"

@@ -10,11 +10,15 @@ covers bytes ``[i * block_bytes, (i + 1) * block_bytes)``. Each cached block is 
     <cache-dir>/usage                     8 bytes: what every file together takes
 
 A block file is a 32-byte header (magic, the block's first byte in the object, the content's
-length, its crc32) and the content. A block may hold a prefix of its range only (the end of
-the object, or of what was asked for when the object's size is unknown); a read that needs
-more is a miss. A reader checks the magic, the offset, the length against the file's size
-and the crc32 of the content: a file that is corrupt or truncated (a disk error, a crash in
-the middle of a copy, an operator's ``truncate``) is deleted and the block fetched again.
+length, the chunk size, the CRC-32 of the chunk table), the chunk table (a CRC-32 of each
+64 KiB chunk of the content) and the content. A block may hold a prefix of its range only
+(the end of the object, or of what was asked for when the object's size is unknown); a read
+that needs more is a miss. A reader checks the header, the file's size against the length,
+the table's CRC and the CRC of every chunk it reads: a file that is corrupt or truncated (a
+disk error, a crash in the middle of a copy, an operator's ``truncate``) is deleted and the
+block fetched again. Per-chunk checksums keep a hit cheap: a few records of a block cost a
+read of their chunks, not of 4 MiB. (A flipped byte in a chunk no one reads goes unseen
+until someone reads it, which is when it matters.)
 
 Writers (every worker process and the cache manager's prefetch threads) write a block under
 ``tmp/`` and ``link`` it to its name: ``link`` never replaces, so two processes that fetched
@@ -51,8 +55,10 @@ from typing import Final
 
 __all__ = [
     "BLOCK_BYTES",
+    "CHUNK_BYTES",
     "HEADER_BYTES",
     "BlockKey",
+    "BlockRead",
     "BlockStore",
     "ObjectMeta",
     "object_hash",
@@ -63,9 +69,12 @@ logger = logging.getLogger(__name__)
 BLOCK_BYTES: Final = 4 << 20
 """A block's bytes at most: large enough that one GET of a block costs little more than
 its latency, small enough that a sample's block is not mostly other samples."""
+CHUNK_BYTES: Final = 64 << 10
+"""Each chunk of a block has its own CRC-32, so a read of a few records of a block checks
+(and reads) those records' chunks, not 4 MiB."""
 HEADER_BYTES: Final = 32
-_HEADER: Final = struct.Struct("<8sQQI4x")
-_MAGIC: Final = b"batchdB1"
+_HEADER: Final = struct.Struct("<8sQQII")
+_MAGIC: Final = b"batchdB2"
 _STALE_TMP_S: Final = 600.0
 """A file under tmp/ older than this was left by a crashed writer."""
 
@@ -96,6 +105,16 @@ class BlockKey:
 
 
 @dataclass(frozen=True)
+class BlockRead:
+    """Some bytes of a cached block: ``data`` is the block's bytes from ``start`` on (None
+    when the block holds fewer bytes than were asked: only its first ``length``)."""
+
+    length: int
+    start: int
+    data: bytes | None
+
+
+@dataclass(frozen=True)
 class ObjectMeta:
     """What the store said about an object when its first block was cached."""
 
@@ -112,9 +131,17 @@ class BlockStore:
         root: The cache directory; created if missing.
         capacity_bytes: What all files together may take.
         block_bytes: Bytes per block; every process on one directory must use the same.
+        chunk_bytes: Bytes per checksummed chunk (a file of another chunk size is bad).
     """
 
-    def __init__(self, root: Path, *, capacity_bytes: int, block_bytes: int = BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        capacity_bytes: int,
+        block_bytes: int = BLOCK_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be >= 0")
         if block_bytes < 1:
@@ -122,6 +149,7 @@ class BlockStore:
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.block_bytes = block_bytes
+        self.chunk_bytes = min(chunk_bytes, block_bytes)
         self._blocks = root / "blocks"
         self._objects = root / "objects"
         self._tmp = root / "tmp"
@@ -182,53 +210,83 @@ class BlockStore:
     def path(self, key: BlockKey) -> Path:
         return self._blocks / key.object[:2] / key.name
 
-    def read(self, key: BlockKey) -> bytes | None:
-        """The block's content if it is cached and checks out; else None (a bad file is
-        deleted on the way, and :attr:`on_corrupt` called)."""
+    def file_bytes(self, length: int) -> int:
+        """What a block file of ``length`` content bytes takes (header, chunk table, content)."""
+        return HEADER_BYTES + 4 * -(-length // self.chunk_bytes) + length
+
+    def read(self, key: BlockKey, lo: int, hi: int) -> BlockRead | None:
+        """Bytes ``[lo, hi)`` of the block (from its first byte), checked: None if it is not
+        cached, or its file is bad (then deleted, and :attr:`on_corrupt` called); a
+        :class:`BlockRead` without data if it holds fewer than ``hi`` bytes."""
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        content = self._check(key, raw)
-        if content is None:
+        try:
+            got = self._read(fd, key, lo, hi)
+        finally:
+            os.close(fd)
+        if got is None:
             logger.warning(
-                "cache block %s is corrupt or truncated (%d bytes); it is deleted and will "
-                "be fetched again",
+                "cache block %s is corrupt or truncated; it is deleted and will be fetched again",
                 path,
-                len(raw),
             )
             self.delete(key, reason="corrupt")
             if self.on_corrupt is not None:
                 self.on_corrupt()
-        return content
+        return got
 
-    def _check(self, key: BlockKey, raw: bytes) -> bytes | None:
-        if len(raw) < HEADER_BYTES:
+    def _read(self, fd: int, key: BlockKey, lo: int, hi: int) -> BlockRead | None:
+        """As :meth:`read`; None for a bad file."""
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, HEADER_BYTES, 0)
+        if len(head) < HEADER_BYTES:
             return None
-        magic, offset, length, crc = _HEADER.unpack_from(raw)
+        magic, offset, length, chunk, table_crc = _HEADER.unpack(head)
         if magic != _MAGIC or offset != key.index * self.block_bytes:
             return None
-        if length != len(raw) - HEADER_BYTES or length > self.block_bytes:
+        if chunk != self.chunk_bytes or length > self.block_bytes:
             return None
-        content = raw[HEADER_BYTES:]
-        return content if zlib.crc32(content) == crc else None
+        if size != self.file_bytes(length):
+            return None
+        n = -(-length // chunk)
+        table = os.pread(fd, 4 * n, HEADER_BYTES)
+        if len(table) != 4 * n or zlib.crc32(table) != table_crc:
+            return None
+        if hi > length:
+            return BlockRead(length, 0, None)
+        first, last = lo // chunk, -(-hi // chunk)
+        start, end = first * chunk, min(last * chunk, length)
+        data = os.pread(fd, end - start, HEADER_BYTES + 4 * n + start)
+        if len(data) != end - start:
+            return None
+        crcs = struct.unpack_from(f"<{n}I", table)
+        view = memoryview(data)
+        for j in range(first, last):
+            part = view[(j - first) * chunk : (j + 1 - first) * chunk]
+            if zlib.crc32(part) != crcs[j]:
+                return None
+        return BlockRead(length, start, data)
 
     def write(self, key: BlockKey, content: bytes, *, replace: bool = False) -> bool:
         """Keep ``content`` as the block; whether it is now cached (False: no room, or the
         disk refused). ``replace``: an existing file (a shorter prefix) gives way."""
         assert len(content) <= self.block_bytes, "a block's content fits a block"
-        nbytes = HEADER_BYTES + len(content)
+        nbytes = self.file_bytes(len(content))
         if not self._reserve(nbytes):
             return False
         tmp = self._tmp / f"{os.getpid()}-{secrets.token_hex(8)}"
         try:
-            header = _HEADER.pack(
-                _MAGIC, key.index * self.block_bytes, len(content), zlib.crc32(content)
-            )
+            view = memoryview(content)
+            chunk = self.chunk_bytes
+            crcs = [zlib.crc32(view[a : a + chunk]) for a in range(0, len(content), chunk)]
+            table = struct.pack(f"<{len(crcs)}I", *crcs)
+            offset = key.index * self.block_bytes
+            header = _HEADER.pack(_MAGIC, offset, len(content), chunk, zlib.crc32(table))
             with open(tmp, "wb") as f:
                 f.write(header)
+                f.write(table)
                 f.write(content)
             path = self.path(key)
             path.parent.mkdir(exist_ok=True)

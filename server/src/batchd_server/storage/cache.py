@@ -187,12 +187,13 @@ class CachingFetcher:
 
     def _blocks(
         self, url: str, ranges: Sequence[tuple[int, int]], *, prefetch: bool
-    ) -> tuple[dict[int, bytes], int]:
-        """The content of every block that ``ranges`` touch, at least up to their ends, and
-        how many of them were fetched."""
+    ) -> tuple[dict[int, tuple[int, bytes]], int]:
+        """For every block that ``ranges`` touch, ``(start, data)``: its bytes from ``start``
+        on, covering what the ranges need of it; and how many blocks were fetched."""
         size = self.known_size(url)
         b = self.store.block_bytes
-        need: dict[int, int] = {}
+        need: dict[int, tuple[int, int]] = {}
+        """Block -> the span of it the ranges need, from its first byte."""
         for offset, length in ranges:
             if offset < 0 or length < 0:
                 raise BadSample("unreadable", f"{url}: byte range ({offset}, {length}) is invalid")
@@ -206,21 +207,24 @@ class CachingFetcher:
             if length == 0:
                 continue
             for i in range(offset // b, (end - 1) // b + 1):
-                need[i] = max(need.get(i, 0), min(end, (i + 1) * b) - i * b)
+                lo, hi = max(offset, i * b) - i * b, min(end, (i + 1) * b) - i * b
+                if i in need:
+                    lo, hi = min(lo, need[i][0]), max(hi, need[i][1])
+                need[i] = (lo, hi)
         h = object_hash(url)
-        have: dict[int, bytes] = {}
+        have: dict[int, tuple[int, bytes]] = {}
         short: set[int] = set()
         for i in sorted(need):
-            found = self.store.read(BlockKey(h, i))
+            found = self.store.read(BlockKey(h, i), *need[i])
             if found is None:
                 continue
-            if len(found) >= need[i]:
-                have[i] = found
+            if found.data is not None:
+                have[i] = (found.start, found.data)
             else:
                 short.add(i)
         missing = [i for i in sorted(need) if i not in have]
         if not prefetch:
-            hit_bytes = sum(len(v) for v in have.values())
+            hit_bytes = sum(len(data) for _, data in have.values())
             self.stats.add(hits=len(have), misses=len(missing), hit_bytes=hit_bytes)
         if missing:
             have.update(self._fetch_missing(url, size, need, missing, short, prefetch=prefetch))
@@ -230,12 +234,12 @@ class CachingFetcher:
         self,
         url: str,
         size: int,
-        need: dict[int, int],
+        need: dict[int, tuple[int, int]],
         missing: list[int],
         short: set[int],
         *,
         prefetch: bool,
-    ) -> dict[int, bytes]:
+    ) -> dict[int, tuple[int, bytes]]:
         """Fetch ``missing`` blocks, one range per run of neighbours, and keep them."""
         b = self.store.block_bytes
         runs: list[list[int]] = []
@@ -246,7 +250,7 @@ class CachingFetcher:
                 runs.append([i])
 
         def want_end(i: int) -> int:
-            return min((i + 1) * b, size) if size >= 0 else i * b + need[i]
+            return min((i + 1) * b, size) if size >= 0 else i * b + need[i][1]
 
         spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
         started = time.perf_counter()
@@ -254,7 +258,7 @@ class CachingFetcher:
         self.stats.latency(time.perf_counter() - started)
         fetched = sum(len(d) for d in datas)
         self.stats.add(fetched_bytes=fetched, prefetched_bytes=fetched if prefetch else 0)
-        got: dict[int, bytes] = {}
+        got: dict[int, tuple[int, bytes]] = {}
         h = object_hash(url)
         for run, (start, length), data in zip(runs, spans, datas, strict=True):
             if len(data) != length:
@@ -266,24 +270,21 @@ class CachingFetcher:
             view = memoryview(data)
             for i in run:
                 content = bytes(view[i * b - start : min((i + 1) * b, start + length) - start])
-                got[i] = content
+                got[i] = (0, content)
                 self.store.write(BlockKey(h, i), content, replace=i in short)
         return got
 
-    def _cut(self, blocks: dict[int, bytes], offset: int, length: int) -> bytes:
+    def _cut(self, blocks: dict[int, tuple[int, bytes]], offset: int, length: int) -> bytes:
         if length == 0:
             return b""
         b = self.store.block_bytes
-        first, last = offset // b, (offset + length - 1) // b
-        if first == last:
-            start = offset - first * b
-            return blocks[first][start : start + length]
         parts = []
-        for i in range(first, last + 1):
-            lo = max(offset, i * b) - i * b
-            hi = min(offset + length, (i + 1) * b) - i * b
-            parts.append(blocks[i][lo:hi])
-        return b"".join(parts)
+        for i in range(offset // b, (offset + length - 1) // b + 1):
+            start, data = blocks[i]
+            lo = max(offset, i * b) - i * b - start
+            hi = min(offset + length, (i + 1) * b) - i * b - start
+            parts.append(data[lo:hi])
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 _STORES: dict[tuple[int, Path, int, int], BlockStore] = {}

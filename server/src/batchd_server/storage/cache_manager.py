@@ -48,7 +48,7 @@ from batchd_server.errors import FailedPrecondition
 from batchd_server.pipelines.base import BadSample
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage import cache_metrics
-from batchd_server.storage.blocks import HEADER_BYTES, BlockKey
+from batchd_server.storage.blocks import BlockKey
 from batchd_server.storage.cache import CachingFetcher
 from batchd_server.storage.eviction import next_uses, victims
 from batchd_server.storage.plan_blocks import SourceBlocks, Uses, upcoming_uses
@@ -216,7 +216,7 @@ class CacheManager:
             wanted += jobs
         for label, lead in lead_by_dataset.items():
             cache_metrics.CACHE_PREFETCH_LEAD.labels(dataset=label).set(lead)
-        self._make_room(readings, len(missing) * (HEADER_BYTES + self.store.block_bytes))
+        self._make_room(readings, len(missing) * self.store.file_bytes(self.store.block_bytes))
         wanted.sort(key=lambda job: job.distance)
         running = len({id(f) for f in self._in_flight.values()})
         for job in wanted:
