@@ -284,3 +284,24 @@ def test_whole_objects_of_unknown_size_are_prefetched_whole(shards: Path, tmp_pa
         rounds(manager, 1)
         assert len(manager.store.blocks()) == 3 * 8, "every block of the three objects"
         assert manager.fetcher.known_size(f"{ROOT_URL}/s0.bin") == 8 * BLOCK
+
+
+def test_local_sources_are_left_to_the_page_cache(shards: Path, tmp_path: Path) -> None:
+    """A session on a local directory (or a mix's local source) is neither prefetched nor
+    counted: only object-store roots go through the cache."""
+    columns = columns_of(["s0.bin"], 8)
+    plan = EpochPlan(np.arange(8, dtype=np.int64), 2, 4)
+    local = Reading(
+        "local", plan, 0, 0, 1, (SourceRef("l", 0, columns, str(shards)),), lambda: None
+    )
+    for manager in make_manager(shards, tmp_path / "c", 1 << 30, [local], prefetch=4):
+        asked: list[str] = []
+
+        def prefetch(url: str, ranges: object, asked: list[str] = asked) -> int:
+            asked.append(url)
+            return 0
+
+        manager.fetcher.prefetch = prefetch  # type: ignore[method-assign]
+        rounds(manager, 1)
+        assert asked == []
+        assert manager.store.blocks() == {}

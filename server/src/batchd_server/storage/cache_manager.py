@@ -79,6 +79,12 @@ class SourceRef:
     columns: SampleColumns
     root: str
 
+    @property
+    def remote(self) -> bool:
+        """Whether its bytes come through the cache: an object-store root (``s3://...``),
+        not a local directory (which the kernel's page cache serves)."""
+        return "://" in self.root
+
 
 @dataclass(frozen=True)
 class Reading:
@@ -201,7 +207,7 @@ class CacheManager:
 
     def tick(self) -> None:
         """One round of NOTE [ Cache manager ]; the tests call it directly."""
-        readings = self._readings()
+        readings = [r for r in self._readings() if any(s.remote for s in r.sources)]
         live = {s.key for r in readings for s in r.sources}
         for key in [k for k in self._sources if k not in live]:
             del self._sources[key]
@@ -302,7 +308,7 @@ class CacheManager:
         which = np.searchsorted(starts, positions, side="right")
         for index, ref in enumerate(reading.sources):
             mine = positions[which == index]
-            if len(mine):
+            if len(mine) and ref.remote:
                 yield self._source(ref), mine - ref.start
 
     # -- eviction ---------------------------------------------------------------------------
@@ -345,7 +351,7 @@ class CacheManager:
             which = np.searchsorted(starts, positions, side="right")
             for index, ref in enumerate(reading.sources):
                 chosen = which == index
-                if chosen.any():
+                if ref.remote and chosen.any():
                     source = self._source(ref)
                     yield upcoming_uses(source, positions[chosen] - ref.start, when[chosen])
             if budget <= 0:
