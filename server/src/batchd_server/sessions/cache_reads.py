@@ -15,23 +15,38 @@ __all__ = ["readings_of", "start_cache_manager"]
 
 
 def start_cache_manager(
-    live: Callable[[], list[Session]], fetcher: RangeFetcher, *, prefetch_batches: int
+    live: Callable[[], list[Session]],
+    fetcher: RangeFetcher,
+    *,
+    prefetch_batches: int,
+    workers: Callable[[], int] = lambda: 1,
 ) -> CacheManager | None:
     """The node cache's manager over the sessions ``live()`` returns, started; None when
-    ``fetcher`` reads through no cache (no ``--cache-dir``).
+    ``fetcher`` reads through no cache (no ``--cache-dir``). ``workers()``: the decode
+    workers now (see :func:`readings_of`).
 
     Raises:
         FailedPrecondition: another server holds the cache directory.
     """
     if not isinstance(fetcher, CachingFetcher):
         return None
-    manager = CacheManager(fetcher, readings_of(live), prefetch_batches=prefetch_batches)
+    readings = readings_of(live, workers)
+    manager = CacheManager(fetcher, readings, prefetch_batches=prefetch_batches)
     manager.start()
     return manager
 
 
-def readings_of(live: Callable[[], list[Session]]) -> Callable[[], list[Reading]]:
-    """A :class:`Reading` of every live stream among the sessions ``live()`` returns."""
+def readings_of(
+    live: Callable[[], list[Session]], workers: Callable[[], int] = lambda: 1
+) -> Callable[[], list[Reading]]:
+    """A :class:`Reading` of every live stream among the sessions ``live()`` returns.
+
+    Prefetch starts ``workers()`` batches after a stream's first undelivered one (those the
+    workers are likely reading now, which a prefetch would only fetch twice), or at the first
+    batch not yet handed to the pool if that comes sooner. A deep ring queues many batches
+    in the pool at once: those after the workers' are fetched ahead too, in parallel, which
+    is the point of prefetching from a store whose latency, not bandwidth, bounds a worker.
+    """
 
     def readings() -> list[Reading]:
         found = []
@@ -49,7 +64,7 @@ def readings_of(live: Callable[[], list[Session]]) -> Callable[[], list[Reading]
                     dataset=session.options.dataset,
                     plan=stream.plan,
                     cursor=cursor,
-                    ahead=stream.next_submit,
+                    ahead=min(stream.next_submit, cursor + stream.stride * max(workers(), 1)),
                     stride=stream.stride,
                     sources=sources,
                     next_plan=_next_plan(session, stream.epoch + 1),
