@@ -10,6 +10,11 @@ Prometheus without bound. Clients choose which datasets they mix, so ``dataset``
 besides (:func:`dataset_label`): past :data:`MAX_DATASET_LABELS` distinct values, a new one
 is reported as :data:`OTHER_DATASET`.
 
+A mix's sources (``batchd_mix_*_total``) are labelled ``dataset`` (the mix's label) and
+``source`` (a source's ``dataset:split``, ``@version`` when pinned), capped the same way
+(:data:`MAX_SOURCE_LABELS`, then :data:`OTHER_DATASET`): served samples and tokens per
+source beside the samples its weights (and schedule) expected (:func:`record_mix_batch`).
+
 Stall attribution, read top-down: ``batchd_batch_seconds`` is a batch's time from the
 server's hand-off to a worker until its result; ``batchd_queue_wait_seconds`` is the part
 before a worker began it (too few workers), ``batchd_stage_seconds{stage}`` the worker's own
@@ -58,7 +63,11 @@ __all__ = [
     "FIRST_BATCH_SECONDS",
     "MAX_CLIENT_SECONDS",
     "MAX_DATASET_LABELS",
+    "MAX_SOURCE_LABELS",
     "MAX_TIMINGS_PER_ACK",
+    "MIX_EXPECTED_SAMPLES",
+    "MIX_SAMPLES",
+    "MIX_TOKENS",
     "OTHER_DATASET",
     "QUEUE_WAIT_SECONDS",
     "READY",
@@ -94,6 +103,7 @@ __all__ = [
     "record_client_batch",
     "record_client_timings",
     "record_delivery",
+    "record_mix_batch",
     "record_sample_error",
     "record_scaling_signals",
     "record_worker_scaling",
@@ -323,6 +333,48 @@ def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = Non
     SAMPLES.labels(dataset=dataset).inc(rows)
     if since_open_s is not None:
         FIRST_BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, since_open_s))
+
+
+MIX_SAMPLES = Counter(
+    "batchd_mix_samples",
+    "Samples of each source of a mix delivered to clients.",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MIX_TOKENS = Counter(
+    "batchd_mix_tokens",
+    "Tokens (before padding) of each source of a mix delivered to clients; token pipelines.",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MIX_EXPECTED_SAMPLES = Counter(
+    "batchd_mix_expected_samples",
+    "Samples of each source of a mix that its weights in force expected of the batches "
+    "delivered (rows times the source's share at each batch's step).",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MAX_SOURCE_LABELS: Final = 256
+"""Distinct values of the ``source`` label a process reports (3 plain counters each)."""
+_SOURCE_LABELS: Final = LabelValues(MAX_SOURCE_LABELS, OTHER_DATASET)
+
+
+def record_mix_batch(
+    dataset: str,
+    sources: Sequence[str],
+    samples: Sequence[int],
+    tokens: Sequence[int] | None,
+    expected: Sequence[float],
+) -> None:
+    """Count one delivered batch of the mix ``dataset``: each source's ``samples`` (and
+    ``tokens``, for token pipelines) and the samples its share ``expected``."""
+    dataset = dataset_label(dataset)
+    for i, source in enumerate(sources):
+        label = _SOURCE_LABELS(source)
+        MIX_SAMPLES.labels(dataset=dataset, source=label).inc(samples[i])
+        MIX_EXPECTED_SAMPLES.labels(dataset=dataset, source=label).inc(max(0.0, expected[i]))
+        if tokens is not None:
+            MIX_TOKENS.labels(dataset=dataset, source=label).inc(tokens[i])
 
 
 def record_sample_error(dataset: str, kind: str) -> None:
