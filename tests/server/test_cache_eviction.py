@@ -305,3 +305,23 @@ def test_local_sources_are_left_to_the_page_cache(shards: Path, tmp_path: Path) 
         rounds(manager, 1)
         assert asked == []
         assert manager.store.blocks() == {}
+
+
+def test_a_cache_too_small_for_the_window_prefetches_only_what_fits(
+    shards: Path, tmp_path: Path, reading: Reading
+) -> None:
+    """Room for two blocks and a window of more, none of them evictable: the prefetch stops
+    at two blocks and asks the store for nothing more, round after round."""
+    per_block = HEADER_BYTES + 4 + BLOCK
+    for manager in make_manager(shards, tmp_path / "c", 2 * per_block, [reading], prefetch=2):
+        inner = manager.fetcher.inner
+        assert isinstance(inner, StatDirFetcher)
+        rounds(manager, 4)
+        asked = {
+            (url, offset // BLOCK)
+            for url, ranges in inner.requests
+            for offset, length in ranges
+            for _ in range(max(1, length // BLOCK))
+        }
+        assert len(manager.store.blocks()) <= 2
+        assert len(inner.requests) <= 2 and len(asked) <= 2

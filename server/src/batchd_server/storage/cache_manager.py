@@ -168,6 +168,8 @@ class CacheManager:
         self._sources: dict[str, SourceBlocks] = {}
         self._uses: dict[BlockKey, int] = {}
         self._uses_at = -_USES_MAX_AGE_S
+        self._leads: set[str] = set()
+        """The datasets whose prefetch lead is reported."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.evicted = 0
@@ -222,7 +224,14 @@ class CacheManager:
             wanted += jobs
         for label, lead in lead_by_dataset.items():
             cache_metrics.CACHE_PREFETCH_LEAD.labels(dataset=label).set(lead)
-        self._make_room(readings, len(missing) * self.store.file_bytes(self.store.block_bytes))
+        for label in self._leads - lead_by_dataset.keys():  # no stream of it is left
+            cache_metrics.CACHE_PREFETCH_LEAD.remove(label)
+        self._leads = set(lead_by_dataset)
+        per_block = self.store.file_bytes(self.store.block_bytes)
+        self._make_room(readings, len(missing) * per_block)
+        # Only what fits: a prefetch the ledger refuses would be fetched again every round.
+        room = self.store.capacity_bytes - self.store.used_bytes()
+        room -= per_block * len(self._in_flight)
         wanted.sort(key=lambda job: job.distance)
         running = len({id(f) for f in self._in_flight.values()})
         for job in wanted:
@@ -230,6 +239,9 @@ class CacheManager:
                 break
             if job.blocks <= self._in_flight.keys():
                 continue
+            room -= per_block * len(job.blocks - self._in_flight.keys())
+            if room < 0:
+                break
             future = self._pool.submit(self._prefetch, job.url, job.ranges)
             running += 1
             self._in_flight.update((key, future) for key in job.blocks)
