@@ -7,8 +7,9 @@ a file read, a miss a request to the store whose blocks are kept if the ledger h
 (NOTE [ Cache files ]). They never delete anything but corrupt files. The manager, every
 ``interval_s``:
 
-1. asks each live stream where it is (:class:`Reading`: the first batch not yet delivered,
-   the next batch not yet handed to a worker, and its plan; ``sessions/cache_reads.py``);
+1. asks each live stream on an object store where it is (:class:`Reading`: the first batch
+   not yet delivered, the first after those the workers are reading, and its plan;
+   ``sessions/cache_reads.py``);
 2. looks at the blocks of the next ``prefetch_batches`` batches of each from the latter on,
    and reports as the prefetch lead how many batches from the former are wholly cached;
 3. when the room left is less than those missing blocks plus a margin for the workers' own
@@ -16,7 +17,8 @@ a file read, a miss a request to the store whose blocks are kept if the ledger h
    next use over the rest of each session's epoch and its whole next epoch, and deletes
    blocks in Belady's order (``eviction.py``), never one read within the prefetch window;
 4. hands the missing blocks to a bounded pool of threads, the nearest batches first, one
-   task per object and batch (a request of one range per run of blocks).
+   task per object and batch (a request of one range per run of blocks), as many as the
+   free space holds (a write the ledger refused would be fetched again every round).
 
 It learns what the workers cached by looking (a ``stat`` per block of the window; the
 directory listing only when it must evict), so nothing has to be told to it, and nothing is
@@ -95,7 +97,7 @@ class Reading:
     cursor: int
     """The first batch not yet delivered."""
     ahead: int
-    """The next batch not yet handed to a worker: prefetch starts here."""
+    """The first batch after those the workers are reading: prefetch starts here."""
     stride: int
     sources: tuple[SourceRef, ...]
     next_plan: Callable[[], EpochPlan | None]
