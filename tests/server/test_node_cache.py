@@ -195,8 +195,8 @@ def test_processes_reading_the_same_blocks_at_once_leave_one_file_each(
     found = store.blocks()
     assert used == sum(size for size, _ in found.values())
     for key in found:
-        intact = store.read(key, 0, 1)
-        assert intact is not None and intact.data is not None
+        intact = store.read(key, [(0, 1)])
+        assert intact is not None and intact.parts is not None
     assert os.listdir(tmp_path / "cache" / "tmp") == []
 
 

@@ -33,7 +33,14 @@ from typing import Final, Protocol, runtime_checkable
 
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.base import RangeFetcher
-from batchd_server.storage.blocks import BLOCK_BYTES, BlockKey, BlockStore, ObjectMeta, object_hash
+from batchd_server.storage.blocks import (
+    BLOCK_BYTES,
+    BlockKey,
+    BlockRead,
+    BlockStore,
+    ObjectMeta,
+    object_hash,
+)
 
 __all__ = [
     "STATS",
@@ -187,13 +194,13 @@ class CachingFetcher:
 
     def _blocks(
         self, url: str, ranges: Sequence[tuple[int, int]], *, prefetch: bool
-    ) -> tuple[dict[int, tuple[int, bytes]], int]:
-        """For every block that ``ranges`` touch, ``(start, data)``: its bytes from ``start``
-        on, covering what the ranges need of it; and how many blocks were fetched."""
+    ) -> tuple[dict[int, BlockRead], int]:
+        """For every block that ``ranges`` touch, the parts of it they need; and how many
+        blocks were fetched."""
         size = self.known_size(url)
         b = self.store.block_bytes
-        need: dict[int, tuple[int, int]] = {}
-        """Block -> the span of it the ranges need, from its first byte."""
+        need: dict[int, list[tuple[int, int]]] = {}
+        """Block -> the spans of it the ranges need, from its first byte."""
         for offset, length in ranges:
             if offset < 0 or length < 0:
                 raise BadSample("unreadable", f"{url}: byte range ({offset}, {length}) is invalid")
@@ -207,24 +214,22 @@ class CachingFetcher:
             if length == 0:
                 continue
             for i in range(offset // b, (end - 1) // b + 1):
-                lo, hi = max(offset, i * b) - i * b, min(end, (i + 1) * b) - i * b
-                if i in need:
-                    lo, hi = min(lo, need[i][0]), max(hi, need[i][1])
-                need[i] = (lo, hi)
+                span = (max(offset, i * b) - i * b, min(end, (i + 1) * b) - i * b)
+                need.setdefault(i, []).append(span)
         h = object_hash(url)
-        have: dict[int, tuple[int, bytes]] = {}
+        have: dict[int, BlockRead] = {}
         short: set[int] = set()
         for i in sorted(need):
-            found = self.store.read(BlockKey(h, i), *need[i])
+            found = self.store.read(BlockKey(h, i), need[i])
             if found is None:
                 continue
-            if found.data is not None:
-                have[i] = (found.start, found.data)
+            if found.parts is not None:
+                have[i] = found
             else:
                 short.add(i)
         missing = [i for i in sorted(need) if i not in have]
         if not prefetch:
-            hit_bytes = sum(len(data) for _, data in have.values())
+            hit_bytes = sum(len(d) for r in have.values() for _, d in r.parts or ())
             self.stats.add(hits=len(have), misses=len(missing), hit_bytes=hit_bytes)
         if missing:
             have.update(self._fetch_missing(url, size, need, missing, short, prefetch=prefetch))
@@ -234,12 +239,12 @@ class CachingFetcher:
         self,
         url: str,
         size: int,
-        need: dict[int, tuple[int, int]],
+        need: dict[int, list[tuple[int, int]]],
         missing: list[int],
         short: set[int],
         *,
         prefetch: bool,
-    ) -> dict[int, tuple[int, bytes]]:
+    ) -> dict[int, BlockRead]:
         """Fetch ``missing`` blocks, one range per run of neighbours, and keep them."""
         b = self.store.block_bytes
         runs: list[list[int]] = []
@@ -250,7 +255,7 @@ class CachingFetcher:
                 runs.append([i])
 
         def want_end(i: int) -> int:
-            return min((i + 1) * b, size) if size >= 0 else i * b + need[i][1]
+            return min((i + 1) * b, size) if size >= 0 else i * b + max(hi for _, hi in need[i])
 
         spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
         started = time.perf_counter()
@@ -258,7 +263,7 @@ class CachingFetcher:
         self.stats.latency(time.perf_counter() - started)
         fetched = sum(len(d) for d in datas)
         self.stats.add(fetched_bytes=fetched, prefetched_bytes=fetched if prefetch else 0)
-        got: dict[int, tuple[int, bytes]] = {}
+        got: dict[int, BlockRead] = {}
         h = object_hash(url)
         for run, (start, length), data in zip(runs, spans, datas, strict=True):
             if len(data) != length:
@@ -270,20 +275,18 @@ class CachingFetcher:
             view = memoryview(data)
             for i in run:
                 content = bytes(view[i * b - start : min((i + 1) * b, start + length) - start])
-                got[i] = (0, content)
+                got[i] = BlockRead(len(content), [(0, content)])
                 self.store.write(BlockKey(h, i), content, replace=i in short)
         return got
 
-    def _cut(self, blocks: dict[int, tuple[int, bytes]], offset: int, length: int) -> bytes:
+    def _cut(self, blocks: dict[int, BlockRead], offset: int, length: int) -> bytes:
         if length == 0:
             return b""
         b = self.store.block_bytes
         parts = []
         for i in range(offset // b, (offset + length - 1) // b + 1):
-            start, data = blocks[i]
-            lo = max(offset, i * b) - i * b - start
-            hi = min(offset + length, (i + 1) * b) - i * b - start
-            parts.append(data[lo:hi])
+            lo, hi = max(offset, i * b) - i * b, min(offset + length, (i + 1) * b) - i * b
+            parts.append(blocks[i].cut(lo, hi))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
