@@ -468,6 +468,44 @@ class ServerConfig:
             metavar="BYTES",
         ),
     )
+    # -- the decode cache (docs/server/decode-cache.md) --
+    decode_cache_bytes: int = field(
+        default=0,
+        metadata=setting(
+            "keep decoded samples in shared memory, up to this many bytes taken from "
+            "--shm-budget, e.g. 8GiB, so later epochs skip reading and decoding them "
+            "(a random crop still crops each epoch); 0: no decode cache",
+            flag="--decode-cache-size",
+            env="BATCHD_DECODE_CACHE_SIZE",
+            parse=parse_bytes,
+            check=at_least(0),
+            metavar="BYTES",
+        ),
+    )
+    decode_cache_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            "a directory on a local disk for the decode cache's second tier, which takes "
+            "what shared memory has no room for and keeps it across restarts (one server "
+            "per directory); needs --decode-cache-size",
+            flag="--decode-cache-dir",
+            env="BATCHD_DECODE_CACHE_DIR",
+            parse=Path,
+            metavar="DIR",
+        ),
+    )
+    decode_cache_dir_bytes: int = field(
+        default=0,
+        metadata=setting(
+            "the most bytes the decode cache keeps in --decode-cache-dir",
+            flag="--decode-cache-dir-size",
+            env="BATCHD_DECODE_CACHE_DIR_SIZE",
+            parse=parse_bytes,
+            check=at_least(0),
+            metavar="BYTES",
+            default_text="4 times --decode-cache-size",
+        ),
+    )
     reflection: bool = field(
         default=False,
         metadata=setting(
@@ -505,6 +543,13 @@ class ServerConfig:
             raise ValueError(
                 f"{ca.flag} ({ca.env}) asks for mutual TLS, which needs the server's own "
                 f"{cert.flag} and {key.flag}"
+            )
+
+        if self.decode_cache_dir is not None and not self.decode_cache_bytes:
+            cache, directory = _setting("decode_cache_bytes"), _setting("decode_cache_dir")
+            raise ValueError(
+                f"{directory.flag} ({directory.env}) is the decode cache's second tier; set "
+                f"{cache.flag} ({cache.env}) too, to turn the cache on"
             )
 
     @property

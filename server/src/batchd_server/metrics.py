@@ -227,6 +227,37 @@ DATA_STALL_RATIO = Gauge(
     ["dataset"],
     registry=REGISTRY,
 )
+# -- the decode cache (decode_cache/) --
+DECODE_CACHE_LOOKUPS = Counter(
+    "batchd_decode_cache_lookups",
+    "Decode cache lookups by dataset and result: hit, miss (decoded, then offered to the "
+    "cache) or corrupt (an entry that did not check out, decoded again; also a miss).",
+    ["dataset", "result"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_WRITTEN_BYTES = Counter(
+    "batchd_decode_cache_written_bytes",
+    "Bytes of decode cache entries written by the workers.",
+    registry=REGISTRY,
+)
+DECODE_CACHE_BYTES = Gauge(
+    "batchd_decode_cache_bytes",
+    "Bytes the decode cache holds, by tier (shm, disk).",
+    ["tier"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_LIMIT_BYTES = Gauge(
+    "batchd_decode_cache_limit_bytes",
+    "The decode cache's bound by tier (--decode-cache-size, --decode-cache-dir-size).",
+    ["tier"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_EVICTIONS = Counter(
+    "batchd_decode_cache_evictions",
+    "Decode cache entries evicted, by tier (from shm they move to the disk tier, if any).",
+    ["tier"],
+    registry=REGISTRY,
+)
 
 MAX_CLIENT_SECONDS: Final = 3600.0
 """A client-reported duration is clamped to this: one batch never takes an hour to wait for."""
@@ -279,6 +310,13 @@ def observe_worker_result(
         STAGE_SECONDS.labels(dataset=dataset, stage=stage).observe(max(0.0, seconds))
     QUEUE_WAIT_SECONDS.labels(dataset=dataset).observe(max(0.0, queued_s))
     BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, latency_s))
+    cache = result.cache
+    if task.spec.decode_cache is not None:
+        for outcome, count in (("hit", cache.hits), ("miss", cache.misses)):
+            DECODE_CACHE_LOOKUPS.labels(dataset=dataset, result=outcome).inc(count)
+        if cache.corrupt:
+            DECODE_CACHE_LOOKUPS.labels(dataset=dataset, result="corrupt").inc(cache.corrupt)
+        DECODE_CACHE_WRITTEN_BYTES.inc(cache.written_bytes)
 
 
 def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = None) -> None:
