@@ -152,5 +152,30 @@ def test_a_session_that_opts_out_neither_reads_nor_writes_the_cache(
             got = epochs(srv.address, "image", decode_cache=False)
             assert len(got[epoch]) > 0
         assert (lookups("images", "hit"), lookups("images", "miss")) == before
-        assert not [p for p in Path("/dev/shm").iterdir() if "-dc-" in p.name and
-                    p.name.startswith(f"batchd-{srv.registry.instance}")]
+        assert not [
+            p
+            for p in Path("/dev/shm").iterdir()
+            if "-dc-" in p.name and p.name.startswith(f"batchd-{srv.registry.instance}")
+        ]
+
+
+def test_corrupt_entries_are_ignored_decoded_again_and_replaced(
+    catalog: dict[str, Any], tmp_path: Path
+) -> None:
+    """Every entry overwritten with a flipped byte: the batches stay the same, each lookup
+    counts as corrupt, and the next run hits again on the rewritten entries."""
+    with serve(catalog["url"], tmp_path, decode_cache_bytes=64 << 20) as srv:
+        first = epochs(srv.address, "image")
+        prefix = f"batchd-{srv.registry.instance}-dc-"
+        entries = [p for p in srv.registry.shm_dir.iterdir() if p.name.startswith(prefix)]
+        assert entries
+        for path in entries:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(data)
+        corrupt = lookups("images", "corrupt")
+        assert_same(epochs(srv.address, "image"), first)
+        assert lookups("images", "corrupt") - corrupt == len(entries)
+        hits = lookups("images", "hit")
+        assert_same(epochs(srv.address, "image"), first)
+        assert lookups("images", "hit") - hits == sum(len(b["sample_id"]) for b in first[0]) * 3
