@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from batchd_server.decode_cache.settings import DecodeCacheSettings
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.settings import (
     EVERY_COMMAND,
@@ -128,7 +129,7 @@ class ShmLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig:
+class ServerConfig(DecodeCacheSettings):
     """Everything the server needs to know, validated on construction.
 
     Each field's ``setting(...)`` says what it does, how to set it and what it allows; the
@@ -468,44 +469,6 @@ class ServerConfig:
             metavar="BYTES",
         ),
     )
-    # -- the decode cache (docs/server/decode-cache.md) --
-    decode_cache_bytes: int = field(
-        default=0,
-        metadata=setting(
-            "keep decoded samples in shared memory, up to this many bytes taken from "
-            "--shm-budget, e.g. 8GiB, so later epochs skip reading and decoding them "
-            "(a random crop still crops each epoch); 0: no decode cache",
-            flag="--decode-cache-size",
-            env="BATCHD_DECODE_CACHE_SIZE",
-            parse=parse_bytes,
-            check=at_least(0),
-            metavar="BYTES",
-        ),
-    )
-    decode_cache_dir: Path | None = field(
-        default=None,
-        metadata=setting(
-            "a directory on a local disk for the decode cache's second tier, which takes "
-            "what shared memory has no room for and keeps it across restarts (one server "
-            "per directory); needs --decode-cache-size",
-            flag="--decode-cache-dir",
-            env="BATCHD_DECODE_CACHE_DIR",
-            parse=Path,
-            metavar="DIR",
-        ),
-    )
-    decode_cache_dir_bytes: int = field(
-        default=0,
-        metadata=setting(
-            "the most bytes the decode cache keeps in --decode-cache-dir",
-            flag="--decode-cache-dir-size",
-            env="BATCHD_DECODE_CACHE_DIR_SIZE",
-            parse=parse_bytes,
-            check=at_least(0),
-            metavar="BYTES",
-            default_text="4 times --decode-cache-size",
-        ),
-    )
     reflection: bool = field(
         default=False,
         metadata=setting(
@@ -545,12 +508,7 @@ class ServerConfig:
                 f"{cert.flag} and {key.flag}"
             )
 
-        if self.decode_cache_dir is not None and not self.decode_cache_bytes:
-            cache, directory = _setting("decode_cache_bytes"), _setting("decode_cache_dir")
-            raise ValueError(
-                f"{directory.flag} ({directory.env}) is the decode cache's second tier; set "
-                f"{cache.flag} ({cache.env}) too, to turn the cache on"
-            )
+        self.check_decode_cache()
 
     @property
     def reserved_rpcs(self) -> int:
