@@ -11,7 +11,7 @@ sequential scan over more samples than fit makes LRU miss every time). So:
 * admission: a worker adds an entry while the tier has room (``shm/entries.py``); a full
   shared-memory tier sends it to the disk tier, a full disk tier drops it. What is cached of
   a dataset larger than the cache is a stable subset, and every epoch hits on that fraction;
-* eviction (:meth:`DecodeCacheOwner.sweep`, about every second): when a tier is over
+* eviction (:meth:`DecodeCacheOwner.sweep`, every second): when a tier is over
   :data:`HIGH_WATER` of its bound, entries of datasets that no live session reads go first,
   least recently used first, down to :data:`LOW_WATER`; from shared memory they move to the
   disk tier when there is one. Entries of live datasets are never evicted for others: once
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Final
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 HIGH_WATER: Final = 0.9
 LOW_WATER: Final = 0.8
 _SWEEP_S: Final = 1.0
+_RECOUNT_S: Final = 30.0
+"""Most seconds between two full counts of a tier (each lists its directory)."""
 
 
 class DecodeCacheOwner(Closeable):
@@ -81,6 +84,9 @@ class DecodeCacheOwner(Closeable):
             raise
         self.spec = DecodeCacheSpec(tuple(t for t in (self.shm, self.disk) if t is not None))
         self._lock = threading.Lock()
+        self._scanned: dict[str, tuple[float, frozenset[str] | None]] = {}
+        """Per tier: when it was last recounted, and the live datasets when that scan evicted
+        (None: it was under the high water mark)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -107,7 +113,7 @@ class DecodeCacheOwner(Closeable):
             Evictions by tier.
         """
         with self._lock:
-            live = {root_tag(root) for root in self.live_roots()}
+            live = frozenset(root_tag(root) for root in self.live_roots())
             evicted = {"shm": self._sweep(self.shm, self.disk, live)}
             if self.disk is not None:
                 evicted["disk"] = self._sweep(self.disk, None, live)
@@ -116,11 +122,23 @@ class DecodeCacheOwner(Closeable):
                 self._on_evict(tier, count)
         return evicted
 
-    @staticmethod
-    def _sweep(tier: EntryDir, lower: EntryDir | None, live: set[str]) -> int:
-        held = tier.recount()
+    def _sweep(self, tier: EntryDir, lower: EntryDir | None, live: frozenset[str]) -> int:
+        # Listing a tier of a million entries takes a second of CPU: the usage file says
+        # when to; a full recount runs every _RECOUNT_S, and an eviction scan that found
+        # nothing to evict is not redone until the live datasets change or _RECOUNT_S passed.
+        now = time.monotonic()
+        last = self._scanned.get(tier.usage_name)
+        due = last is None or now - last[0] >= _RECOUNT_S
+        held = tier.recount() if due else tier.used_bytes()
         if held <= tier.limit_bytes * HIGH_WATER:
+            if due:
+                self._scanned[tier.usage_name] = (now, None)
             return 0
+        if not due and last is not None and last[1] == live:
+            return 0  # full of live datasets' entries, as at the last scan
+        if not due:
+            held = tier.recount()
+        self._scanned[tier.usage_name] = (now, live)
         target = tier.limit_bytes * LOW_WATER
         candidates = sorted(
             (e for e in tier.entries() if e.name[:8] not in live), key=lambda e: e.used_at
