@@ -12,7 +12,7 @@ A ``batchd-server serve --decode-cache-size`` (``--cache-size``, room for everyt
 three epochs of each pipeline, one Loader each (batch ``--batch-size``, shuffled, seed 0):
 samples/s of each epoch, timed from ``set_epoch`` to the last batch, and the ratios of epochs
 2 and 3 to epoch 1, all measured in this run on the same server, after a warm-up (two batches
-of each dataset through sessions that opt out of the cache: the workers' imports and the
+of each pipeline through sessions that opt out of the cache: the workers' imports and the
 catalog loads are not in epoch 1). Epoch 1 decodes and fills the
 cache; the later ones read it (a random crop still crops, resizes and flips each epoch).
 
@@ -88,7 +88,7 @@ def timed_epochs(address: str, dataset: str, pipeline: Any, batch_size: int) -> 
 def warm_up(address: str, batch_size: int) -> None:
     """Start the workers' imports and load both catalogs before anything is timed, through
     sessions that opt out of the cache (they add no entries)."""
-    for dataset, pipeline in {d: p for d, p in PIPELINES.values()}.items():
+    for dataset, pipeline in PIPELINES.values():
         with batchd.Loader(
             address,
             dataset=dataset,

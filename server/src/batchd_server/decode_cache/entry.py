@@ -1,27 +1,29 @@
 """One cache entry's bytes: a checked header, a little JSON and the arrays it holds.
 
 An entry is ``header | meta JSON | payload``. The header holds a magic, the entry's full key
-(the file name carries only part of it), the lengths of the meta and the payload and a CRC-32
-of both. :func:`unpack` returns None for anything that does not check out (a torn or
-overwritten file, another version's format, a name collision), and the caller then decodes
-the sample as if nothing were cached, and writes the entry again.
+(the file name carries only part of it), the lengths of the meta and the payload and an
+XXH3-64 checksum of both (0.08 ms for the 560 KB of one decoded 500x375 image on the
+development VM, where zlib's CRC-32 takes 0.5 ms). :func:`unpack` returns None for anything
+that does not check out (a torn or overwritten file, another version's format, a name
+collision), and the caller then decodes the sample as if nothing were cached, and writes the
+entry again.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-import zlib
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 __all__ = ["Entry", "pack", "unpack"]
 
-_MAGIC: Final = b"BDC1"
-_HEAD: Final = struct.Struct("<4s32sIQI")
-"""Magic, key (32 bytes), meta length, payload length, CRC-32 of meta and payload."""
+_MAGIC: Final = b"BDC2"
+_HEAD: Final = struct.Struct("<4s32sIQQ")
+"""Magic, key (32 bytes), meta length, payload length, XXH3-64 of meta and payload."""
 
 Entry = tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]
 """An entry's meta (small JSON values) and its arrays by name."""
@@ -34,11 +36,12 @@ def pack(
     layout = [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]
     meta_bytes = json.dumps({**meta, "arrays": layout}, separators=(",", ":")).encode()
     payload = [np.ascontiguousarray(a).reshape(-1).view(np.uint8).data for a in arrays.values()]
-    crc = zlib.crc32(meta_bytes)
+    check = xxhash.xxh3_64(meta_bytes)
     for part in payload:
-        crc = zlib.crc32(part, crc)
+        check.update(part)
+    digest = check.intdigest()
     size = sum(len(p) for p in payload)
-    head = _HEAD.pack(_MAGIC, key, len(meta_bytes), size, crc)
+    head = _HEAD.pack(_MAGIC, key, len(meta_bytes), size, digest)
     return (head, meta_bytes, *payload)
 
 
@@ -47,12 +50,12 @@ def unpack(key: bytes, data: bytearray) -> Entry | None:
     writable views of ``data``."""
     if len(data) < _HEAD.size:
         return None
-    magic, found, meta_len, size, crc = _HEAD.unpack_from(data)
+    magic, found, meta_len, size, digest = _HEAD.unpack_from(data)
     start = _HEAD.size
     if magic != _MAGIC or found != key or len(data) != start + meta_len + size:
         return None
     body = memoryview(data)[start:]
-    if zlib.crc32(body) != crc:
+    if xxhash.xxh3_64_intdigest(body) != digest:
         return None
     try:
         meta = json.loads(bytes(body[:meta_len]))
