@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 import batchd
+from batchd.errors import ResourceExhausted
 from batchd_server.catalog.ingest import ingest_manifest
 from batchd_server.metrics import REGISTRY
 
@@ -179,3 +180,32 @@ def test_corrupt_entries_are_ignored_decoded_again_and_replaced(
         hits = lookups("images", "hit")
         assert_same(epochs(srv.address, "image"), first)
         assert lookups("images", "hit") - hits == sum(len(b["sample_id"]) for b in first[0]) * 3
+
+
+def test_a_cache_smaller_than_the_dataset_stays_in_its_bound_and_exact(
+    catalog: dict[str, Any], tmp_path: Path
+) -> None:
+    """Room for about a third of the rows: the tier never holds more than its bound, what it
+    holds hits in later epochs, and every batch equals the uncached path's (a session that
+    opts out, on the same server)."""
+    bound = 40_000  # 24 rows of 3 x 40 x 40 = 4,800 bytes, plus their headers
+    with serve(catalog["url"], tmp_path, decode_cache_bytes=bound) as srv:
+        hits = lookups("images", "hit")
+        cached = epochs(srv.address, "image")
+        prefix = f"batchd-{srv.registry.instance}-dc"
+        held = [
+            p.stat().st_size for p in srv.registry.shm_dir.iterdir() if p.name.startswith(prefix)
+        ]
+        assert 0 < sum(held) <= bound
+        assert lookups("images", "hit") > hits
+        assert_same(cached, epochs(srv.address, "image", decode_cache=False))
+
+
+def test_a_server_whose_budget_cannot_hold_the_cache_refuses_to_start(
+    catalog: dict[str, Any], tmp_path: Path
+) -> None:
+    with (
+        pytest.raises(ResourceExhausted, match="--shm-budget"),
+        serve(catalog["url"], tmp_path, shm_budget_bytes=64 << 20, decode_cache_bytes=96 << 20),
+    ):
+        pass

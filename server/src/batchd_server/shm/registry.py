@@ -98,7 +98,13 @@ class ShmRegistry(Closeable):
             self._require_open()
             reserved = self._reserved_locked()
             if nbytes > self.budget_bytes - reserved:
-                raise ResourceExhausted(self._budget_message(reserved, nbytes, purpose))
+                raise ResourceExhausted(
+                    f"{purpose} needs {format_bytes(nbytes)} of the server's shared-memory "
+                    f"budget of {format_bytes(self.budget_bytes)}, of which "
+                    f"{format_bytes(reserved)} is reserved already; raise --shm-budget "
+                    "(BATCHD_SHM_BUDGET) by as much, leaving room for the sessions' rings, or "
+                    "ask for less"
+                )
             if nbytes > space.free_bytes - self._creating_bytes:
                 raise ResourceExhausted(self._no_space_message(space, nbytes, purpose))
             self._aside_bytes += nbytes
