@@ -14,7 +14,7 @@ from batchd.errors import ResourceExhausted
 from batchd_server.decode_cache.entry import pack, unpack
 from batchd_server.decode_cache.keys import root_tag, sample_key
 from batchd_server.decode_cache.owner import DecodeCacheOwner
-from batchd_server.decode_cache.worker import SampleCache
+from batchd_server.decode_cache.worker import DecodeCacheSpec, SampleCache
 from batchd_server.shm import ShmRegistry
 from batchd_server.shm.entries import EntryDir, disk_entry_dir, shm_entry_dir
 
@@ -86,7 +86,7 @@ def test_a_corrupt_entry_is_counted_and_a_later_write_replaces_it(tmp_path: Path
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(data)
-    cache = SampleCache(type("Spec", (), {"tiers": (store,)})())  # type: ignore[arg-type]
+    cache = SampleCache(DecodeCacheSpec((store,)))
     assert cache.get(name, KEY) is None
     assert cache.take_counts().corrupt == 1
     cache.put(name, KEY, ({"k": 1}, {"a": np.full(100, 7, np.uint8), "b": np.arange(3)}))

@@ -23,7 +23,6 @@ lock (:meth:`EntryDir.recount`). Entries are removed only by the owner. Every fi
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import secrets
@@ -125,12 +124,10 @@ class EntryDir:
             finally:
                 os.close(fd)
             os.rename(tmp, self.entry_path(key))
-        except OSError as e:
+        except OSError:  # no space, a read-only or failing disk: a cache never fails a batch
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             self._reserve(-size)
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
-                raise
             return False
         return True
 
@@ -147,6 +144,8 @@ class EntryDir:
                 return False
             os.pwrite(fd, _USAGE.pack(max(0, used + nbytes)), 0)
             return True
+        except (OSError, struct.error):
+            return False
         finally:
             os.close(fd)  # closing drops the flock
 
