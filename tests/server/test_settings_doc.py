@@ -47,6 +47,9 @@ PINNED: dict[str, tuple[str | None, str, Any]] = {
     "data_roots": ("--data-root", "BATCHD_DATA_ROOTS", ()),
     "task_timeout_s": ("--task-timeout-s", "BATCHD_TASK_TIMEOUT_S", 60.0),
     "max_sample_bytes": ("--max-sample-bytes", "BATCHD_MAX_SAMPLE_BYTES", 256 << 20),
+    "decode_cache_bytes": ("--decode-cache-size", "BATCHD_DECODE_CACHE_SIZE", 0),
+    "decode_cache_dir": ("--decode-cache-dir", "BATCHD_DECODE_CACHE_DIR", None),
+    "decode_cache_dir_bytes": ("--decode-cache-dir-size", "BATCHD_DECODE_CACHE_DIR_SIZE", 0),
     "reflection": ("--reflection", "BATCHD_REFLECTION", False),
     "heartbeat_interval_s": ("--heartbeat-interval-s", "BATCHD_HEARTBEAT_INTERVAL_S", 5.0),
     "cache_dir": ("--cache-dir", "BATCHD_CACHE_DIR", None),
@@ -70,11 +73,14 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "cache_dir": ("/var/cache/batchd", Path("/var/cache/batchd")),
     "cache_size_bytes": ("20GiB", 20 << 30),
     "workers": ("2..6", WorkerRange(2, 6)),
+    "decode_cache_bytes": ("8GiB", 8 << 30),
+    "decode_cache_dir_bytes": ("100GiB", 100 << 30),
 }
 """A valid text for each setting whose type alone does not give one."""
 
 _TLS = {"BATCHD_TLS_CERT": "/etc/batchd/c.pem", "BATCHD_TLS_KEY": "/etc/batchd/k.pem"}
 COMPANIONS: dict[str, dict[str, str]] = {"tls_cert": _TLS, "tls_key": _TLS, "tls_client_ca": _TLS}
+COMPANIONS["decode_cache_dir"] = {"BATCHD_DECODE_CACHE_SIZE": "1GiB"}
 """Variables a setting is only valid with (TLS comes as a certificate and its key)."""
 
 BAD: dict[str, Any] = {

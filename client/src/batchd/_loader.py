@@ -97,6 +97,8 @@ class Loader(Closeable):
             default ``$BATCHD_TLS_CA``; None and unset: plaintext. For mutual TLS, the
             client's certificate and key come from ``$BATCHD_TLS_CLIENT_CERT`` and
             ``$BATCHD_TLS_CLIENT_KEY``.
+        decode_cache: False: the server decodes every sample afresh, even where it keeps a
+            decode cache (its rows are the same either way); for a benchmark of cold decoding.
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
@@ -148,6 +150,7 @@ class Loader(Closeable):
         reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
         auth_token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        decode_cache: bool = True,
     ) -> None:
         self._options = LoaderOptions(
             dataset=dataset,
@@ -170,6 +173,7 @@ class Loader(Closeable):
             timeout_s=timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
             sources=sources,
+            decode_cache=decode_cache,
         )
         self._device = resolve_device(device)
         self._lanes = Lanes(

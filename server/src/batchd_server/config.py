@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from batchd_server.decode_cache.settings import DecodeCacheSettings
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.settings import (
     EVERY_COMMAND,
@@ -130,7 +131,7 @@ class ShmLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig(CacheSettings):
+class ServerConfig(DecodeCacheSettings, CacheSettings):
     """Everything the server needs to know, validated on construction.
 
     Each field's ``setting(...)`` says what it does, how to set it and what it allows; the
@@ -512,6 +513,8 @@ class ServerConfig(CacheSettings):
                 f"{ca.flag} ({ca.env}) asks for mutual TLS, which needs the server's own "
                 f"{cert.flag} and {key.flag}"
             )
+
+        self.check_decode_cache()
 
     @property
     def reserved_rpcs(self) -> int:

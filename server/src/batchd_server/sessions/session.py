@@ -27,6 +27,7 @@ from batchd._wire.ring import HEADER_BYTES, slot_offset
 from batchd._wire.schedule import global_step
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
+from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
@@ -131,6 +132,7 @@ class Session:
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
         roots: Sequence[str] | None = None,
+        decode_cache: DecodeCacheSpec | None = None,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
         ``roots``: the directory the workers read each one's files from, as the manager
@@ -200,6 +202,7 @@ class Session:
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
             max_sample_bytes=max_sample_bytes,
+            decode_cache=decode_cache,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes

@@ -44,9 +44,9 @@ from batchd_server.storage.blocks import (
 
 __all__ = [
     "STATS",
-    "CacheCounts",
     "CacheStats",
     "CachingFetcher",
+    "NodeCacheCounts",
     "SizesObjects",
     "cached",
     "object_url",
@@ -74,7 +74,7 @@ def object_url(root: str, path: str) -> str:
 
 
 @dataclass
-class CacheCounts:
+class NodeCacheCounts:
     """What a process read through the cache since the counts were last taken."""
 
     hits: int = 0
@@ -96,11 +96,11 @@ class CacheCounts:
 
 
 class CacheStats:
-    """A process's :class:`CacheCounts`, safe to add to from many threads."""
+    """A process's :class:`NodeCacheCounts`, safe to add to from many threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts = CacheCounts()
+        self._counts = NodeCacheCounts()
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -112,10 +112,10 @@ class CacheStats:
             if len(self._counts.get_seconds) < _MAX_LATENCIES:
                 self._counts.get_seconds.append(seconds)
 
-    def take(self) -> CacheCounts:
+    def take(self) -> NodeCacheCounts:
         """The counts so far; they start again from zero."""
         with self._lock:
-            counts, self._counts = self._counts, CacheCounts()
+            counts, self._counts = self._counts, NodeCacheCounts()
         return counts
 
 

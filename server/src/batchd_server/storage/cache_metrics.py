@@ -3,7 +3,7 @@ server's one registry (:data:`batchd_server.metrics.REGISTRY`) beside the rest; 
 because ``metrics.py`` is at its size limit.
 
 Workers count what they read through the cache (``storage.cache.STATS``) and send the counts
-with each result (``StageTimes.cache``); the pool's result hook adds them here
+with each result (``StageTimes.node_cache``); the pool's result hook adds them here
 (:func:`observe_worker_cache`), and the cache manager adds its prefetches' own.
 """
 
@@ -16,7 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from batchd_server.metrics import _STAGE_BUCKETS, REGISTRY, dataset_label
 
 if TYPE_CHECKING:
-    from batchd_server.storage.cache import CacheCounts
+    from batchd_server.storage.cache import NodeCacheCounts
     from batchd_server.workers.task import BatchResult, BatchTask
 
 __all__ = [
@@ -82,7 +82,7 @@ CACHE_CAPACITY_BYTES = Gauge(
 )
 
 
-def record_cache(dataset: str | None, counts: CacheCounts | None) -> None:
+def record_cache(dataset: str | None, counts: NodeCacheCounts | None) -> None:
     """Add a process's cache counts: a worker's with its task's ``dataset``, the cache
     manager's prefetches with None."""
     if counts is None:
@@ -109,4 +109,4 @@ def observe_worker_cache(
 ) -> None:
     """Add a worker's cache counts of one batch (beside ``metrics.observe_worker_result``)."""
     del queued_s, latency_s
-    record_cache(task.spec.dataset, result.times.cache)
+    record_cache(task.spec.dataset, result.times.node_cache)

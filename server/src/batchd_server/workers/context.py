@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from batchd._wire.ring import slot_offset
 from batchd_server.catalog.types import SampleColumns
+from batchd_server.decode_cache.worker import CacheCounts, CachedSource, SampleCache
 from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
 from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline
@@ -60,6 +61,8 @@ class _Source:
     files: SampleFiles
     pipeline: Pipeline
     attachment: Attachment
+    cached: CachedSource | None = None
+    """Its samples through the decode cache; None when they are not cached."""
 
     def path(self, position: int) -> str:
         start, end = self.columns.path_offsets[position], self.columns.path_offsets[position + 1]
@@ -78,6 +81,7 @@ class SessionContext:
         self.spec = spec
         self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
         """The session's: it finishes every batch."""
+        self._cache = SampleCache(spec.decode_cache) if spec.decode_cache is not None else None
         self._sources: list[_Source] = []
         self._ring: Attachment | None = None
         try:
@@ -113,6 +117,7 @@ class SessionContext:
                 SampleFiles(source.root, max_sample_bytes=self.spec.max_sample_bytes),
                 pipeline,
                 attachment,
+                CachedSource.of(self._cache, pipeline, source.root),
             )
         except BaseException:
             attachment.close()
@@ -187,9 +192,12 @@ class SessionContext:
             read_s=self._read_s,
             decode_s=self._decode_s,
             collate_s=time.perf_counter() - finish_start,
-            cache=CACHE_STATS.take() or None,
+            node_cache=CACHE_STATS.take() or None,
         )
-        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
+        counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
+        return BatchResult(
+            task.batch_index, task.slot, rows, shapes, failures, fatal, times, counts
+        )
 
     def _runs(self, positions: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[Any]]]:
         """The task's positions as runs of one source each: (source index, the run's rows in
@@ -276,20 +284,28 @@ class SessionContext:
                 "(--task-timeout-s) twice, and the worker was killed each time; check the "
                 "file and the file system it is on",
             )
-        read_start = time.perf_counter()
+        offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
+        read_s = 0.0
+
+        def read() -> memoryview:
+            nonlocal read_s
+            read_start = time.perf_counter()
+            try:
+                return source.files.read(info.path, offset, length)
+            finally:
+                read_s += time.perf_counter() - read_start
+
+        start = time.perf_counter()
         try:
-            data = source.files.read(
-                info.path, int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
-            )
-        finally:
-            decode_start = time.perf_counter()
-            self._read_s += decode_start - read_start
-        try:
-            source.pipeline.decode_into(data, info, row)
+            if source.cached is not None:
+                source.cached.decode(info, offset, length, read, row)
+            else:
+                source.pipeline.decode_into(read(), info, row)
             row["sample_id"][...] = sample_id
             row["label"][...] = info.label
         finally:
-            self._decode_s += time.perf_counter() - decode_start
+            self._read_s += read_s
+            self._decode_s += time.perf_counter() - start - read_s
 
     def _decode_each(
         self, source: _Source, epoch: int, positions: npt.NDArray[np.int64], block: Block
