@@ -29,6 +29,7 @@ from batchd_server.sessions import SessionManager
 from batchd_server.settings import setting_of
 from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.shm.space import shm_space
+from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.pool import WorkerPool
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
@@ -149,6 +150,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         doorbell=bell_path.name,
         data_roots=config.data_roots,
         max_sample_bytes=config.max_sample_bytes,
+        store=StoreOptions.of(config),
     )
     monitor = HealthMonitor(
         space=registry.space,

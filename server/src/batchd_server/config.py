@@ -468,6 +468,20 @@ class ServerConfig:
             metavar="BYTES",
         ),
     )
+    object_store_retry_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "retry a failing request to an s3:// dataset's object store (throttling, 5xx, "
+            "resets, timeouts, the store down) with backoff for up to this many seconds; "
+            "what still fails is a bad sample of kind 'transient'. Keep it below "
+            "--task-timeout-s",
+            flag="--object-store-retry-s",
+            env="BATCHD_OBJECT_STORE_RETRY_S",
+            parse=float,
+            check=within(0, 3600),
+            metavar="S",
+        ),
+    )
     reflection: bool = field(
         default=False,
         metadata=setting(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.storage.options import StoreOptions
 
 __all__ = [
     "ROW_FIELDS",
@@ -87,6 +88,8 @@ class SessionSpec:
     """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
     max_sample_bytes: int = MAX_SAMPLE_BYTES
     """The most bytes one sample may have (``--max-sample-bytes``); more is ``too_large``."""
+    store: StoreOptions = field(default_factory=StoreOptions)
+    """The object-store settings, for sources whose root is ``s3://``."""
 
     def __post_init__(self) -> None:
         assert self.sources and self.sources[0].start == 0, "sources start at position 0"
