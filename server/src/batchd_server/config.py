@@ -480,6 +480,7 @@ class ServerConfig:
             parse=float,
             check=within(0, 3600),
             metavar="S",
+            commands=(EVERY_COMMAND,),
         ),
     )
     reflection: bool = field(

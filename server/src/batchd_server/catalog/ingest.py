@@ -53,6 +53,7 @@ from batchd_server.catalog.queries import DatasetRef
 from batchd_server.catalog.schema import datasets
 from batchd_server.catalog.tar_shards import TarSamples, expand_shards, local_shards
 from batchd_server.errors import DataError
+from batchd_server.storage.options import DEFAULT_RETRY_S
 
 __all__ = ["IMAGE_SUFFIXES", "IngestReport", "ingest_imagefolder", "ingest_manifest", "ingest_tar"]
 
@@ -304,6 +305,7 @@ def ingest_manifest(
     split: str | None = None,
     verify: bool = True,
     description: str | None = None,
+    object_store_retry_s: float = DEFAULT_RETRY_S,
 ) -> IngestReport:
     """Add the rows of a JSONL (``.jsonl``/``.ndjson``) or CSV (``.csv``) manifest.
 
@@ -338,7 +340,8 @@ def ingest_manifest(
         if local_root is not None:
             verifier = Verifier(local_root, file)
         else:
-            verifier = ObjectVerifier(ObjectListing(stored_root), file)
+            listing = ObjectListing(stored_root, retry_s=object_store_retry_s)
+            verifier = ObjectVerifier(listing, file)
     with path.open(encoding="utf-8-sig", newline="" if suffix == ".csv" else None) as f:
         parsed = read_csv(f, checker) if suffix == ".csv" else read_jsonl(f, checker)
         rows = map(verifier.verify, parsed) if verifier else trusted(parsed)
@@ -413,6 +416,7 @@ def ingest_imagefolder(
     root: str | Path,
     split: str | None = None,
     description: str | None = None,
+    object_store_retry_s: float = DEFAULT_RETRY_S,
 ) -> IngestReport:
     """Add the images of a class-per-directory tree.
 
@@ -430,7 +434,8 @@ def ingest_imagefolder(
     if split is not None:
         check_name("split", split, SPLIT_MAX_CHARS)
     if local is None:
-        images = object_images(ObjectListing(stored_root), split, IMAGE_SUFFIXES)
+        listing = ObjectListing(stored_root, retry_s=object_store_retry_s)
+        images = object_images(listing, split, IMAGE_SUFFIXES)
         return _run(
             engine,
             name=dataset,
@@ -488,6 +493,7 @@ def ingest_tar(
     label_key: str = "label",
     description: str | None = None,
     progress: Callable[[int, int, int], None] | None = None,
+    object_store_retry_s: float = DEFAULT_RETRY_S,
 ) -> IngestReport:
     """Add the samples of WebDataset-style tar shards, as byte ranges inside them.
 
@@ -513,7 +519,7 @@ def ingest_tar(
         check_name("split", split, SPLIT_MAX_CHARS)
     stored_root, local = _resolve_root(root, must_exist=True)
     if local is None:
-        found = object_shards(ObjectListing(stored_root), shards)
+        found = object_shards(ObjectListing(stored_root, retry_s=object_store_retry_s), shards)
     else:
         found = local_shards(local, expand_shards(shards, local))
     samples = TarSamples(

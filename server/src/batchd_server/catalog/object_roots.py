@@ -32,6 +32,7 @@ from batchd_server.catalog.manifest import Row
 from batchd_server.catalog.tar_shards import Shard, expand_braces
 from batchd_server.errors import DataError
 from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.options import DEFAULT_RETRY_S
 from batchd_server.storage.s3 import S3Fetcher, StoreUnreachable, join_url, list_objects, split_url
 
 __all__ = [
@@ -65,10 +66,15 @@ def check_object_root(root: str) -> str:
 
 
 class ObjectListing:
-    """Every object under a prefix and its size, listed once on first use."""
+    """Every object under a prefix and its size, listed once on first use.
 
-    def __init__(self, root: str) -> None:
+    Args:
+        retry_s: How long a failing request is retried (``--object-store-retry-s``).
+    """
+
+    def __init__(self, root: str, *, retry_s: float = DEFAULT_RETRY_S) -> None:
         self.root = root
+        self.retry_s = retry_s
         self._sizes: dict[str, int] | None = None
 
     @property
@@ -80,7 +86,7 @@ class ObjectListing:
         """
         if self._sizes is None:
             try:
-                self._sizes = dict(list_objects(self.root))
+                self._sizes = dict(list_objects(self.root, retry_s=self.retry_s))
             except StoreUnreachable as e:
                 raise DataError(str(e)) from None
         return self._sizes
@@ -176,15 +182,11 @@ def object_shards(listing: ObjectListing, patterns: list[str]) -> list[Shard]:
                 "(relative patterns are relative to it)"
             )
         chosen.update(dict.fromkeys(matched))
-    fetcher = S3Fetcher()
+    fetcher = S3Fetcher(retry_s=listing.retry_s)
+    urls = {key: join_url(listing.root, key) for key in chosen}
     return [
-        Shard(key, join_url(listing.root, key), _opener(fetcher, listing.root, key, sizes[key]))
-        for key in chosen
+        Shard(key, urls[key], _Open(fetcher, urls[key], sizes[key]), sizes[key]) for key in chosen
     ]
-
-
-def _opener(fetcher: S3Fetcher, root: str, key: str, size: int) -> _Open:
-    return _Open(fetcher, join_url(root, key), size)
 
 
 class _Open:
