@@ -25,6 +25,7 @@ import obstore
 import pytest
 import sqlalchemy as sa
 from PIL import Image
+from s3server import ThrowawayS3, store_env, throwaway_s3
 from sqlalchemy.engine import Engine
 
 import batchd
@@ -35,9 +36,7 @@ from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.ingest import ingest_imagefolder, ingest_tar
 from batchd_server.demo_data import write_demo_images
 
-from chaos_harness import wait_until
 from resume import assert_resume_yields_the_rest
-from s3server import ThrowawayS3, store_env, throwaway_s3
 from serving import RECORD_FLOATS, record_dataset, serve
 
 pytestmark = pytest.mark.slow(seconds=90)
