@@ -46,6 +46,7 @@ PINNED: dict[str, tuple[str | None, str, Any]] = {
     "data_roots": ("--data-root", "BATCHD_DATA_ROOTS", ()),
     "task_timeout_s": ("--task-timeout-s", "BATCHD_TASK_TIMEOUT_S", 60.0),
     "max_sample_bytes": ("--max-sample-bytes", "BATCHD_MAX_SAMPLE_BYTES", 256 << 20),
+    "object_store_retry_s": ("--object-store-retry-s", "BATCHD_OBJECT_STORE_RETRY_S", 30.0),
     "reflection": ("--reflection", "BATCHD_REFLECTION", False),
     "heartbeat_interval_s": ("--heartbeat-interval-s", "BATCHD_HEARTBEAT_INTERVAL_S", 5.0),
 }

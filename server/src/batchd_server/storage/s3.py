@@ -33,7 +33,7 @@ from __future__ import annotations
 import configparser
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
@@ -101,12 +101,12 @@ def join_url(root: str, path: str) -> str:
 # --------------------------------------------------------------------------- configuration
 
 
-def _profile_sections(name: str) -> tuple[dict[str, str], dict[str, str]]:
+def _profile_sections(name: str, env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """The ``[name]`` section of the shared credentials file and ``[profile name]`` (or
     ``[default]``) of the config file; empty where absent."""
     home = os.path.expanduser("~")
-    creds_file = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or f"{home}/.aws/credentials"
-    config_file = os.environ.get("AWS_CONFIG_FILE") or f"{home}/.aws/config"
+    creds_file = env.get("AWS_SHARED_CREDENTIALS_FILE") or f"{home}/.aws/credentials"
+    config_file = env.get("AWS_CONFIG_FILE") or f"{home}/.aws/config"
     found = []
     for file, section in (
         (creds_file, name),
@@ -121,7 +121,7 @@ def _profile_sections(name: str) -> tuple[dict[str, str], dict[str, str]]:
     return found[0], found[1]
 
 
-def store_config(environ: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
+def store_config(environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], Any]:
     """What the environment leaves out of ``object_store``'s own chain (see the module
     docs): extra ``S3Store`` settings, and a credential provider (or None).
 
@@ -140,7 +140,7 @@ def store_config(environ: dict[str, str] | None = None) -> tuple[dict[str, Any],
             "AWS_CONTAINER_CREDENTIALS_FULL_URI",
         )
     )
-    creds, config = _profile_sections(env.get("AWS_PROFILE") or "default")
+    creds, config = _profile_sections(env.get("AWS_PROFILE") or "default", env)
     if not env.get("AWS_REGION") and not env.get("AWS_DEFAULT_REGION") and config.get("region"):
         extra["region"] = config["region"]
     endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
@@ -165,7 +165,10 @@ def _boto3_provider(profile: str) -> Any:
         from obstore.auth.boto3 import Boto3CredentialProvider
     except ImportError:
         return None  # object_store's own chain then decides (and says what is missing)
-    return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    except Exception:  # no such profile: object_store's chain then says what is missing
+        return None
 
 
 _stores: dict[tuple[object, ...], S3Store] = {}
