@@ -270,3 +270,91 @@ def reachable(url: str) -> bool:
     except OSError:
         return False
     return True
+
+
+class FaultyProxy:
+    """A loopback HTTP proxy in front of a store that injects what a real store does under
+    load: it answers the next ``throttle`` requests with 503 SlowDown, and while ``hold`` is
+    armed it holds each GET until that many are in flight at once (a
+    ``threading.Barrier``), which proves a client keeps several requests in flight.
+
+    Everything else goes to the store unchanged, Host header included, so request
+    signatures still verify: the store is real, only the network in front of it misbehaves.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        proxy = self
+        self.throttle = 0
+        self.throttled = 0
+        self.requests = 0
+        self.hold: threading.Barrier | None = None
+        self._lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def _relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    proxy.requests += 1
+                    slow_down = proxy.throttle > 0
+                    if slow_down:
+                        proxy.throttle -= 1
+                        proxy.throttled += 1
+                    barrier = proxy.hold if self.command == "GET" else None
+                if slow_down:
+                    text = (
+                        b"<Error><Code>SlowDown</Code><Message>Reduce your rate</Message></Error>"
+                    )
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(text)))
+                    self.end_headers()
+                    self.wfile.write(text)
+                    return
+                if barrier is not None:
+                    barrier.wait()  # raises BrokenBarrierError on its timeout
+                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+                try:
+                    conn.putrequest(
+                        self.command, self.path, skip_host=True, skip_accept_encoding=True
+                    )
+                    for name, value in self.headers.items():
+                        conn.putheader(name, value)
+                    conn.endheaders(body or None)
+                    response = conn.getresponse()
+                    data = response.read()
+                finally:
+                    conn.close()
+                self.send_response(response.status)
+                head = self.command == "HEAD"  # its Content-Length is the object's size
+                for name, value in response.getheaders():
+                    if head or name.lower() not in ("content-length", "transfer-encoding"):
+                        if name.lower() != "connection":
+                            self.send_header(name, value)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _relay
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)

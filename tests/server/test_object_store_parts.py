@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import obstore
 import pytest
-from s3server import ThrowawayS3, store_env, throwaway_s3
+from s3server import FaultyProxy, ThrowawayS3, store_env, throwaway_s3
 
 from batchd_server.catalog.object_roots import ObjectListing, object_shards
 from batchd_server.errors import DataError
@@ -140,6 +140,56 @@ def test_a_batch_over_three_objects_costs_one_fetch_per_object_and_returns_the_b
             "one run per object"
         )
         files.close()
+
+
+@pytest.fixture
+def proxy(s3: ThrowawayS3) -> Iterator[FaultyProxy]:
+    """A misbehaving network in front of the store, and this process pointed at it."""
+    faulty = FaultyProxy(s3.ports["s3"])
+    try:
+        with store_env(s3):
+            os.environ["AWS_ENDPOINT_URL"] = faulty.endpoint
+            yield faulty
+    finally:
+        faulty.close()
+
+
+def test_throttling_is_retried_and_a_store_that_keeps_throttling_is_transient(
+    proxy: FaultyProxy,
+) -> None:
+    """Three 503 SlowDown answers cost retries, not the sample; a store that answers 503
+    through the whole retry window makes the sample ``transient``, never ``missing``."""
+    files = _files(Counting(S3Fetcher()))
+    proxy.throttle = 3
+    assert bytes(files.read("b.bin", 10, 20)) == BLOB[10:30]
+    assert proxy.throttled == 3
+    files.close()
+    files = _files(Counting(S3Fetcher(retry_s=0.5)))
+    proxy.throttle = 1 << 30
+    with pytest.raises(BadSample, match="503") as caught:
+        files.read("c.bin", 0, 4)
+    assert caught.value.kind == "transient"
+    files.close()
+
+
+def test_a_worker_keeps_several_requests_in_flight(proxy: FaultyProxy) -> None:
+    """The ranges of three objects, and three whole objects fetched ahead, are requested at
+    once: the proxy holds every GET until three are in flight, so fetching one after the
+    other would break its barrier and fail the read."""
+    import threading
+
+    files = _files(Counting(S3Fetcher(retry_s=2)))
+    proxy.hold = threading.Barrier(3, timeout=10)
+    paths = ["a.bin", "b.bin", "c.bin"]
+    data, starts = files.read_ranges(
+        paths, np.arange(3, dtype=np.intp), np.array([1, 2, 3]), np.array([4, 4, 4])
+    )
+    assert [bytes(data[s : s + 4]) for s in starts] == [BLOB[1:5], BLOB[2:6], BLOB[3:7]]
+    proxy.hold = threading.Barrier(3, timeout=10)
+    files.prefetch(paths)
+    assert [bytes(files.read(p)) for p in paths] == [BLOB] * 3
+    proxy.hold = None
+    files.close()
 
 
 def test_a_missing_object_names_its_url_and_a_range_past_the_end_is_unreadable(
