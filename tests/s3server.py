@@ -334,10 +334,10 @@ class FaultyProxy:
                     conn.close()
                 self.send_response(response.status)
                 head = self.command == "HEAD"  # its Content-Length is the object's size
+                dropped = ("connection",) if head else ("connection", "content-length")
                 for name, value in response.getheaders():
-                    if head or name.lower() not in ("content-length", "transfer-encoding"):
-                        if name.lower() != "connection":
-                            self.send_header(name, value)
+                    if name.lower() not in (*dropped, "transfer-encoding"):
+                        self.send_header(name, value)
                 if not head:
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

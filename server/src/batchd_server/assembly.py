@@ -150,7 +150,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         doorbell=bell_path.name,
         data_roots=config.data_roots,
         max_sample_bytes=config.max_sample_bytes,
-        store=StoreOptions.of(config),
+        store=StoreOptions(retry_s=config.object_store_retry_s),
     )
     monitor = HealthMonitor(
         space=registry.space,

@@ -36,6 +36,7 @@ from batchd_server.settings import (
     within,
 )
 from batchd_server.shm.space import usable_bytes
+from batchd_server.storage.options import DEFAULT_RETRY_S, RETRY_SETTING
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -468,21 +469,8 @@ class ServerConfig:
             metavar="BYTES",
         ),
     )
-    object_store_retry_s: float = field(
-        default=30.0,
-        metadata=setting(
-            "retry a failing request to an s3:// dataset's object store (throttling, 5xx, "
-            "resets, timeouts, the store down) with backoff for up to this many seconds; "
-            "what still fails is a bad sample of kind 'transient'. Keep it below "
-            "--task-timeout-s",
-            flag="--object-store-retry-s",
-            env="BATCHD_OBJECT_STORE_RETRY_S",
-            parse=float,
-            check=within(0, 3600),
-            metavar="S",
-            commands=(EVERY_COMMAND,),
-        ),
-    )
+    # Declared beside the object-store code, as the settings of a subsystem.
+    object_store_retry_s: float = field(default=DEFAULT_RETRY_S, metadata=RETRY_SETTING)
     reflection: bool = field(
         default=False,
         metadata=setting(
