@@ -291,6 +291,8 @@ class FaultyProxy:
         self.throttle = 0
         self.throttled = 0
         self.requests = 0
+        self.body_bytes = 0
+        """Bytes of response bodies relayed from the store."""
         self.hold: threading.Barrier | None = None
         self._lock = threading.Lock()
 
@@ -332,6 +334,8 @@ class FaultyProxy:
                     data = response.read()
                 finally:
                     conn.close()
+                with proxy._lock:
+                    proxy.body_bytes += len(data)
                 self.send_response(response.status)
                 head = self.command == "HEAD"  # its Content-Length is the object's size
                 dropped = ("connection",) if head else ("connection", "content-length")

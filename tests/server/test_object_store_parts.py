@@ -4,16 +4,21 @@ coalescing and failure handling, and the listing that ingest verifies with."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
+import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import obstore
 import pytest
+import sqlalchemy as sa
 from s3server import FaultyProxy, ThrowawayS3, store_env, throwaway_s3
+from sqlalchemy.engine import Engine
 
+from batchd_server.catalog.ingest import ingest_tar
 from batchd_server.catalog.object_roots import ObjectListing, object_shards
 from batchd_server.errors import DataError
 from batchd_server.pipelines.base import BadSample
@@ -245,3 +250,32 @@ def test_shard_patterns_match_keys_within_one_component_and_a_miss_names_the_roo
         ]
         with pytest.raises(DataError, match=f"matches no object under --root s3://{BUCKET}/root"):
             object_shards(listing, ["x-{0..2}.tar"])
+
+
+def test_tar_ingest_from_the_store_reads_headers_and_labels_not_payloads(
+    s3: ThrowawayS3, proxy: FaultyProxy, sqlite_engine: Engine
+) -> None:
+    """A shard of 8 samples of 256 KiB each: ingest catalogs every sample with its label and
+    byte range while fetching under a tenth of the shard (headers in 8 KiB blocks)."""
+    payloads = [np.random.default_rng(i).bytes(256 << 10) for i in range(8)]
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for i, payload in enumerate(payloads):
+            for name, data in ((f"s{i}.npy", payload), (f"s{i}.cls", str(i % 3).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    shard = buffer.getvalue()
+    obstore.put(s3.store(BUCKET), "tars/big-train-0.tar", shard)  # not through the proxy
+    before = proxy.body_bytes
+    report = ingest_tar(
+        sqlite_engine, dataset="big", root=f"s3://{BUCKET}/tars", shards=["big-train-*.tar"]
+    )
+    fetched = proxy.body_bytes - before
+    assert report.inserted == 8
+    assert fetched < len(shard) / 10, (fetched, len(shard))
+    with sqlite_engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT key, byte_offset, byte_length, label FROM samples"))
+        for key, offset, length, label in rows:
+            i = int(key.rsplit("#s", 1)[1])
+            assert shard[offset : offset + length] == payloads[i] and label == i % 3

@@ -46,8 +46,9 @@ __all__ = [
     "object_shards",
 ]
 
-TAR_BLOCK_BYTES: Final = 64 << 10
-"""A tar header read fetches this much: the next small members' headers come with it."""
+TAR_BLOCK_BYTES: Final = 8 << 10
+"""A tar header read fetches this much. A sample's label member and the next sample's header
+usually come with it (one request per sample); more would mostly fetch payload bytes."""
 _MISSING_EXAMPLES: Final = 5
 _MAGIC: Final = re.compile(r"[*?\[]")
 
