@@ -219,7 +219,9 @@ class ObjectFiles(Closeable):
         self._drop_ahead()
         self._maps.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # Not waited for: a fetch stuck in the retries of a store that is down would hold
+            # the worker's session close for the retry window; it ends on its own.
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
     # -- internals -------------------------------------------------------------------------
