@@ -38,6 +38,7 @@ from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
+from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField, SourceSpec
 
@@ -133,6 +134,7 @@ class Session:
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
         roots: Sequence[str] | None = None,
         decode_cache: DecodeCacheSpec | None = None,
+        store: StoreOptions | None = None,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
         ``roots``: the directory the workers read each one's files from, as the manager
@@ -203,6 +205,7 @@ class Session:
             dataset=options.dataset,
             max_sample_bytes=max_sample_bytes,
             decode_cache=decode_cache,
+            store=store or StoreOptions(),
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes

@@ -31,6 +31,8 @@ from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
+from batchd_server.storage.objects import ObjectFiles
+from batchd_server.storage.open import open_sample_files
 from batchd_server.workers.task import (
     ROW_FIELDS,
     SOURCE_FIELD,
@@ -57,7 +59,7 @@ class _Source:
     start: int
     """Its first task position."""
     columns: SampleColumns
-    files: SampleFiles
+    files: SampleFiles | ObjectFiles
     pipeline: Pipeline
     attachment: Attachment
     cached: CachedSource | None = None
@@ -113,7 +115,11 @@ class SessionContext:
             return _Source(
                 source.start,
                 columns,
-                SampleFiles(source.root, max_sample_bytes=self.spec.max_sample_bytes),
+                open_sample_files(
+                    source.root,
+                    max_sample_bytes=self.spec.max_sample_bytes,
+                    store=self.spec.store,
+                ),
                 pipeline,
                 attachment,
                 CachedSource.of(self._cache, pipeline, source.root),
@@ -311,6 +317,11 @@ class SessionContext:
         policy = self.spec.on_error
         failures: list[SampleFailure] = []
         rows = 0
+        if isinstance(source.files, ObjectFiles):
+            # Whole objects (image files) are fetched ahead, several at once, while the
+            # first ones decode: one round trip per sample would bound the worker's rate.
+            whole = positions[source.columns.byte_offsets[positions] < 0]
+            source.files.prefetch([source.path(int(p)) for p in whole.tolist()])
         for position in positions.tolist():
             row = {name: array[rows, ...] for name, array in block.items()}
             try:

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from batchd_server.decode_cache.worker import CacheCounts, DecodeCacheSpec
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.storage.options import StoreOptions
 
 __all__ = [
     "ROW_FIELDS",
@@ -90,6 +91,8 @@ class SessionSpec:
     """The most bytes one sample may have (``--max-sample-bytes``); more is ``too_large``."""
     decode_cache: DecodeCacheSpec | None = None
     """The server's decode cache; None when it has none or the session opted out."""
+    store: StoreOptions = field(default_factory=StoreOptions)
+    """The object-store settings, for sources whose root is ``s3://``."""
 
     def __post_init__(self) -> None:
         assert self.sources and self.sources[0].start == 0, "sources start at position 0"
