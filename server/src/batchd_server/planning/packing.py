@@ -38,13 +38,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from batchd._wire.pack import MAX_SEQ_LEN, PACK_METHODS
 from batchd_server.errors import InvalidArgument
+from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.planning.mixing import (
     EpochStart,
     Mixing,
@@ -68,6 +70,7 @@ __all__ = [
     "PackedRows",
     "document_lengths",
     "pack_documents",
+    "packed_mixing",
 ]
 
 PACK_TAG: Final = 5
@@ -273,11 +276,10 @@ def _best_fit(lengths: list[int], capacity: int) -> list[int]:
         out.append(row)
         left = room - length
         if left:
-            bucket = buckets.get(left)
-            if bucket is None:
-                bucket = buckets[left] = []
+            if left not in buckets:
+                buckets[left] = []
                 bisect.insort(rooms, left)
-            bucket.append(row)
+            buckets[left].append(row)
     return out
 
 
@@ -431,3 +433,37 @@ def _concatenate(parts: Sequence[PackedRows]) -> PackedRows:
         np.concatenate([p.starts for p in parts]),
         np.concatenate([p.lengths for p in parts]),
     )
+
+
+def packed_mixing(
+    mixing: Mixing,
+    pack: PackOptions | None,
+    pipeline: tuple[str, dict[str, Any]],
+    splits: Sequence[SplitArrays],
+) -> Mixing:
+    """A session's mixing: ``mixing`` itself, or packed when ``pack`` is given.
+
+    Args:
+        pipeline: The session's pipeline (kind, options): it decodes every source without
+            one of its own.
+
+    Raises:
+        InvalidArgument: a source's pipeline is not a Tokens pipeline, or a document has no
+            length.
+    """
+    if pack is None:
+        return mixing
+    tokens = []
+    for source in mixing.sources:
+        kind, options = (
+            (source.pipeline_kind, source.pipeline_options) if source.pipeline_kind else pipeline
+        )
+        built = build_pipeline(kind, options)
+        if not isinstance(built, TokensPipeline):
+            raise InvalidArgument(
+                f"pack needs a tokens pipeline, but {source.name!r} is decoded by a {kind!r} "
+                "pipeline; pass pipeline=batchd.Tokens(max_len=..., dtype=...) with "
+                "pack=batchd.Pack(...)"
+            )
+        tokens.append((built.dtype.itemsize, built.max_len))
+    return PackedMixing(mixing, pack, splits, tokens)
