@@ -271,7 +271,7 @@ def test_a_bad_pack_fails_with_what_to_do(server: RunningServer) -> None:
         batchd.Pack(seq_len=0)
     with pytest.raises(errors.InvalidArgument, match="'best_fit', 'first_fit', 'concat'"):
         batchd.Pack(seq_len=8, method="worst_fit")
-    with pytest.raises(errors.InvalidArgument, match="pipeline=batchd.Tokens"):
+    with pytest.raises(errors.InvalidArgument, match=r"pipeline=batchd\.Tokens"):
         batchd.Loader(
             server.address,
             dataset="web",
