@@ -7,7 +7,6 @@ errors of a bad Pack."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +19,8 @@ from sqlalchemy.engine import Engine
 import batchd
 from batchd import errors
 from batchd_server.api import RunningServer
-from batchd_server.catalog.ingest import ingest_manifest
 
+from packing_data import documents_dataset, token_at
 from serving import serve
 
 pytestmark = pytest.mark.slow(seconds=60)
@@ -29,41 +28,6 @@ pytestmark = pytest.mark.slow(seconds=60)
 N_DOCS = 240
 SEQ_LEN = 512
 BATCH = 4
-
-
-def _doc_tokens(doc: int, length: int) -> np.ndarray:
-    """Document ``doc``'s tokens: a function of (document, position), so every served token
-    says where it came from."""
-    return ((doc * 131 + np.arange(length)) % 65521).astype("<u2")
-
-
-def documents_dataset(engine: Engine, root: Path, *, name: str, n: int, seed: int) -> list[int]:
-    """``n`` uint16 documents of lognormal lengths (1 to 3,000 tokens) in one shard, as byte
-    ranges; every other one without a ``length`` (the server counts its byte range)."""
-    root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    lengths = np.minimum(rng.lognormal(5.0, 1.1, n).astype(int) + 1, 3000).tolist()
-    rows, blobs, offset = [], [], 0
-    for i, length in enumerate(lengths):
-        data = _doc_tokens(i, length).tobytes()
-        row: dict[str, Any] = {
-            "key": f"d{i:05d}",
-            "path": "shard.bin",
-            "byte_offset": offset,
-            "byte_length": len(data),
-            "split": "train",
-            "label": i,
-        }
-        if i % 2 == 0:
-            row["length"] = length
-        rows.append(row)
-        blobs.append(data)
-        offset += len(data)
-    (root / "shard.bin").write_bytes(b"".join(blobs))
-    manifest = root.parent / f"{name}.jsonl"
-    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ingest_manifest(engine, dataset=name, root=root, manifest=manifest)
-    return lengths
 
 
 @pytest.fixture
@@ -139,7 +103,7 @@ def _tokens(batch: dict[str, np.ndarray], key_of: dict[int, tuple[str, int]]) ->
         for t in real.tolist():
             dataset, index = key_of[int(doc[r, t])]
             p = int(pos[r, t])
-            assert ids[r, t] == (index * 131 + p) % 65521
+            assert ids[r, t] == token_at(index, p)
             out.append((dataset, index, p))
     return out
 
