@@ -7,6 +7,7 @@ errors of a bad Pack."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from sqlalchemy.engine import Engine
 import batchd
 from batchd import errors
 from batchd_server.api import RunningServer
+from batchd_server.catalog.ingest import ingest_manifest
 
 from packing_data import documents_dataset, token_at
 from serving import serve
@@ -256,3 +258,37 @@ def test_a_bad_pack_fails_with_what_to_do(server: RunningServer) -> None:
         state = plain.state_dict()
     with _loader(server) as loader, pytest.raises(errors.InvalidArgument, match="pack"):
         loader.load_state_dict(state)
+
+
+def test_a_document_shorter_than_its_catalog_length_is_a_bad_sample_under_the_policy(
+    server: RunningServer, catalog: dict[str, Any], tmp_path: Path
+) -> None:
+    """A document whose file holds fewer tokens than the catalog's length: under "skip" its
+    piece is left out (reported, the rest of the row intact); under "raise" the epoch
+    fails with DataLoss naming it."""
+    root = tmp_path / "liar"
+    root.mkdir()
+    honest, liar = np.arange(1, 41, dtype="<u2"), np.arange(100, 110, dtype="<u2")
+    (root / "a.bin").write_bytes(honest.tobytes())
+    (root / "b.bin").write_bytes(liar.tobytes())
+    rows = [
+        {"key": "a", "path": "a.bin", "split": "train", "length": 40},
+        {"key": "b", "path": "b.bin", "split": "train", "length": 30},
+    ]
+    manifest = tmp_path / "liar.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ingest_manifest(catalog["engine"], dataset="liar", root=root, manifest=manifest)
+    skipping = _loader(
+        server, dataset="liar", pack=batchd.Pack(seq_len=128), max_error_fraction=1.0
+    )
+    with skipping as loader:
+        (batch,) = [_np(b) for b in loader]
+        failed = loader.last_failed_sample_ids
+    assert len(failed) == 1
+    real = batch["segment_ids"][0] > 0
+    assert batch["input_ids"][0][real].tolist() == honest.tolist()
+    assert set(batch["document_id"][0][real].tolist()) == {int(batch["sample_id"][0])}
+    assert failed[0] not in batch["document_id"][0].tolist()
+    raising = _loader(server, dataset="liar", pack=batchd.Pack(seq_len=128), on_error="raise")
+    with raising, pytest.raises(errors.DataLoss, match=r"b\.bin"):
+        list(raising)

@@ -146,6 +146,10 @@ def _read_pieces(
 ) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_], list[SampleFailure], bool]:
     """Every piece's tokens, concatenated; which pieces were read; the failures; whether
     the batch must fail (on_error="raise")."""
+    if not task.one_by_one and not task.hung:
+        together = _read_together(context, tokens, pieces)
+        if together is not None:
+            return together, np.ones(len(pieces), np.bool_), [], False
     itemsize = tokens.dtype.itemsize
     out: list[npt.NDArray[Any]] = []
     kept = np.ones(len(pieces), np.bool_)
@@ -189,6 +193,43 @@ def _read_pieces(
     context.where[0] = -1
     joined = np.concatenate(out) if out else np.empty(0, tokens.dtype)
     return joined, kept, failures, False
+
+
+def _read_together(
+    context: PackedContext, tokens: TokensPipeline, pieces: npt.NDArray[np.int64]
+) -> npt.NDArray[Any] | None:
+    """Every piece's tokens in a few reads per source (``SampleFiles.read_ranges``), when
+    every piece lies inside its document's byte-range record; None when one does not, or a
+    read fails: then each piece is read on its own, which finds and reports the bad one."""
+    itemsize = tokens.dtype.itemsize
+    located = [context.locate(int(p)) for p in pieces[:, 1].tolist()]
+    runs: dict[int, list[int]] = {}
+    for i, (source, _) in enumerate(located):
+        runs.setdefault(id(source), []).append(i)
+    parts: dict[int, npt.NDArray[Any]] = {}
+    for members in runs.values():
+        source = located[members[0]][0]
+        local = np.array([located[i][1] for i in members], np.int64)
+        offsets = source.columns.byte_offsets[local]
+        lengths = source.columns.byte_lengths[local]
+        first = pieces[members, 2] * itemsize
+        count = pieces[members, 3] * itemsize
+        if offsets.min() < 0 or (lengths < first + count).any():
+            return None
+        seen: dict[str, int] = {}
+        files = np.fromiter(
+            (seen.setdefault(source.path(int(p)), len(seen)) for p in local.tolist()),
+            np.intp,
+            len(members),
+        )
+        try:
+            data, starts = source.files.read_ranges(list(seen), files, offsets + first, count)
+        except BadSample:
+            return None
+        for i, start, n in zip(members, starts.tolist(), count.tolist(), strict=True):
+            parts[i] = data[start : start + n].view(tokens.dtype).copy()
+    out = [parts[i] for i in range(len(pieces))]
+    return np.concatenate(out) if out else np.empty(0, tokens.dtype)
 
 
 def _write(
