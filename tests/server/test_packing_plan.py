@@ -266,3 +266,31 @@ def test_options_and_lengths_are_validated_with_what_to_do() -> None:
     )
     with pytest.raises(InvalidArgument, match="sampling='uniform'"):
         packed.plan([with_bytes], _options(mode="weighted"), EpochStart(0, 0, 1))
+
+
+def test_a_packed_mix_saved_at_two_ranks_resumes_at_one_with_every_row_once() -> None:
+    a, b = _long_tailed(150, seed=6), _long_tailed(300, seed=7)
+    splits = [_split(a, "a"), _split(b, "b")]
+    mix = MixOptions(
+        sources=(
+            MixSourceOptions(dataset="a", weight=2.0),
+            MixSourceOptions(dataset="b", weight=1.0),
+        )
+    )
+    packed = PackedMixing(mix, PackOptions(seq_len=256), splits, [(2, 8192), (2, 8192)])
+    total = sum(packed.counts([a.size, b.size]))
+    two = [
+        packed.plan(splits, _options(rank=r, world_size=2), EpochStart(1, 0, 2)) for r in range(2)
+    ]
+    steps = 3
+    first = [r for p in two for r in _rows_of(p)[: steps * 4]]
+    consumed = steps * 4 * 2
+    one = packed.plan(splits, _options(), EpochStart(1, consumed, 1))
+    rest = _rows_of(one)
+    whole = _rows_of(packed.plan(splits, _options(), EpochStart(1, 0, 1)))[:total]
+    # The two ranks' first steps are the order's first rows, the one rank's rest the others.
+    assert sorted(first) == sorted(whole[:consumed])
+    assert rest[: total - consumed] == whole[consumed:]
+    assert len(set(whole)) == total
+    # The source that runs out first ("a", at twice the weight) is served whole.
+    assert set(range(packed.source_rows[0])) <= set(whole)
