@@ -422,7 +422,7 @@ def batchd_server(
     database_url: str,
     socket_dir: Path,
     *,
-    workers: int,
+    workers: int | str,
     lease_timeout_s: float,
     ready_timeout_s: float = 120.0,
 ) -> Iterator[ServerProcess]:

@@ -85,6 +85,7 @@ def _tokens(batch: dict[str, np.ndarray], key_of: dict[int, tuple[str, int]]) ->
     assert pos.dtype == seg.dtype == batch["cu_seqlens"].dtype == np.int32
     assert doc.dtype == np.int64
     pad = seg == 0
+    assert batch["length"].tolist() == (~pad).sum(axis=1).tolist()
     assert (doc[pad] == -1).all() and (pos[pad] == 0).all()
     cu = batch["cu_seqlens"]
     assert cu[0] == 0 and cu[-1] == rows * SEQ_LEN and (np.diff(cu) > 0).all()
@@ -292,3 +293,33 @@ def test_a_document_shorter_than_its_catalog_length_is_a_bad_sample_under_the_po
     raising = _loader(server, dataset="liar", pack=batchd.Pack(seq_len=128), on_error="raise")
     with raising, pytest.raises(errors.DataLoss, match=r"b\.bin"):
         list(raising)
+
+
+def test_a_packed_mix_with_a_schedule_counts_rows_and_tokens_per_source_and_resumes(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
+    """Under a schedule the mix's rows follow the weights in force; the per-source accounting
+    counts rows as samples and the rows' tokens; a mid-epoch state resumes exactly."""
+    key_of = _key_of(server)
+    mix = batchd.Mix({"web": 0.5, "code": 0.5}, schedule=[(3, {"web": 0.1, "code": 0.9})])
+    with _loader(server, dataset=None, sources=mix) as loader:
+        batches = [_np(b) for b in loader]
+        stats = loader.stats().sources
+    tokens = [t for b in batches for t in _tokens(b, key_of)]
+    assert sum(s.samples for s in stats) == sum(b["source"].size for b in batches)
+    per_source = Counter(t[0] for t in tokens)
+    assert {s.name: s.tokens for s in stats} == {
+        "web": per_source["web"],
+        "code": per_source["code"],
+    }
+    late = np.concatenate([b["source"] for b in batches[3:]])
+    assert np.count_nonzero(late == 1) > 2 * np.count_nonzero(late == 0)
+    with _loader(server, dataset=None, sources=mix) as loader:
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+        state = loader.state_dict()
+    with _loader(server, dataset=None, sources=mix) as loader:
+        loader.load_state_dict(state)
+        rest = [_tokens(_np(b), key_of) for b in loader]
+    assert rest == [_tokens(b, key_of) for b in batches[4:]]

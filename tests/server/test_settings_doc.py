@@ -12,6 +12,7 @@ import pytest
 from batchd_server.cli import build_parser, main
 from batchd_server.config import REGENERATE_DOC, ServerConfig, settings_table
 from batchd_server.settings import EVERY_COMMAND, declared, default_text, given
+from batchd_server.workers.sizing import WorkerRange
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "reference" / "server-settings.md"
@@ -63,6 +64,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "reflection": ("1", True),
     "max_sample_bytes": ("64MiB", 64 << 20),
     "data_roots": ("/data", (Path("/data"),)),
+    "workers": ("2..6", WorkerRange(2, 6)),
 }
 """A valid text for each setting whose type alone does not give one."""
 
@@ -75,6 +77,7 @@ BAD: dict[str, Any] = {
     "metrics_listen": "9400",
     "log_format": "xml",
     "data_roots": (Path("relative"),),
+    "workers": WorkerRange(3, 2),
 }
 """A value each non-numeric check refuses (every numeric one refuses -1)."""
 

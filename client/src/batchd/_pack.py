@@ -43,8 +43,9 @@ class Pack:
     padding); ``segment_ids`` int32 (1, 2, ... per document piece within a row, 0 on
     padding); ``document_id`` int64 (the catalog sample id of each token, -1 on padding);
     ``cu_seqlens`` int32 ``[segments + 1]``, the boundaries of every piece and every row's
-    padding over the flattened ``[B * seq_len]`` batch (varlen attention); and
-    ``sample_id``/``label`` of each row's first document (and ``source`` over a mix).
+    padding over the flattened ``[B * seq_len]`` batch (varlen attention); ``length`` int32
+    ``[B]``, each row's tokens before its padding; and ``sample_id``/``label`` of each row's
+    first document (and ``source`` over a mix).
 
     Raises:
         InvalidArgument: ``seq_len`` out of range or an unknown method.

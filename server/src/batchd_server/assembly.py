@@ -21,7 +21,7 @@ from batchd_server import metrics
 from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, ping
 from batchd_server.catalog.sample_errors import SampleErrorWriter
 from batchd_server.catalog_cache import CatalogCache
-from batchd_server.config import ServerConfig
+from batchd_server.config import ServerConfig, available_cpus
 from batchd_server.delivery.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition
 from batchd_server.health import HealthMonitor, HealthReport
@@ -30,6 +30,7 @@ from batchd_server.settings import setting_of
 from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.shm.space import shm_space
 from batchd_server.workers.pool import WorkerPool
+from batchd_server.workers.sizing import Autoscaler
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
     from batchd_server.catalog.db import Engine
@@ -53,6 +54,8 @@ class Parts:
     monitor: HealthMonitor
     sample_errors: SampleErrorWriter
     metrics_endpoint: metrics.MetricsEndpoint | None = None
+    autoscaler: Autoscaler | None = None
+    """Sizes the pool by demand when ``--workers`` is a range MIN..MAX."""
 
     def end_sessions(self, timeout_s: float) -> None:
         """End every stream and session at once (the doorbell's too), freeing their rings."""
@@ -77,6 +80,8 @@ class Parts:
             self.sample_errors.close()
         finally:
             try:
+                if self.autoscaler is not None:
+                    self.autoscaler.stop()
                 self.pool.stop(timeout_s=left())
             finally:
                 try:
@@ -87,7 +92,7 @@ class Parts:
 
 def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     pool = WorkerPool(
-        config.workers,
+        config.workers.min,
         task_timeout_s=config.task_timeout_s,
         on_restart=metrics.WORKER_RESTARTS.inc,
         on_timeout=metrics.WORKER_TIMEOUTS.inc,
@@ -95,7 +100,9 @@ def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     )
     pool.start()
     metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
-    metrics.WORKERS_CONFIGURED.set(config.workers)
+    metrics.WORKERS_CONFIGURED.set(config.workers.max)
+    metrics.WORKERS_MIN.set(config.workers.min)
+    metrics.WORKERS_TARGET.set_function(lambda: pool.size)
     metrics.WORKERS_CRASH_LOOP.set_function(lambda: pool.crash_loop is not None)
     metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
     metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
@@ -155,7 +162,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         min_free_shm_bytes=config.min_free_shm_bytes,
         catalog_probe=lambda: ping(engine),
         catalog_timeout_s=config.catalog_timeout_s,
-        workers_wanted=config.workers,
+        workers_wanted=lambda: pool.size,
         workers_alive=lambda: pool.alive,
         dispatcher_alive=lambda: pool.dispatcher_alive,
         crash_loop=lambda: pool.crash_loop,
@@ -184,6 +191,16 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
                     f"cannot serve metrics on {address[0]}:{address[1]}: {e.strerror or e}; "
                     f"choose another {flag}"
                 ) from e
+        if not config.workers.fixed:
+            parts.autoscaler = Autoscaler(
+                pool,
+                config.workers,
+                cpus=available_cpus(),
+                stall_ratio=metrics.RECENT_STALL.current,
+                on_change=metrics.record_worker_scaling,
+                on_signals=metrics.record_scaling_signals,
+            )
+            parts.autoscaler.start()
         monitor.start()
     except BaseException:
         parts.close()

@@ -36,6 +36,7 @@ from batchd_server.settings import (
     within,
 )
 from batchd_server.shm.space import usable_bytes
+from batchd_server.workers.sizing import WorkerRange, parse_worker_range
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -158,15 +159,17 @@ class ServerConfig:
             metavar="ADDRESS",
         ),
     )
-    workers: int = field(
-        default_factory=available_cpus,
+    workers: WorkerRange = field(
+        default_factory=lambda: WorkerRange(available_cpus(), available_cpus()),
         metadata=setting(
-            "decode processes",
+            "decode processes: N keeps N running; MIN..MAX starts MIN and adds one while "
+            "trainers stall on queued decode work and cores are idle, removes one when the "
+            "workers idle, never past MAX, the CPUs or what memory affords",
             flag="--workers",
             env="BATCHD_WORKERS",
-            parse=int,
-            check=at_least(1),
-            metavar="N",
+            parse=parse_worker_range,
+            check=Check(">= 1, MIN <= MAX", WorkerRange.problem),
+            metavar="N|MIN..MAX",
             default_text="the CPUs this process may use",
         ),
     )
@@ -493,6 +496,8 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.workers, int):  # ServerConfig(workers=4) from Python
+            object.__setattr__(self, "workers", WorkerRange(self.workers, self.workers))
         check_values(self)
         cert, key = _setting("tls_cert"), _setting("tls_key")
         if (self.tls_cert is None) != (self.tls_key is None):

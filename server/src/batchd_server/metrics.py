@@ -10,6 +10,11 @@ Prometheus without bound. Clients choose which datasets they mix, so ``dataset``
 besides (:func:`dataset_label`): past :data:`MAX_DATASET_LABELS` distinct values, a new one
 is reported as :data:`OTHER_DATASET`.
 
+A mix's sources (``batchd_mix_*_total``) are labelled ``dataset`` (the mix's label) and
+``source`` (a source's ``dataset:split``, ``@version`` when pinned), capped the same way
+(:data:`MAX_SOURCE_LABELS`, then :data:`OTHER_DATASET`): served samples and tokens per
+source beside the samples its weights (and schedule) expected (:func:`record_mix_batch`).
+
 Stall attribution, read top-down: ``batchd_batch_seconds`` is a batch's time from the
 server's hand-off to a worker until its result; ``batchd_queue_wait_seconds`` is the part
 before a worker began it (too few workers), ``batchd_stage_seconds{stage}`` the worker's own
@@ -33,6 +38,7 @@ import contextlib
 import itertools
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from batchd_server.workers.sizing import Signals
     from batchd_server.workers.task import BatchResult, BatchTask
 
 __all__ = [
@@ -56,13 +63,19 @@ __all__ = [
     "FIRST_BATCH_SECONDS",
     "MAX_CLIENT_SECONDS",
     "MAX_DATASET_LABELS",
+    "MAX_SOURCE_LABELS",
     "MAX_TIMINGS_PER_ACK",
+    "MIX_EXPECTED_SAMPLES",
+    "MIX_SAMPLES",
+    "MIX_TOKENS",
     "OTHER_DATASET",
     "QUEUE_WAIT_SECONDS",
     "READY",
+    "RECENT_STALL",
     "REGISTRY",
     "SAMPLES",
     "SAMPLE_ERRORS",
+    "SCALING_SIGNAL",
     "SESSIONS",
     "SHM_BUDGET_BYTES",
     "SHM_FREE_BYTES",
@@ -74,7 +87,10 @@ __all__ = [
     "WORKERS_ALIVE",
     "WORKERS_CONFIGURED",
     "WORKERS_CRASH_LOOP",
+    "WORKERS_MIN",
+    "WORKERS_TARGET",
     "WORKER_RESTARTS",
+    "WORKER_SCALING",
     "WORKER_TIMEOUTS",
     "LabelValues",
     "MetricsEndpoint",
@@ -87,7 +103,10 @@ __all__ = [
     "record_client_batch",
     "record_client_timings",
     "record_delivery",
+    "record_mix_batch",
     "record_sample_error",
+    "record_scaling_signals",
+    "record_worker_scaling",
     "serve",
 ]
 
@@ -142,6 +161,32 @@ SHM_BUDGET_BYTES = Gauge(
 WORKERS_ALIVE = Gauge("batchd_workers_alive", "Decode worker processes alive.", registry=REGISTRY)
 WORKERS_CONFIGURED = Gauge(
     "batchd_workers_configured", "Decode worker processes configured.", registry=REGISTRY
+)
+WORKERS_MIN = Gauge(
+    "batchd_workers_min",
+    "The fewest decode workers --workers allows (equal to batchd_workers_configured when fixed).",
+    registry=REGISTRY,
+)
+WORKERS_TARGET = Gauge(
+    "batchd_workers_target",
+    "Decode workers the pool runs now: --workers, or what the autoscaler chose within MIN..MAX.",
+    registry=REGISTRY,
+)
+WORKER_SCALING = Counter(
+    "batchd_worker_scaling",
+    "Autoscaler changes of the pool's size, by direction (up, down) and reason (stall: "
+    "trainers waited on queued work with idle cores; idle: a worker was not needed; limits: "
+    "memory or CPUs no longer afford the size).",
+    ["direction", "reason"],
+    registry=REGISTRY,
+)
+SCALING_SIGNAL = Gauge(
+    "batchd_worker_scaling_signal",
+    "What the autoscaler last decided on, averaged over its growth window: busy (workers "
+    "holding a task), queued (share of samples with work waiting for a worker), idle_cores, "
+    "stall_ratio (-1: no client reported), ceiling (most workers allowed now).",
+    ["signal"],
+    registry=REGISTRY,
 )
 WORKER_RESTARTS = Counter(
     "batchd_worker_restarts",
@@ -290,6 +335,48 @@ def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = Non
         FIRST_BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, since_open_s))
 
 
+MIX_SAMPLES = Counter(
+    "batchd_mix_samples",
+    "Samples of each source of a mix delivered to clients.",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MIX_TOKENS = Counter(
+    "batchd_mix_tokens",
+    "Tokens (before padding) of each source of a mix delivered to clients; token pipelines.",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MIX_EXPECTED_SAMPLES = Counter(
+    "batchd_mix_expected_samples",
+    "Samples of each source of a mix that its weights in force expected of the batches "
+    "delivered (rows times the source's share at each batch's step).",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MAX_SOURCE_LABELS: Final = 256
+"""Distinct values of the ``source`` label a process reports (3 plain counters each)."""
+_SOURCE_LABELS: Final = LabelValues(MAX_SOURCE_LABELS, OTHER_DATASET)
+
+
+def record_mix_batch(
+    dataset: str,
+    sources: Sequence[str],
+    samples: Sequence[int],
+    tokens: Sequence[int] | None,
+    expected: Sequence[float],
+) -> None:
+    """Count one delivered batch of the mix ``dataset``: each source's ``samples`` (and
+    ``tokens``, for token pipelines) and the samples its share ``expected``."""
+    dataset = dataset_label(dataset)
+    for i, source in enumerate(sources):
+        label = _SOURCE_LABELS(source)
+        MIX_SAMPLES.labels(dataset=dataset, source=label).inc(samples[i])
+        MIX_EXPECTED_SAMPLES.labels(dataset=dataset, source=label).inc(max(0.0, expected[i]))
+        if tokens is not None:
+            MIX_TOKENS.labels(dataset=dataset, source=label).inc(tokens[i])
+
+
 def record_sample_error(dataset: str, kind: str) -> None:
     """Count one sample of ``dataset`` that failed with ``kind``."""
     SAMPLE_ERRORS.labels(dataset=dataset_label(dataset), kind=kind).inc()
@@ -404,6 +491,42 @@ STALL_RATIOS: Final = StallRatios(DATA_STALL_RATIO)
 """The process's stall windows, behind ``batchd_data_stall_ratio``."""
 
 
+class RecentStall:
+    """The stall ratio of every client together over the last few seconds: the demand the
+    worker autoscaler reacts to (a minute, as the gauge shows, is too slow to act on)."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self._window = StallWindow(window_s)
+
+    def add(self, wait_s: float, step_s: float, *, now: float) -> None:
+        self._window.add(now, wait_s, step_s)
+
+    def current(self) -> float | None:
+        """The ratio over the window ending now (``time.monotonic``); None with no reports."""
+        return self._window.ratio(time.monotonic())
+
+
+RECENT_STALL: Final = RecentStall()
+
+
+def record_worker_scaling(direction: str, reason: str) -> None:
+    """One change of the pool's size by the autoscaler."""
+    WORKER_SCALING.labels(direction=direction, reason=reason).inc()
+
+
+def record_scaling_signals(signals: Signals) -> None:
+    """The signals of the autoscaler's latest growth window."""
+    stall = -1.0 if signals.stall_ratio is None else signals.stall_ratio
+    for name, value in (
+        ("busy", signals.busy),
+        ("queued", signals.queued_share),
+        ("idle_cores", signals.idle_cores),
+        ("stall_ratio", stall),
+        ("ceiling", float(signals.ceiling)),
+    ):
+        SCALING_SIGNAL.labels(signal=name).set(value)
+
+
 def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: float) -> None:
     """One batch as a client reported it (see NOTE [ Client wait histogram ])."""
     dataset = dataset_label(dataset)
@@ -411,6 +534,7 @@ def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: floa
     CLIENT_WAIT_SECONDS.labels(dataset=dataset).observe(wait_s)
     CLIENT_STEP_SECONDS.labels(dataset=dataset).observe(step_s)
     STALL_RATIOS.add(dataset, wait_s, step_s, now=now)
+    RECENT_STALL.add(wait_s, step_s, now=now)
 
 
 MAX_TIMINGS_PER_ACK: Final = 4096

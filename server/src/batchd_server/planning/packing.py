@@ -26,7 +26,8 @@ lengths alone (which document of a length takes which place follows the epoch's 
 ``concat`` makes ceil(tokens / seq_len) rows. Each epoch serves every document once, so the
 multiset is the epoch's own. This is why the weighted sampling modes (draws with
 replacement) cannot be packed, and why a mix packs each source over all its documents and
-mixes *rows*: its weights are shares of rows (of tokens, nearly), and ``stop`` counts rows.
+mixes *rows* (``plan_mix_epoch`` over each source's rows, a schedule included): its weights
+are shares of rows (of tokens, nearly), and ``stop`` counts rows.
 
 *Row order.* Rows follow the epoch's document order: a row comes where its earliest
 document does, and within a row its pieces are in the epoch's order, so a shuffled epoch
@@ -53,7 +54,7 @@ from batchd_server.planning.mixing import (
     MixOptions,
     MixSourceOptions,
     deal_blocks,
-    mixed_order,
+    plan_mix_epoch,
     source_starts,
 )
 from batchd_server.planning.sampling import EpochPlan, SamplerOptions, epoch_order, num_batches
@@ -371,16 +372,17 @@ class PackedMixing:
             [rows.shifted(int(d)) for rows, d in zip(per_source, doc_starts, strict=True)]
         )
         if isinstance(self.inner, MixOptions):
-            order = mixed_order(
+            # The mix's own plan, over rows instead of documents (a schedule included).
+            rows_plan = plan_mix_epoch(
                 self.source_rows,
-                self.inner.units,
-                seed=options.seed,
-                epoch=at.epoch,
-                shuffle=options.shuffle,
-                stop_samples=self.inner.stop_samples,
+                self.inner,
+                options,
+                at.epoch,
+                start=at.start,
+                order_world_size=at.order_world_size,
             )
-        else:
-            order = np.arange(table.rows, dtype=np.int64)
+            return PackedPlan(rows_plan, table)
+        order = np.arange(table.rows, dtype=np.int64)
         rest = rest_of_global_order(order, options, start=at.start)
         plan = deal_blocks(rest, options, num_batches(order.size, options, start=at.start))
         return PackedPlan(plan, table)

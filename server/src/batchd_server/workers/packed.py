@@ -13,6 +13,7 @@ writes every field of the batch once, vectorised over the batch's tokens:
 - ``document_id`` int64: the catalog sample id of each token, -1 on padding;
 - ``cu_seqlens`` int32 ``(segments + 1,)``: the boundaries of every piece and of every row's
   padding over the flattened ``(rows * seq_len)`` batch, for varlen attention kernels;
+- ``length`` int32 ``(rows,)``: each row's tokens before its padding;
 - ``sample_id``, ``label`` (and ``source`` in a mix): of each row's first document.
 
 A piece that cannot be read (or whose document holds fewer tokens than the catalog said)
@@ -102,6 +103,8 @@ def packed_fields(pipeline: Pipeline, seq_len: int) -> list[FieldSpec]:
         # At most one piece per token plus the row's padding, over all rows: seq_len + 1 a
         # row is room enough for ``rows * seq_len + 1`` boundaries.
         FieldSpec("cu_seqlens", int32, (seq_len + 1,)),
+        # Each row's tokens before padding: what a mix's per-source accounting sums.
+        FieldSpec("length", int32, ()),
     ]
 
 
@@ -126,7 +129,7 @@ def run_packed(context: PackedContext, task: BatchTask) -> BatchResult:
         for name in ("input_ids", "position_ids", "segment_ids", "document_id")
     }
     shapes["cu_seqlens"] = (boundaries,)
-    for name in ("sample_id", "label", SOURCE_FIELD):
+    for name in ("length", "sample_id", "label", SOURCE_FIELD):
         if name in block:
             shapes[name] = (rows,)
     del block
@@ -280,8 +283,8 @@ def _write(
         block[SOURCE_FIELD][row[firsts]] = sources[firsts]
     # cu_seqlens: every piece's start, every row's padding start, and each row's end.
     piece_starts = row * seq_len + column
-    used = np.zeros(rows, np.int64)
-    np.add.at(used, row, count)
+    used = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
+    block["length"][:rows] = used
     padding_starts = np.flatnonzero(used < seq_len) * seq_len + used[used < seq_len]
     bounds = np.unique(
         np.concatenate([piece_starts, padding_starts, np.arange(rows + 1) * seq_len])

@@ -233,12 +233,24 @@ class MixSource(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., weight: _Optional[float] = ..., rows: _Optional[int] = ..., epoch_samples: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
 
 class Mix(_message.Message):
-    __slots__ = ("sources", "stop_samples")
+    __slots__ = ("sources", "stop_samples", "schedule", "interpolate")
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     STOP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    INTERPOLATE_FIELD_NUMBER: _ClassVar[int]
     sources: _containers.RepeatedCompositeFieldContainer[MixSource]
     stop_samples: int
-    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., stop_samples: _Optional[int] = ...) -> None: ...
+    schedule: _containers.RepeatedCompositeFieldContainer[MixSchedulePoint]
+    interpolate: str
+    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., stop_samples: _Optional[int] = ..., schedule: _Optional[_Iterable[_Union[MixSchedulePoint, _Mapping]]] = ..., interpolate: _Optional[str] = ...) -> None: ...
+
+class MixSchedulePoint(_message.Message):
+    __slots__ = ("step", "weights")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FieldSchema(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -277,7 +289,7 @@ class DoorbellHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows", "sources")
+    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows", "sources", "schedule_points")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +302,7 @@ class OpenSessionResponse(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_POINTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_batches: int
     num_samples: int
@@ -302,7 +315,8 @@ class OpenSessionResponse(_message.Message):
     prefetch: int
     num_rows: int
     sources: _containers.RepeatedCompositeFieldContainer[MixSource]
-    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ...) -> None: ...
+    schedule_points: int
+    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., schedule_points: _Optional[int] = ...) -> None: ...
 
 class StreamStart(_message.Message):
     __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size", "stride", "heartbeat", "accept_first")
