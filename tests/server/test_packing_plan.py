@@ -22,6 +22,7 @@ from batchd_server.planning.packing import (
     PackOptions,
     document_lengths,
     pack_documents,
+    placements,
 )
 from batchd_server.planning.sampling import SamplerOptions
 
@@ -118,6 +119,27 @@ def test_the_row_count_does_not_depend_on_the_order(
         for s in range(4)
     }
     assert len(counts) == 1
+
+
+@given(
+    lengths=st.lists(st.integers(0, 500), min_size=1, max_size=60),
+    seq_len=st.integers(1, 200),
+    method=st.sampled_from(METHODS),
+    seed=st.integers(0, 100),
+)
+@PROPERTY
+def test_places_computed_once_pack_any_order_as_placing_afresh_does(
+    lengths: list[int], seq_len: int, method: str, seed: int
+) -> None:
+    """The places of the lengths, computed from any order once, give every epoch the rows
+    packing that epoch afresh gives."""
+    n = np.asarray(lengths, np.int64)
+    pack = PackOptions(seq_len=seq_len, method=method)
+    places = placements(n, pack)
+    order = np.random.default_rng(seed).permutation(n.size).astype(np.int64)
+    fresh, cached = pack_documents(order, n, pack), pack_documents(order, n, pack, places=places)
+    for name in ("row_offsets", "positions", "starts", "lengths"):
+        assert np.array_equal(getattr(fresh, name), getattr(cached, name))
 
 
 def test_rows_follow_the_epochs_order_and_the_plan_is_deterministic() -> None:

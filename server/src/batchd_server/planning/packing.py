@@ -72,6 +72,7 @@ __all__ = [
     "document_lengths",
     "pack_documents",
     "packed_mixing",
+    "placements",
 ]
 
 PACK_TAG: Final = 5
@@ -186,10 +187,19 @@ def document_lengths(split: SplitArrays, itemsize: int, max_len: int) -> Int64Ar
     return lengths
 
 
-def pack_documents(order: Int64Array, lengths: Int64Array, pack: PackOptions) -> PackedRows:
+def pack_documents(
+    order: Int64Array,
+    lengths: Int64Array,
+    pack: PackOptions,
+    *,
+    places: Int64Array | None = None,
+) -> PackedRows:
     """Pack the documents at ``order`` (positions, in the epoch's order) into rows; see
     NOTE [ Packed rows ]. ``lengths[p]`` is position p's tokens (0: the document is left
-    out, it has nothing to serve)."""
+    out, it has nothing to serve).
+
+    ``places``: ``placements(lengths, pack)`` of the same documents (in any order), to skip
+    placing the lengths again: the places depend on the lengths alone."""
     seq_len = pack.seq_len
     order = order[lengths[order] > 0]
     sizes = lengths[order]
@@ -206,14 +216,30 @@ def pack_documents(order: Int64Array, lengths: Int64Array, pack: PackOptions) ->
     # place depends on the order, where the places are depends on the lengths alone.
     items = np.flatnonzero(rest)
     items = items[np.lexsort((items, -rest[items]))]
-    place = _best_fit if pack.method == "best_fit" else _first_fit
-    item_rows = np.asarray(place(rest[items].tolist(), seq_len), np.int64)
+    if places is None:
+        places = _places(rest[items], pack)
+    assert places.size == items.size, "places of these documents' lengths"
+    item_rows = places
     opened = int(item_rows.max()) + 1 if item_rows.size else 0
     index = np.concatenate([items, whole_index])
     start = np.concatenate([full[items] * seq_len, whole_start])
     count = np.concatenate([rest[items], np.full(whole_index.size, seq_len, np.int64)])
     row = np.concatenate([item_rows, opened + np.arange(whole_index.size, dtype=np.int64)])
     return _ordered_rows(order, index, start, count, row, opened + whole_index.size)
+
+
+def placements(lengths: Int64Array, pack: PackOptions) -> Int64Array | None:
+    """The row of each remainder, longest first, for documents of these ``lengths``: what
+    every order of them shares (None for ``concat``, which places nothing)."""
+    if pack.method == "concat":
+        return None
+    rest = lengths[lengths > 0] % pack.seq_len
+    return _places(-np.sort(-rest[rest > 0]), pack)
+
+
+def _places(descending: Int64Array, pack: PackOptions) -> Int64Array:
+    place = _best_fit if pack.method == "best_fit" else _first_fit
+    return np.asarray(place(descending.tolist(), pack.seq_len), np.int64)
 
 
 def _ordered_rows(
@@ -328,6 +354,7 @@ class PackedMixing:
     splits: Sequence[SplitArrays]
     tokens: Sequence[tuple[int, int]]
     _lengths: list[Int64Array] = field(init=False)
+    _places: list[Int64Array | None] = field(init=False)
     _rows: dict[tuple[int, int, bool], list[PackedRows]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -336,10 +363,12 @@ class PackedMixing:
             document_lengths(split, itemsize, max_len)
             for split, (itemsize, max_len) in zip(self.splits, self.tokens, strict=True)
         ]
-        # The rows of any order: the counts are the same every epoch (NOTE [ Packed rows ]).
+        # Where the lengths go, and so the rows, are the same every epoch (NOTE [ Packed
+        # rows ]): placed once, each epoch only assigns its documents to the places.
+        self._places = [placements(n, self.pack) for n in self._lengths]
         self.source_rows = tuple(
-            pack_documents(np.arange(n.size, dtype=np.int64), n, self.pack).rows
-            for n in self._lengths
+            pack_documents(np.arange(n.size, dtype=np.int64), n, self.pack, places=p).rows
+            for n, p in zip(self._lengths, self._places, strict=True)
         )
 
     @property
@@ -394,9 +423,8 @@ class PackedMixing:
             return cached
         rows = []
         for s, lengths in enumerate(self._lengths):
-            rows.append(
-                pack_documents(self._order(s, lengths.size, options, epoch), lengths, self.pack)
-            )
+            order = self._order(s, lengths.size, options, epoch)
+            rows.append(pack_documents(order, lengths, self.pack, places=self._places[s]))
         while len(self._rows) >= 2:
             self._rows.pop(next(iter(self._rows)))
         self._rows[key] = rows
