@@ -33,6 +33,7 @@ from batchd_server.shm.space import remedy, usable_bytes
 from batchd_server.storage.options import StoreOptions
 from batchd_server.storage.roots import check_object_root
 from batchd_server.storage.s3 import is_object_url
+from batchd_server.workers.packed import packed_fields
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import SlotField
 
@@ -125,8 +126,11 @@ class SessionManager:
         """
         pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
         check_source_pipelines(options, pipeline)
+        fields = pipeline.fields()
+        if options.pack is not None:
+            fields = packed_fields(pipeline, options.pack.seq_len)
         layout, slot_bytes = slot_layout(
-            pipeline.fields(),
+            fields,
             options.sampler.batch_size,
             labels_rows=options.mixing.labels_rows,
         )

@@ -33,6 +33,7 @@ from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
 from batchd_server.storage.objects import ObjectFiles
 from batchd_server.storage.open import open_sample_files
+from batchd_server.workers.packed import run_packed
 from batchd_server.workers.task import (
     ROW_FIELDS,
     SOURCE_FIELD,
@@ -156,7 +157,31 @@ class SessionContext:
 
     # -- filling a slot -----------------------------------------------------------------
 
+    def locate(self, position: int) -> tuple[_Source, int]:
+        """The source of a task position, and the position's row in it."""
+        index = int(np.searchsorted(self._later_starts, position, side="right"))
+        source = self._sources[index]
+        return source, position - source.start
+
+    def piece_ids(
+        self, positions: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Each task position's sample id, label and source index."""
+        ids = np.empty(positions.size, np.int64)
+        labels = np.empty(positions.size, np.int64)
+        index = np.searchsorted(self._later_starts, positions, side="right")
+        for s, source in enumerate(self._sources):
+            mine = index == s
+            local = positions[mine] - source.start
+            ids[mine] = source.columns.ids[local]
+            labels[mine] = source.columns.labels[local]
+        return ids, labels, index.astype(np.int64)
+
     def run(self, task: BatchTask) -> BatchResult:
+        if self.spec.pack_seq_len:
+            for source in self._sources:
+                source.files.begin_batch()
+            return run_packed(self, task)
         started_at = time.monotonic()
         self._read_s = self._decode_s = 0.0
         positions = np.frombuffer(task.positions, np.int64)
