@@ -51,6 +51,9 @@ def readings_of(
     def readings() -> list[Reading]:
         found = []
         for session in live():
+            if session.options.pack is not None:
+                # A packed plan deals packed rows, not catalog rows: not mapped to blocks yet.
+                continue
             at = session.position()
             if at is None:
                 continue
