@@ -437,7 +437,7 @@ def batchd_server(
     target = f"unix://{socket_dir}/batchd.sock"
     command = [sys.executable, "-m", "batchd_server.cli", "serve", "--listen", target]
     command += ["--workers", str(workers), "--lease-timeout-s", str(lease_timeout_s)]
-    command += extra_args
+    command += list(extra_args)
     env = {**os.environ, "BATCHD_DATABASE_URL": database_url}
     process = subprocess.Popen(
         command,

@@ -47,8 +47,15 @@ PINNED: dict[str, tuple[str | None, str, Any]] = {
     "data_roots": ("--data-root", "BATCHD_DATA_ROOTS", ()),
     "task_timeout_s": ("--task-timeout-s", "BATCHD_TASK_TIMEOUT_S", 60.0),
     "max_sample_bytes": ("--max-sample-bytes", "BATCHD_MAX_SAMPLE_BYTES", 256 << 20),
+    "decode_cache_bytes": ("--decode-cache-size", "BATCHD_DECODE_CACHE_SIZE", 0),
+    "decode_cache_dir": ("--decode-cache-dir", "BATCHD_DECODE_CACHE_DIR", None),
+    "decode_cache_dir_bytes": ("--decode-cache-dir-size", "BATCHD_DECODE_CACHE_DIR_SIZE", 0),
+    "object_store_retry_s": ("--object-store-retry-s", "BATCHD_OBJECT_STORE_RETRY_S", 30.0),
     "reflection": ("--reflection", "BATCHD_REFLECTION", False),
     "heartbeat_interval_s": ("--heartbeat-interval-s", "BATCHD_HEARTBEAT_INTERVAL_S", 5.0),
+    "cache_dir": ("--cache-dir", "BATCHD_CACHE_DIR", None),
+    "cache_size_bytes": ("--cache-size", "BATCHD_CACHE_SIZE", 10 << 30),
+    "cache_prefetch_batches": ("--cache-prefetch-batches", "BATCHD_CACHE_PREFETCH_BATCHES", 8),
 }
 """Every setting's flag, variable and default as operators and deployments know them."""
 
@@ -64,12 +71,17 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "reflection": ("1", True),
     "max_sample_bytes": ("64MiB", 64 << 20),
     "data_roots": ("/data", (Path("/data"),)),
+    "cache_dir": ("/var/cache/batchd", Path("/var/cache/batchd")),
+    "cache_size_bytes": ("20GiB", 20 << 30),
     "workers": ("2..6", WorkerRange(2, 6)),
+    "decode_cache_bytes": ("8GiB", 8 << 30),
+    "decode_cache_dir_bytes": ("100GiB", 100 << 30),
 }
 """A valid text for each setting whose type alone does not give one."""
 
 _TLS = {"BATCHD_TLS_CERT": "/etc/batchd/c.pem", "BATCHD_TLS_KEY": "/etc/batchd/k.pem"}
 COMPANIONS: dict[str, dict[str, str]] = {"tls_cert": _TLS, "tls_key": _TLS, "tls_client_ca": _TLS}
+COMPANIONS["decode_cache_dir"] = {"BATCHD_DECODE_CACHE_SIZE": "1GiB"}
 """Variables a setting is only valid with (TLS comes as a certificate and its key)."""
 
 BAD: dict[str, Any] = {
@@ -77,6 +89,7 @@ BAD: dict[str, Any] = {
     "metrics_listen": "9400",
     "log_format": "xml",
     "data_roots": (Path("relative"),),
+    "cache_dir": Path("relative"),
     "workers": WorkerRange(3, 2),
 }
 """A value each non-numeric check refuses (every numeric one refuses -1)."""

@@ -25,6 +25,7 @@ from batchd._device import Batch, resolve_device
 from batchd._lanes import Lanes
 from batchd._mix import Mix
 from batchd._options import LoaderOptions
+from batchd._pack import Pack
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._specs import PipelineSpec, check_int
@@ -97,6 +98,11 @@ class Loader(Closeable):
             default ``$BATCHD_TLS_CA``; None and unset: plaintext. For mutual TLS, the
             client's certificate and key come from ``$BATCHD_TLS_CLIENT_CERT`` and
             ``$BATCHD_TLS_CLIENT_KEY``.
+        decode_cache: False: the server decodes every sample afresh, even where it keeps a
+            decode cache (its rows are the same either way); for a benchmark of cold decoding.
+        pack: A :class:`batchd.Pack` (with a :class:`batchd.Tokens` pipeline): serve the
+            documents packed into rows of ``seq_len`` tokens, ``batch_size`` rows a batch
+            (see docs/client/packing.md).
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
@@ -148,6 +154,8 @@ class Loader(Closeable):
         reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
         auth_token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        decode_cache: bool = True,
+        pack: Pack | None = None,
     ) -> None:
         self._options = LoaderOptions(
             dataset=dataset,
@@ -170,6 +178,8 @@ class Loader(Closeable):
             timeout_s=timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
             sources=sources,
+            decode_cache=decode_cache,
+            pack=pack,
         )
         self._device = resolve_device(device)
         self._lanes = Lanes(

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from batchd_server.decode_cache.settings import DecodeCacheSettings
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.settings import (
     EVERY_COMMAND,
@@ -36,7 +37,9 @@ from batchd_server.settings import (
     within,
 )
 from batchd_server.shm.space import usable_bytes
-from batchd_server.workers.sizing import WorkerRange, parse_worker_range
+from batchd_server.storage.cache_settings import CacheSettings
+from batchd_server.storage.options import DEFAULT_RETRY_S, RETRY_SETTING
+from batchd_server.workers.sizing import WorkerRange, available_cpus, parse_worker_range
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -85,14 +88,6 @@ def default_database_url(environ: Mapping[str, str] | None = None) -> str:
     return f"sqlite:///{path}"
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, so a container's cpuset counts)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def reserved_rpcs(max_concurrent_rpcs: int) -> int:
     """Of ``max_concurrent_rpcs`` calls, those kept for CloseSession and health checks: an
     eighth, at least 1 and at most 8."""
@@ -129,7 +124,7 @@ class ShmLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig:
+class ServerConfig(DecodeCacheSettings, CacheSettings):
     """Everything the server needs to know, validated on construction.
 
     Each field's ``setting(...)`` says what it does, how to set it and what it allows; the
@@ -471,6 +466,8 @@ class ServerConfig:
             metavar="BYTES",
         ),
     )
+    # Declared beside the object-store code, as the settings of a subsystem.
+    object_store_retry_s: float = field(default=DEFAULT_RETRY_S, metadata=RETRY_SETTING)
     reflection: bool = field(
         default=False,
         metadata=setting(
@@ -511,6 +508,8 @@ class ServerConfig:
                 f"{ca.flag} ({ca.env}) asks for mutual TLS, which needs the server's own "
                 f"{cert.flag} and {key.flag}"
             )
+
+        self.check_decode_cache()
 
     @property
     def reserved_rpcs(self) -> int:

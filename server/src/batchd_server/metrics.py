@@ -49,7 +49,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from batchd_server.workers.sizing import Signals
     from batchd_server.workers.task import BatchResult, BatchTask
 
 __all__ = [
@@ -75,7 +74,6 @@ __all__ = [
     "REGISTRY",
     "SAMPLES",
     "SAMPLE_ERRORS",
-    "SCALING_SIGNAL",
     "SESSIONS",
     "SHM_BUDGET_BYTES",
     "SHM_FREE_BYTES",
@@ -87,10 +85,7 @@ __all__ = [
     "WORKERS_ALIVE",
     "WORKERS_CONFIGURED",
     "WORKERS_CRASH_LOOP",
-    "WORKERS_MIN",
-    "WORKERS_TARGET",
     "WORKER_RESTARTS",
-    "WORKER_SCALING",
     "WORKER_TIMEOUTS",
     "LabelValues",
     "MetricsEndpoint",
@@ -105,8 +100,6 @@ __all__ = [
     "record_delivery",
     "record_mix_batch",
     "record_sample_error",
-    "record_scaling_signals",
-    "record_worker_scaling",
     "serve",
 ]
 
@@ -161,32 +154,6 @@ SHM_BUDGET_BYTES = Gauge(
 WORKERS_ALIVE = Gauge("batchd_workers_alive", "Decode worker processes alive.", registry=REGISTRY)
 WORKERS_CONFIGURED = Gauge(
     "batchd_workers_configured", "Decode worker processes configured.", registry=REGISTRY
-)
-WORKERS_MIN = Gauge(
-    "batchd_workers_min",
-    "The fewest decode workers --workers allows (equal to batchd_workers_configured when fixed).",
-    registry=REGISTRY,
-)
-WORKERS_TARGET = Gauge(
-    "batchd_workers_target",
-    "Decode workers the pool runs now: --workers, or what the autoscaler chose within MIN..MAX.",
-    registry=REGISTRY,
-)
-WORKER_SCALING = Counter(
-    "batchd_worker_scaling",
-    "Autoscaler changes of the pool's size, by direction (up, down) and reason (stall: "
-    "trainers waited on queued work with idle cores; idle: a worker was not needed; limits: "
-    "memory or CPUs no longer afford the size).",
-    ["direction", "reason"],
-    registry=REGISTRY,
-)
-SCALING_SIGNAL = Gauge(
-    "batchd_worker_scaling_signal",
-    "What the autoscaler last decided on, averaged over its growth window: busy (workers "
-    "holding a task), queued (share of samples with work waiting for a worker), idle_cores, "
-    "stall_ratio (-1: no client reported), ceiling (most workers allowed now).",
-    ["signal"],
-    registry=REGISTRY,
 )
 WORKER_RESTARTS = Counter(
     "batchd_worker_restarts",
@@ -272,6 +239,37 @@ DATA_STALL_RATIO = Gauge(
     ["dataset"],
     registry=REGISTRY,
 )
+# -- the decode cache (decode_cache/) --
+DECODE_CACHE_LOOKUPS = Counter(
+    "batchd_decode_cache_lookups",
+    "Decode cache lookups by dataset and result: hit, miss (decoded, then offered to the "
+    "cache) or corrupt (an entry that did not check out, decoded again; also a miss).",
+    ["dataset", "result"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_WRITTEN_BYTES = Counter(
+    "batchd_decode_cache_written_bytes",
+    "Bytes of decode cache entries written by the workers.",
+    registry=REGISTRY,
+)
+DECODE_CACHE_BYTES = Gauge(
+    "batchd_decode_cache_bytes",
+    "Bytes the decode cache holds, by tier (shm, disk).",
+    ["tier"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_LIMIT_BYTES = Gauge(
+    "batchd_decode_cache_limit_bytes",
+    "The decode cache's bound by tier (--decode-cache-size, --decode-cache-dir-size).",
+    ["tier"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_EVICTIONS = Counter(
+    "batchd_decode_cache_evictions",
+    "Decode cache entries evicted, by tier (from shm they move to the disk tier, if any).",
+    ["tier"],
+    registry=REGISTRY,
+)
 
 MAX_CLIENT_SECONDS: Final = 3600.0
 """A client-reported duration is clamped to this: one batch never takes an hour to wait for."""
@@ -324,6 +322,13 @@ def observe_worker_result(
         STAGE_SECONDS.labels(dataset=dataset, stage=stage).observe(max(0.0, seconds))
     QUEUE_WAIT_SECONDS.labels(dataset=dataset).observe(max(0.0, queued_s))
     BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, latency_s))
+    cache = result.cache
+    if task.spec.decode_cache is not None:
+        for outcome, count in (("hit", cache.hits), ("miss", cache.misses)):
+            DECODE_CACHE_LOOKUPS.labels(dataset=dataset, result=outcome).inc(count)
+        if cache.corrupt:
+            DECODE_CACHE_LOOKUPS.labels(dataset=dataset, result="corrupt").inc(cache.corrupt)
+        DECODE_CACHE_WRITTEN_BYTES.inc(cache.written_bytes)
 
 
 def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = None) -> None:
@@ -507,24 +512,6 @@ class RecentStall:
 
 
 RECENT_STALL: Final = RecentStall()
-
-
-def record_worker_scaling(direction: str, reason: str) -> None:
-    """One change of the pool's size by the autoscaler."""
-    WORKER_SCALING.labels(direction=direction, reason=reason).inc()
-
-
-def record_scaling_signals(signals: Signals) -> None:
-    """The signals of the autoscaler's latest growth window."""
-    stall = -1.0 if signals.stall_ratio is None else signals.stall_ratio
-    for name, value in (
-        ("busy", signals.busy),
-        ("queued", signals.queued_share),
-        ("idle_cores", signals.idle_cores),
-        ("stall_ratio", stall),
-        ("ceiling", float(signals.ceiling)),
-    ):
-        SCALING_SIGNAL.labels(signal=name).set(value)
 
 
 def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: float) -> None:

@@ -27,16 +27,19 @@ from batchd._wire.ring import HEADER_BYTES, slot_offset
 from batchd._wire.schedule import global_step
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
+from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import EpochStart, source_starts
+from batchd_server.planning.packing import packed_mixing
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.accounting import MixAccount
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
+from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField, SourceSpec
 
@@ -131,13 +134,20 @@ class Session:
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
         roots: Sequence[str] | None = None,
+        decode_cache: DecodeCacheSpec | None = None,
+        store: StoreOptions | None = None,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
         ``roots``: the directory the workers read each one's files from, as the manager
         checked it (symlinks resolved; default: the catalog's roots as they are)."""
         self.id = session_id
         self.options = options
-        self._mixing = options.mixing
+        self._mixing = packed_mixing(
+            options.mixing,
+            options.pack,
+            (options.pipeline_kind, options.pipeline_options),
+            [entry.arrays for entry in sources],
+        )
         self.catalogs = sources
         """Every entry the session holds (the manager releases them all)."""
         assert len(sources) == len(self._mixing.sources), "one entry per source"
@@ -200,6 +210,9 @@ class Session:
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
             max_sample_bytes=max_sample_bytes,
+            decode_cache=decode_cache,
+            store=store or StoreOptions(),
+            pack_seq_len=options.pack.seq_len if options.pack is not None else 0,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
@@ -240,6 +253,15 @@ class Session:
     @property
     def streaming(self) -> bool:
         return self._stream is not None
+
+    def position(self) -> tuple[Stream, int] | None:
+        """The live stream and its first batch not yet delivered (being read, or the next to
+        hand out); None without a stream. The node cache prefetches and evicts by it."""
+        with self._cond:
+            stream = self._stream
+            if stream is None or stream.closed:
+                return None
+            return stream, min(stream.working, default=stream.next_submit)
 
     def slot_memory(self, slot: int) -> memoryview:
         start = slot_offset(slot, self.slot_bytes)

@@ -25,11 +25,16 @@ import numpy.typing as npt
 
 from batchd._wire.ring import slot_offset
 from batchd_server.catalog.types import SampleColumns
+from batchd_server.decode_cache.worker import CacheCounts, CachedSource, SampleCache
 from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
 from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
+from batchd_server.storage.cache import STATS as CACHE_STATS
+from batchd_server.storage.objects import ObjectFiles
+from batchd_server.storage.open import open_sample_files
+from batchd_server.workers.packed import run_packed
 from batchd_server.workers.task import (
     ROW_FIELDS,
     SOURCE_FIELD,
@@ -56,9 +61,11 @@ class _Source:
     start: int
     """Its first task position."""
     columns: SampleColumns
-    files: SampleFiles
+    files: SampleFiles | ObjectFiles
     pipeline: Pipeline
     attachment: Attachment
+    cached: CachedSource | None = None
+    """Its samples through the decode cache; None when they are not cached."""
 
     def path(self, position: int) -> str:
         start, end = self.columns.path_offsets[position], self.columns.path_offsets[position + 1]
@@ -77,6 +84,7 @@ class SessionContext:
         self.spec = spec
         self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
         """The session's: it finishes every batch."""
+        self._cache = SampleCache(spec.decode_cache) if spec.decode_cache is not None else None
         self._sources: list[_Source] = []
         self._ring: Attachment | None = None
         try:
@@ -109,9 +117,14 @@ class SessionContext:
             return _Source(
                 source.start,
                 columns,
-                SampleFiles(source.root, max_sample_bytes=self.spec.max_sample_bytes),
+                open_sample_files(
+                    source.root,
+                    max_sample_bytes=self.spec.max_sample_bytes,
+                    store=self.spec.store,
+                ),
                 pipeline,
                 attachment,
+                CachedSource.of(self._cache, pipeline, source.root),
             )
         except BaseException:
             attachment.close()
@@ -145,7 +158,31 @@ class SessionContext:
 
     # -- filling a slot -----------------------------------------------------------------
 
+    def locate(self, position: int) -> tuple[_Source, int]:
+        """The source of a task position, and the position's row in it."""
+        index = int(np.searchsorted(self._later_starts, position, side="right"))
+        source = self._sources[index]
+        return source, position - source.start
+
+    def piece_ids(
+        self, positions: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Each task position's sample id, label and source index."""
+        ids = np.empty(positions.size, np.int64)
+        labels = np.empty(positions.size, np.int64)
+        index = np.searchsorted(self._later_starts, positions, side="right")
+        for s, source in enumerate(self._sources):
+            mine = index == s
+            local = positions[mine] - source.start
+            ids[mine] = source.columns.ids[local]
+            labels[mine] = source.columns.labels[local]
+        return ids, labels, index.astype(np.int64)
+
     def run(self, task: BatchTask) -> BatchResult:
+        if self.spec.pack_seq_len:
+            for source in self._sources:
+                source.files.begin_batch()
+            return run_packed(self, task)
         started_at = time.monotonic()
         self._read_s = self._decode_s = 0.0
         positions = np.frombuffer(task.positions, np.int64)
@@ -186,8 +223,12 @@ class SessionContext:
             read_s=self._read_s,
             decode_s=self._decode_s,
             collate_s=time.perf_counter() - finish_start,
+            node_cache=CACHE_STATS.take() or None,
         )
-        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
+        counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
+        return BatchResult(
+            task.batch_index, task.slot, rows, shapes, failures, fatal, times, counts
+        )
 
     def _runs(self, positions: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[Any]]]:
         """The task's positions as runs of one source each: (source index, the run's rows in
@@ -274,20 +315,28 @@ class SessionContext:
                 "(--task-timeout-s) twice, and the worker was killed each time; check the "
                 "file and the file system it is on",
             )
-        read_start = time.perf_counter()
+        offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
+        read_s = 0.0
+
+        def read() -> memoryview:
+            nonlocal read_s
+            read_start = time.perf_counter()
+            try:
+                return source.files.read(info.path, offset, length)
+            finally:
+                read_s += time.perf_counter() - read_start
+
+        start = time.perf_counter()
         try:
-            data = source.files.read(
-                info.path, int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
-            )
-        finally:
-            decode_start = time.perf_counter()
-            self._read_s += decode_start - read_start
-        try:
-            source.pipeline.decode_into(data, info, row)
+            if source.cached is not None:
+                source.cached.decode(info, offset, length, read, row)
+            else:
+                source.pipeline.decode_into(read(), info, row)
             row["sample_id"][...] = sample_id
             row["label"][...] = info.label
         finally:
-            self._decode_s += time.perf_counter() - decode_start
+            self._read_s += read_s
+            self._decode_s += time.perf_counter() - start - read_s
 
     def _decode_each(
         self, source: _Source, epoch: int, positions: npt.NDArray[np.int64], block: Block
@@ -295,6 +344,11 @@ class SessionContext:
         policy = self.spec.on_error
         failures: list[SampleFailure] = []
         rows = 0
+        if isinstance(source.files, ObjectFiles):
+            # Whole objects (image files) are fetched ahead, several at once, while the
+            # first ones decode: one round trip per sample would bound the worker's rate.
+            whole = positions[source.columns.byte_offsets[positions] < 0]
+            source.files.prefetch([source.path(int(p)) for p in whole.tolist()])
         for position in positions.tolist():
             row = {name: array[rows, ...] for name, array in block.items()}
             try:

@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from batchd_server.decode_cache.worker import CacheCounts, DecodeCacheSpec
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.storage.cache import NodeCacheCounts
+from batchd_server.storage.options import StoreOptions
 
 __all__ = [
     "ROW_FIELDS",
@@ -87,6 +90,13 @@ class SessionSpec:
     """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
     max_sample_bytes: int = MAX_SAMPLE_BYTES
     """The most bytes one sample may have (``--max-sample-bytes``); more is ``too_large``."""
+    decode_cache: DecodeCacheSpec | None = None
+    """The server's decode cache; None when it has none or the session opted out."""
+    store: StoreOptions = field(default_factory=StoreOptions)
+    """The object-store settings, for sources whose root is ``s3://``."""
+    pack_seq_len: int = 0
+    """A packed session's row length (``workers/packed.py``): its tasks carry pieces, not
+    positions. 0: not packed."""
 
     def __post_init__(self) -> None:
         assert self.sources and self.sources[0].start == 0, "sources start at position 0"
@@ -105,7 +115,8 @@ class BatchTask:
     slot: int
     positions: bytes
     """The batch's sample positions, int64, global over the session's sources (a source's
-    row r is ``SourceSpec.start + r``)."""
+    row r is ``SourceSpec.start + r``). A packed session's: its pieces, four int64 each
+    (row of the batch, position, first token, tokens; ``workers/packed.py``)."""
     one_by_one: bool = False
     """Read and decode each sample on its own, never the batch at once (a redo after a
     worker hung on the batch; see ``workers/deadline.py``)."""
@@ -138,6 +149,9 @@ class StageTimes:
     fixed-size records: the one vectorised gather)."""
     collate_s: float = 0.0
     """Batch-wide work after the samples: padding to the longest, the pipeline's finish."""
+    node_cache: NodeCacheCounts | None = None
+    """What the worker read through the node cache of object-store bytes since its previous
+    result (None: nothing)."""
 
 
 @dataclass(frozen=True)
@@ -151,3 +165,5 @@ class BatchResult:
     """on_error="raise" and a sample failed: the batch must not be served."""
     times: StageTimes = field(default_factory=StageTimes, compare=False)
     """How long the worker took; not part of what the batch is (two runs of it differ)."""
+    cache: CacheCounts = field(default_factory=CacheCounts, compare=False)
+    """The decode cache's hits and misses on this batch."""
