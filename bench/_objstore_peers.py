@@ -153,8 +153,8 @@ def mosaic_loader(
     """
     from streaming import StreamingDataset
 
-    class MosaicImages(StreamingDataset):  # type: ignore[misc]
-        def __getitem__(self, index: int) -> dict[str, Any]:
+    class MosaicImages(StreamingDataset):
+        def __getitem__(self, index: Any) -> dict[str, Any]:
             sample = super().__getitem__(index)
             return decode(sample["image"], int(sample["label"]), index)
 

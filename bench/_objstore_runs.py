@@ -12,7 +12,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +124,7 @@ def rounds(configs: list[Config], store: Store, reps: int) -> None:
 # -------------------------------------------------------------------------------- output
 
 
-def _median(values: list[float]) -> float:
+def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 

@@ -215,7 +215,7 @@ def object_store(root: Path, bucket: str) -> Iterator[Store]:
             control.close()
     finally:
         for process in reversed(processes):
-            _stop(process)  # type: ignore[arg-type]
+            _stop(process)
 
 
 def _wait_for_bucket(endpoint: str, bucket: str, weed: subprocess.Popen[bytes], log: Path) -> None:
