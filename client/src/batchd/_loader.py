@@ -95,6 +95,12 @@ class Loader(Closeable):
             default ``$BATCHD_TLS_CA``; None and unset: plaintext. For mutual TLS, the
             client's certificate and key come from ``$BATCHD_TLS_CLIENT_CERT`` and
             ``$BATCHD_TLS_CLIENT_KEY``.
+        share: A group name (e.g. ``"sweep-7"``): Loaders on one server that name the
+            same group and ask for the same batches (dataset, snapshot, pipeline, sampling,
+            seed, batch size, rank and world size, on_error) get a batch decoded once and
+            copied to each, instead of decoding it once per Loader. Each still gets its
+            epoch exactly once, in the order a lone Loader would; see the docs' "Sharing
+            batches between jobs". None: share nothing.
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
@@ -146,6 +152,7 @@ class Loader(Closeable):
         reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
         auth_token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        share: str | None = None,
     ) -> None:
         self._options = LoaderOptions(
             dataset=dataset,
@@ -168,6 +175,7 @@ class Loader(Closeable):
             timeout_s=timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
             sources=sources,
+            share=share,
         )
         self._device = resolve_device(device)
         self._lanes = Lanes(

@@ -18,6 +18,7 @@ from batchd._specs import (
     resolve_rank,
     sampling_to_proto,
 )
+from batchd._wire.share import share_key_problem
 from batchd._wire.specs import TRANSPORTS
 from batchd.errors import InvalidArgument
 
@@ -62,6 +63,7 @@ class LoaderOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
     sources: Mix | None = None
+    share: str | None = None
 
     def __post_init__(self) -> None:
         if self.sources is not None:
@@ -97,6 +99,7 @@ class LoaderOptions:
         check_choice("transport", self.transport, TRANSPORTS)
         sampling_to_proto(self.sampling)
         on_error_to_proto(self.on_error)
+        self._check_share(self.share)
         self._set("pipeline", pipeline_or_default(self.pipeline))
         rank, world_size = resolve_rank(self.rank, self.world_size)
         self._set("rank", rank)
@@ -106,6 +109,18 @@ class LoaderOptions:
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
+
+    def _check_share(self, share: object) -> None:
+        if share is None:
+            return
+        if not isinstance(share, str) or not share:
+            raise InvalidArgument(
+                f"share={share!r} must be a non-empty string naming the group (e.g. "
+                "share='sweep-7'), or None to share nothing"
+            )
+        problem = share_key_problem(share)
+        if problem is not None:
+            raise InvalidArgument(problem)
 
     def _check_mix(self, mix: object) -> None:
         if not isinstance(mix, Mix):
@@ -160,6 +175,7 @@ class LoaderOptions:
             snapshot=snapshot or self.snapshot or "",
             on_error=on_error_to_proto(self.on_error),
             max_error_fraction=self.max_error_fraction,
+            share=self.share or "",
         )
         if mix is not None:
             # A mix's versions are its sources'; a reopen's snapshot token pins them all.

@@ -118,6 +118,7 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         on_error=_ON_ERROR[request.on_error],
         max_error_fraction=request.max_error_fraction or 0.01,
         mix=mix,
+        share=request.share,
     )
 
 
