@@ -159,7 +159,7 @@ def main() -> None:
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
         checks: list[str] = []
         server_opts = {"workers": args.workers, "lease_timeout_s": LEASE_TIMEOUT_S}
-        with batchd_server(url, root, **server_opts) as server:  # type: ignore[arg-type]
+        with batchd_server(url, root, **server_opts) as server:
             epoch = 0
             for rep in range(args.reps + 1):
                 order = list(configs) if rep % 2 == 0 else list(reversed(configs))
