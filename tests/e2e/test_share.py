@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 import batchd
 from batchd import errors
@@ -52,12 +53,19 @@ def _ids(batches: Iterator[dict[str, Any]], n: int | None = None) -> list[list[i
     return out
 
 
-def _lockstep(a: Iterator[dict[str, Any]], b: Iterator[dict[str, Any]]) -> tuple[list, list]:
-    """Both iterators to their end, one batch of each in turn."""
+def _lockstep(
+    a: Iterator[dict[str, Any]], b: Iterator[dict[str, Any]], *, same: bool = True
+) -> tuple[list, list]:
+    """Both iterators to their end, one batch of each in turn; with ``same``, the two batches
+    of each step must hold the same bytes in every field (a copy is the decode it replaces)."""
     got_a, got_b = [], []
     for batch in a:
+        other = next(b)
+        assert batch.keys() == other.keys()
+        for name in batch if same else ():
+            assert torch.equal(batch[name], other[name]), f"field {name!r} differs"
         got_a.append(batch["sample_id"].tolist())
-        got_b.append(next(b)["sample_id"].tolist())
+        got_b.append(other["sample_id"].tolist())
     assert next(b, None) is None, "the members' epochs have different lengths"
     return got_a, got_b
 
@@ -109,7 +117,7 @@ def test_members_with_other_parameters_share_nothing(server: RunningServer) -> N
     member its own order."""
     before, copied = _decoded(), server.sessions.shares.counts.copied
     with _member(server, seed=7) as one, _member(server, seed=8) as two:
-        a, b = _lockstep(iter(one), iter(two))
+        a, b = _lockstep(iter(one), iter(two), same=False)
         assert len(server.sessions.shares) == 2
     assert a != b
     _assert_one_epoch(a, 203)

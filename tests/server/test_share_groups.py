@@ -15,7 +15,7 @@ import pytest
 
 from batchd_server.errors import DataLoss
 from batchd_server.sessions.share import ShareCounts, ShareGroup
-from batchd_server.workers.task import BatchResult, BatchTask
+from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
 SLOT_BYTES = 8
 
@@ -34,12 +34,17 @@ class FakePool:
         task, future = self.tasks[index]
         assert future.set_running_or_notify_cancel()
         member.slot_memory(task.slot)[:] = bytes([task.batch_index + 1]) * SLOT_BYTES
-        future.set_result(BatchResult(task.batch_index, task.slot, 2, {"x": (2,)}))
+        future.set_result(BatchResult(task.batch_index, task.slot, 2, {"x": (2, 4)}))
+
+
+LAYOUT = (SlotField("x", "|u1", (4,), 0, SLOT_BYTES),)
+"""One field of two rows of 4 bytes: a whole slot."""
 
 
 class Member:
     def __init__(self, member_id: str, slots: int = 4) -> None:
         self.id = member_id
+        self.layout = LAYOUT
         self.ring = bytearray(slots * SLOT_BYTES)
 
     def slot_memory(self, slot: int) -> memoryview:
@@ -57,7 +62,7 @@ def _task(k: int, slot: int) -> BatchTask:
 @pytest.fixture
 def parts() -> tuple[FakePool, ShareGroup, Member, Member]:
     pool = FakePool()
-    group = ShareGroup("key", "sweep", "records", pool, ShareCounts())
+    group = ShareGroup("key", "sweep", "records", LAYOUT, pool, ShareCounts())
     return pool, group, Member("a"), Member("b")
 
 

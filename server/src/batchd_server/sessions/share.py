@@ -45,16 +45,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from batchd_server import metrics
 from batchd_server.logs import session_log_id
 from batchd_server.sessions.options import SessionOptions
-from batchd_server.workers.task import BatchResult, BatchTask
+from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
 __all__ = ["ShareCounts", "ShareGroup", "ShareGroups", "ShareMember", "group_key"]
 
@@ -65,6 +68,7 @@ class ShareMember(Protocol):
     """A session, as its group sees it."""
 
     id: str
+    layout: tuple[SlotField, ...]
 
     def slot_memory(self, slot: int) -> memoryview:
         """The bytes of slot ``slot`` of the session's ring."""
@@ -82,7 +86,9 @@ BatchKey = tuple[int, int, bytes]
 def group_key(options: SessionOptions, snapshot: str) -> str:
     """What a session's group is named by: its share key and everything that decides its
     batches (``snapshot``: the token that pins every source, as OpenSession answers it)."""
-    batches = dataclasses.replace(options, prefetch=1, snapshot=None)
+    # The snapshot token names every source's version and rows: a version asked for by name
+    # and the newest one resolved to it are the same batches.
+    batches = dataclasses.replace(options, prefetch=1, snapshot=None, version=None)
     return f"{options.share}\x00{snapshot}\x00{batches!r}"
 
 
@@ -122,9 +128,17 @@ class ShareGroup:
     """The members of one group and the batches their slots hold; thread-safe."""
 
     def __init__(
-        self, key: str, share: str, dataset: str, pool: SubmitsTasks, totals: ShareCounts
+        self,
+        key: str,
+        share: str,
+        dataset: str,
+        layout: tuple[SlotField, ...],
+        pool: SubmitsTasks,
+        totals: ShareCounts,
     ) -> None:
         self.key = key
+        self.layout = layout
+        """Where each field lies in every member's slots (the same options, the same layout)."""
         self.share = share
         self.dataset = dataset
         self._pool = pool
@@ -167,10 +181,12 @@ class ShareGroup:
         """Hand ``task`` to the workers; its slot is the batch's source from now on (caller
         holds the lock)."""
         future = self._pool.submit(task)
+        source = _Source(key, member, task.slot, future)
         old = self._sources.get(key)
-        if old is not None:
-            self._held.pop((old.member.id, old.slot), None)
-        self._sources[key] = _Source(key, member, task.slot, future)
+        if old is not None:  # cancelled or failed, and its waiters not served yet: now they
+            self._held.pop((old.member.id, old.slot), None)  # wait for this decode
+            source.waiters, old.waiters = old.waiters, []
+        self._sources[key] = source
         self._held[(member.id, task.slot)] = key
         self.decoded += 1
         self._totals.add(decoded=1)
@@ -181,27 +197,37 @@ class ShareGroup:
         """Copy the batch of ``source`` (done) into ``member``'s ``slot`` (caller holds the
         lock, so the source's slot cannot be freed and reused meanwhile)."""
         result = source.future.result()
-        member.slot_memory(slot)[:] = source.member.slot_memory(source.slot)
+        into, out = member.slot_memory(slot), source.member.slot_memory(source.slot)
+        for f in self.layout:  # what the batch fills of each field, not the whole slot
+            shape = result.shapes.get(f.name)
+            nbytes = (
+                f.capacity_bytes if shape is None else math.prod(shape) * np.dtype(f.dtype).itemsize
+            )
+            into[f.offset : f.offset + nbytes] = out[f.offset : f.offset + nbytes]
         self.copied += 1
         self._totals.add(copied=1)
         metrics.record_shared_batch(self.dataset)
         return dataclasses.replace(result, slot=slot)
 
     def _decoded(self, key: BatchKey, future: Future[BatchResult]) -> None:
-        """A source's task is done (or cancelled): serve whoever waits for it."""
+        """A source's task is done (or cancelled): serve whoever waits for it. A cancel runs
+        this under the cancelling session's lock, a failure may run it under the pool's:
+        then it runs on a thread of its own, since it takes the group's lock."""
+        if future.cancelled() or future.exception() is not None:
+            _later([functools.partial(self._serve, key, future)])
+        else:
+            self._serve(key, future)
+
+    def _serve(self, key: BatchKey, future: Future[BatchResult]) -> None:
         with self._lock:
             source = self._sources.get(key)
             if source is None or source.future is not future:
-                return  # forgotten first: its waiters were served then
-            cancelled = future.cancelled()
-            if cancelled:
+                return  # forgotten or replaced first: its waiters were handed on then
+            if future.cancelled():
                 self._drop(source)
             settle = self._settle(source)
-        if cancelled:  # cancel() runs this under the cancelling session's lock
-            _later(settle)
-        else:
-            for action in settle:
-                action()
+        for action in settle:
+            action()
 
     def _settle(self, source: _Source) -> list[Callable[[], object]]:
         """Serve the waiters of ``source`` (caller holds the lock): copies of its batch when
@@ -312,7 +338,9 @@ class ShareGroups:
         with self._lock:
             group = self._groups.get(key)
             if group is None:
-                group = ShareGroup(key, options.share, options.dataset, self._pool, self.counts)
+                group = ShareGroup(
+                    key, options.share, options.dataset, member.layout, self._pool, self.counts
+                )
                 self._groups[key] = group
             group.members.add(member.id)
             size = len(group.members)
