@@ -150,3 +150,26 @@ def test_a_cancelled_own_decode_reads_as_cancelled_to_the_waiter(parts: Any) -> 
     pool.tasks[1][1].cancel()  # the pool dropped b's own task (shutting down)
     with pytest.raises(CancelledError):
         fb.result(timeout=30)
+
+
+class FastPool(FakePool):
+    """A worker so fast that a task is done before ``submit`` returns."""
+
+    def __init__(self, member: Member) -> None:
+        super().__init__()
+        self.member = member
+
+    def submit(self, task: BatchTask) -> Future[BatchResult]:
+        future = super().submit(task)
+        self.finish(len(self.tasks) - 1, self.member)
+        return future
+
+
+def test_a_task_done_before_submit_returns_does_not_deadlock_the_group() -> None:
+    """The group's done-callback of such a task runs on a thread of its own, not inside the
+    claim that holds the group's lock (where it would wait for that lock forever)."""
+    a, b = Member("a"), Member("b")
+    group = ShareGroup("key", "sweep", "records", LAYOUT, FastPool(a), ShareCounts())
+    assert group.claim(a, _task(5, slot=1)).result(timeout=30).slot == 1
+    assert group.claim(b, _task(5, slot=2)).result(timeout=30).slot == 2
+    assert b.slot(2) == a.slot(1) and (group.decoded, group.copied) == (1, 1)

@@ -190,7 +190,7 @@ class ShareGroup:
         self._held[(member.id, task.slot)] = key
         self.decoded += 1
         self._totals.add(decoded=1)
-        future.add_done_callback(functools.partial(self._decoded, key))
+        _when_done(future, functools.partial(self._decoded, key))
         return future
 
     def _copy(self, source: _Source, member: ShareMember, slot: int) -> BatchResult:
@@ -261,7 +261,7 @@ class ShareGroup:
             for w in [first, *(w for w in live if w.future.set_running_or_notify_cancel())]:
                 actions.append(functools.partial(w.future.set_exception, e))
             return actions
-        own.add_done_callback(functools.partial(_chain, first.future))
+        _when_done(own, functools.partial(_chain, first.future))
         self._sources[source.key].waiters.extend(live)
         return actions
 
@@ -311,6 +311,22 @@ def _later(actions: list[Callable[[], object]]) -> None:
         threading.Thread(
             target=lambda: [a() for a in actions], name="batchd-share-settle", daemon=True
         ).start()
+
+
+def _when_done(future: Future[BatchResult], fn: Callable[[Future[BatchResult]], object]) -> None:
+    """Call ``fn(future)`` once ``future`` is done: on the thread that finishes it, or, when it
+    is done already (a fast worker), on a thread of its own, never inside this call, whose
+    caller holds the group's lock and a session's."""
+    registered = False
+
+    def done(f: Future[BatchResult]) -> None:
+        if registered:
+            fn(f)
+        else:
+            _later([functools.partial(fn, f)])
+
+    future.add_done_callback(done)
+    registered = True
 
 
 def _chain(waiter: Future[BatchResult], own: Future[BatchResult]) -> None:
