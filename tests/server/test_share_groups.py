@@ -37,7 +37,7 @@ class FakePool:
         future.set_result(BatchResult(task.batch_index, task.slot, 2, {"x": (2, 4)}))
 
 
-LAYOUT = (SlotField("x", "|u1", (4,), 0, SLOT_BYTES),)
+LAYOUT: tuple[SlotField, ...] = (SlotField("x", "|u1", (4,), 0, SLOT_BYTES),)
 """One field of two rows of 4 bytes: a whole slot."""
 
 
