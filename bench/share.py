@@ -10,7 +10,8 @@ so the server's decode workers are the bottleneck and each job's loop only count
 - **shared**: both with ``share="bench"``: each batch is decoded once and copied to the
   other job's ring.
 
-A round starts both jobs at one barrier and times until the second has finished its epoch;
+A round starts both jobs at one barrier and times until the second has finished its
+``--epochs`` epochs;
 aggregate samples/s is both jobs' samples over that time, server CPU the server's and its
 decode workers' CPU seconds over the same span. Every round also checks what the jobs got:
 each job's epoch has every sample exactly once, and with ``share=`` the two jobs' epochs
@@ -61,11 +62,12 @@ def parse_args() -> argparse.Namespace:
     add("--images", type=int, default=640, help="JPEGs in the image set")
     add("--batch-size", type=int, default=32, help="samples per batch")
     add("--reps", type=int, default=3, help="timed rounds per config")
+    add("--epochs", type=int, default=3, help="epochs each job reads per round")
     add("--prefetch", type=int, default=4, help="each Loader's prefetch")
     add("--workers", type=int, default=2, help="the server's decode workers")
     args = parser.parse_args()
     if args.quick:
-        args.images, args.reps = 128, 1
+        args.images, args.reps, args.epochs = 128, 1, 1
     return args
 
 
@@ -86,7 +88,8 @@ def print_settings(args: argparse.Namespace) -> None:
     )
     print(
         f"rounds: 1 warm-up + {args.reps} timed per config, configs alternating; a round is "
-        "one epoch of both jobs, from one start barrier until the second job is done"
+        f"{args.epochs} epoch(s) of both jobs, from one start barrier until the second job "
+        "is done"
     )
     print(
         "server CPU: /proc utime+stime of the server process and its decode workers over "
@@ -95,31 +98,37 @@ def print_settings(args: argparse.Namespace) -> None:
     )
 
 
-def job(target: str, options: dict[str, Any], epoch: int, start: Any, out: Any, index: int) -> None:
-    """One training job: wait at ``start``, read one epoch, report (samples, digest, ok)."""
+def job(
+    target: str, options: dict[str, Any], epochs: range, start: Any, out: Any, index: int
+) -> None:
+    """One training job: wait at ``start``, read ``epochs``, report (samples, every epoch
+    exactly once, digest of every batch's ids)."""
     with batchd.Loader(target, **options) as loader:
-        loader.set_epoch(epoch)
         start.wait()
-        it = iter(loader)  # the stream starts here: nothing is decoded before the clock runs
-        ids: list[int] = []
+        samples, once = 0, True
         digest = hashlib.sha256()
-        for batch in it:
-            batch_ids = batch["sample_id"].tolist()
-            ids += batch_ids
-            digest.update(repr(batch_ids).encode())
-            _ = batch["image"].shape
-        out.put((index, len(ids), len(set(ids)) == len(ids), digest.hexdigest()))
+        for epoch in epochs:
+            loader.set_epoch(epoch)
+            ids: list[int] = []
+            # The stream starts at iter(): nothing is decoded before the clock runs.
+            for batch in loader:
+                batch_ids = batch["sample_id"].tolist()
+                ids += batch_ids
+                digest.update(repr(batch_ids).encode())
+            samples += len(ids)
+            once = once and len(set(ids)) == len(ids) == loader.num_samples
+        out.put((index, samples, once, digest.hexdigest()))
 
 
 def one_round(
-    target: str, options: dict[str, Any], epoch: int, cpu_s: Any
+    target: str, options: dict[str, Any], epochs: range, cpu_s: Any
 ) -> tuple[float, float, list[tuple[int, int, bool, str]]]:
-    """Both jobs over one epoch: (wall seconds, server CPU seconds, each job's report)."""
+    """Both jobs over ``epochs``: (wall seconds, server CPU seconds, each job's report)."""
     ctx = mp.get_context("spawn")
     start = ctx.Barrier(3)
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=job, args=(target, options, epoch, start, out, i)) for i in range(2)
+        ctx.Process(target=job, args=(target, options, epochs, start, out, i)) for i in range(2)
     ]
     for p in procs:
         p.start()
@@ -164,12 +173,13 @@ def main() -> None:
             for rep in range(args.reps + 1):
                 order = list(configs) if rep % 2 == 0 else list(reversed(configs))
                 for name in order:
+                    epochs = range(epoch, epoch + args.epochs)
                     wall, cpu, reports = one_round(
-                        server.target, configs[name], epoch, server.cpu_s
+                        server.target, configs[name], epochs, server.cpu_s
                     )
-                    epoch += 1
+                    epoch += args.epochs
                     samples = sum(r[1] for r in reports)
-                    once = all(r[2] and r[1] == args.images for r in reports)
+                    once = all(r[2] and r[1] == args.images * args.epochs for r in reports)
                     same = reports[0][3] == reports[1][3]
                     print(
                         f"{'warm-up' if rep == 0 else f'round {rep}'} {name}: {wall:.2f} s, "
@@ -186,12 +196,20 @@ def main() -> None:
     print("\n### Results\n")
     rows = []
     for name, values in runs.items():
-        rate = statistics.median(v[0] for v in values)
+        rates = [v[0] for v in values]
+        rate = statistics.median(rates)
         cpu_ms = statistics.median(v[1] for v in values)
-        rows.append([name, f"{rate:,.0f}", f"{cpu_ms:.2f}", str(len(values))])
+        spread = f"{rate:,.0f} ({min(rates):,.0f}-{max(rates):,.0f})"
+        rows.append([name, spread, f"{cpu_ms:.2f}", str(len(values))])
     print(
         markdown_table(
-            ["config", "aggregate samples/s (median)", "server CPU ms/sample", "rounds"], rows
+            [
+                "config",
+                "aggregate samples/s, median (min-max)",
+                "server CPU ms/sample, median",
+                "rounds",
+            ],
+            rows,
         )
     )
     shared = statistics.median(v[0] for v in runs["shared"])
