@@ -9,7 +9,11 @@ group) and how often the workers decoded (the server's own count of worker resul
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,3 +205,49 @@ def test_a_bad_share_key_is_refused_before_anything_opens() -> None:
     for bad in ("", "two words", "x" * 129, 7):
         with pytest.raises(errors.InvalidArgument, match="share="):
             batchd.Loader("unix:///nowhere", dataset="d", batch_size=1, share=bad)  # type: ignore[arg-type]
+
+
+_JOB = """
+import json, sys
+import batchd
+with batchd.Loader(sys.argv[1], dataset="records", batch_size=4, prefetch=2, seed=7,
+                   pipeline=batchd.Array((32,), "float32", raw=True), share="jobs") as loader:
+    print("ready", loader.num_samples, flush=True)
+    assert sys.stdin.readline() == "go\\n"
+    print(json.dumps([b["sample_id"].tolist() for b in loader]), flush=True)
+"""
+
+
+def test_two_job_processes_share_one_epoch(server: RunningServer, tmp_path: Path) -> None:
+    """Two training jobs as processes of their own, released together: the same epoch, each
+    sample once in each, every batch either decoded for one of them or copied to it."""
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    before, copied = _decoded(), server.sessions.shares.counts.copied
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, str(script), server.address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for job in jobs:  # each has its session open
+            assert job.stdout is not None and job.stdout.readline().startswith("ready")
+        for job in jobs:
+            assert job.stdin is not None
+            job.stdin.write("go\n")
+            job.stdin.flush()
+        epochs = [json.loads(job.communicate(timeout=300)[0]) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+            job.wait()
+    assert [job.returncode for job in jobs] == [0, 0]
+    assert epochs[0] == epochs[1]
+    _assert_one_epoch(epochs[0], 203)
+    shared = server.sessions.shares.counts.copied - copied
+    assert _decoded() - before + shared == 2 * 51
+    assert shared > 0, "the second job copied none of the first's batches"
