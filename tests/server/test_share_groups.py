@@ -89,6 +89,21 @@ def test_a_freed_source_is_forgotten_and_the_next_member_decodes(parts: Any) -> 
     assert len(pool.tasks) == 2 and group.sources() == 1
 
 
+def test_a_copy_serves_a_later_member_once_the_decoding_slot_is_freed(parts: Any) -> None:
+    pool, group, a, b = parts
+    group.claim(a, _task(5, slot=1))
+    group.claim(b, _task(5, slot=2))
+    pool.finish(0, a)
+    group.forget(a, 1)  # a's loop is done with batch 5; b's copy still holds it
+    c = Member("c")
+    late = group.claim(c, _task(5, slot=3))
+    assert late.done() and c.slot(3) == b.slot(2) == bytes([6]) * SLOT_BYTES
+    assert len(pool.tasks) == 1 and (group.decoded, group.copied) == (1, 2)
+    group.forget(b, 2)
+    group.forget(c, 3)
+    assert group.sources() == 0
+
+
 def test_a_source_cancelled_before_a_worker_took_it_passes_to_a_waiter(parts: Any) -> None:
     pool, group, a, b = parts
     fa = group.claim(a, _task(5, slot=1))
@@ -113,7 +128,7 @@ def test_a_member_that_closes_hands_its_waiters_copies_or_their_own_decode(parts
     assert not f2.done() and pool.tasks[-1][0].slot == 1, "b decodes batch 2 itself"
     pool.finish(len(pool.tasks) - 1, b)
     assert f2.result().slot == 1
-    assert group.sources() == 1, "b's decode of batch 2 is its source now (a copy is none)"
+    assert group.sources() == 2, "b's slots hold both batches now"
 
 
 def test_a_waiter_whose_stream_ended_gets_nothing_written(parts: Any) -> None:

@@ -20,15 +20,17 @@ sample positions (which the plan, a pure function of seed, epoch and world size,
   * another member's worker is still writing it: the member waits for that task and gets a
     copy when it is done (its slot stays WORKING meanwhile, as for its own task).
 
-A source is forgotten when its slot is freed (:meth:`ShareGroup.forget`, called by the
+A slot that got a batch as a copy holds it too, and serves later members as the decoding
+slot does. A slot is forgotten when it is freed (:meth:`ShareGroup.forget`, called by the
 ``SlotBook`` under the session's lock, before the slot can be reused): its client acked
-or released the batch, or its stream ended. A member that asks later decodes the batch
-itself. So no member ever waits for another's client: a member that stalls simply stops
-producing, the others decode what they need themselves (the stalled one is "split off"
-as soon as it is more than a ring behind them: its own prefetch window is the bound), and
-a member that falls behind, or joins late, decodes its own batches until it is within the
-window of another member, then reads copies again. Every member gets every batch of its
-epoch exactly once, in its own plan's order: the group only decides who decodes.
+or released the batch, or its stream ended. A member that asks once no slot holds the
+batch decodes it itself. So no member ever waits for another's client: a member that
+stalls simply stops producing, the others decode what they need themselves (the stalled
+one is "split off" as soon as it is more than a ring behind them: the rings' windows are
+the bound), and a member that falls behind, or joins late, decodes its own batches until
+it is within the window of another member, then reads copies again. Every member gets
+every batch of its epoch exactly once, in its own plan's order: the group only decides
+who decodes.
 
 A source whose task was cancelled (its stream ended before a worker took it) hands the
 batch to the first member waiting for it, which decodes it into its own slot; a source's
@@ -146,8 +148,11 @@ class ShareGroup:
         self.members: set[str] = set()
         """Ids of the open sessions in the group (the registry's to change)."""
         self._sources: dict[BatchKey, _Source] = {}
+        self._copies: dict[BatchKey, dict[tuple[str, int], _Source]] = {}
+        """Slots that got a batch as a copy, by batch and (member id, slot): they hold it
+        too, so a member that asks after the decoding slot was freed copies from one."""
         self._held: dict[tuple[str, int], BatchKey] = {}
-        """(member id, slot) -> the batch that slot is the source of."""
+        """(member id, slot) -> the batch that slot holds (decoded into it, or copied)."""
         self.decoded = 0
         """Batches a member's worker task decoded."""
         self.copied = 0
@@ -165,7 +170,10 @@ class ShareGroup:
         with self._lock:
             source = self._sources.get(key)
             if source is None or source.future.cancelled():
-                return self._decode(member, key, task)
+                copies = self._copies.get(key)
+                if not copies:
+                    return self._decode(member, key, task)
+                source = next(iter(copies.values()))
             if not source.future.done():
                 waiter = _Waiter(member, task, Future())
                 source.waiters.append(waiter)
@@ -207,7 +215,14 @@ class ShareGroup:
         self.copied += 1
         self._totals.add(copied=1)
         metrics.record_shared_batch(self.dataset)
-        return dataclasses.replace(result, slot=slot)
+        copy = dataclasses.replace(result, slot=slot)
+        held: Future[BatchResult] = Future()
+        held.set_result(copy)
+        self._copies.setdefault(source.key, {})[(member.id, slot)] = _Source(
+            source.key, member, slot, held
+        )
+        self._held[(member.id, slot)] = source.key
+        return copy
 
     def _decoded(self, key: BatchKey, future: Future[BatchResult]) -> None:
         """A source's task is done (or cancelled): serve whoever waits for it. A cancel runs
@@ -284,6 +299,10 @@ class ShareGroup:
         source = None if key is None else self._sources.get(key)
         if source is None or source.member.id != member_id or source.slot != slot:
             self._held.pop((member_id, slot), None)
+            if key is not None and (copies := self._copies.get(key)) is not None:
+                copies.pop((member_id, slot), None)
+                if not copies:
+                    del self._copies[key]
             return []
         self._drop(source)
         return self._settle(source)
@@ -301,7 +320,7 @@ class ShareGroup:
     def sources(self) -> int:
         """Batches the group's slots hold now."""
         with self._lock:
-            return len(self._sources)
+            return len(self._sources.keys() | self._copies.keys())
 
 
 def _later(actions: list[Callable[[], object]]) -> None:
