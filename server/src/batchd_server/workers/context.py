@@ -25,9 +25,12 @@ import numpy.typing as npt
 
 from batchd._wire.ring import slot_offset
 from batchd_server.catalog.types import SampleColumns
+from batchd_server.parquet.rows import ParquetRows
+from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
 from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
 from batchd_server.workers.task import (
@@ -59,14 +62,59 @@ class _Source:
     files: SampleFiles
     pipeline: Pipeline
     attachment: Attachment
+    parquet: ParquetRows | None = None
+    """Its Parquet rows' reader, when it has any."""
+    numbers_pipeline: Pipeline | None = None
+    """What decodes a Parquet row whose value is numbers (raw, of the pipeline's dtype)."""
 
     def path(self, position: int) -> str:
         start, end = self.columns.path_offsets[position], self.columns.path_offsets[position + 1]
         return self.columns.path_bytes[start:end].tobytes().decode("utf-8", "replace")
 
+    def read(self, position: int) -> tuple[memoryview, Pipeline]:
+        """Sample ``position``'s bytes and the pipeline that decodes them.
+
+        Raises:
+            BadSample: As ``SampleFiles.read`` and ``ParquetRows.value``.
+        """
+        columns = self.columns
+        offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
+        row_group = int(columns.row_groups[position])
+        if row_group < 0:
+            return self.files.read(self.path(position), offset, length), self.pipeline
+        if self.parquet is None:
+            raise BadSample(
+                "corrupt",
+                f"{self.path(position)}: a Parquet row of a dataset that names no payload "
+                "column; re-ingest it with batchd-server ingest parquet",
+            )
+        row = int(columns.row_indexes[position])
+        data, numbers = self.parquet.value(self.path(position), row_group, row, offset, length)
+        return data, (self.numbers_pipeline or self.pipeline) if numbers else self.pipeline
+
+    def begin_batch(self) -> None:
+        self.files.begin_batch()
+        if self.parquet is not None:
+            self.parquet.begin_batch()
+
     def close(self) -> None:
+        if self.parquet is not None:
+            self.parquet.close()
         self.files.close()
         self.attachment.close()
+
+
+def _parquet_readers(
+    files: SampleFiles, column: str, pipeline: Pipeline
+) -> tuple[ParquetRows, Pipeline]:
+    """A Parquet source's row reader and the pipeline of its numeric values: those arrive
+    as raw numbers of the pipeline's own dtype (an array pipeline reads them raw)."""
+    if isinstance(pipeline, ArrayPipeline):
+        raw = pipeline if pipeline.raw else ArrayPipeline(pipeline.shape, pipeline.dtype.str, True)
+        return ParquetRows(files, column, pipeline.dtype), raw
+    if isinstance(pipeline, TokensPipeline):
+        return ParquetRows(files, column, pipeline.dtype), pipeline
+    return ParquetRows(files, column, None), pipeline
 
 
 class SessionContext:
@@ -106,13 +154,13 @@ class SessionContext:
             if source.pipeline_kind:
                 pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
             columns = SampleColumns.of(arrays)
-            return _Source(
-                source.start,
-                columns,
-                SampleFiles(source.root, max_sample_bytes=self.spec.max_sample_bytes),
-                pipeline,
-                attachment,
-            )
+            files = SampleFiles(source.root, max_sample_bytes=self.spec.max_sample_bytes)
+            opened = _Source(source.start, columns, files, pipeline, attachment)
+            if source.parquet_payload and len(columns) and columns.row_groups.max() >= 0:
+                opened.parquet, opened.numbers_pipeline = _parquet_readers(
+                    files, source.parquet_payload, pipeline
+                )
+            return opened
         except BaseException:
             attachment.close()
             raise
@@ -151,7 +199,7 @@ class SessionContext:
         positions = np.frombuffer(task.positions, np.int64)
         block = self.slot_block(task.slot)
         for source in self._sources:
-            source.files.begin_batch()
+            source.begin_batch()
         self._hung = frozenset(task.hung)  # task positions, as ``where`` reports them
         self.where[0] = -1
         one_by_one = task.one_by_one or bool(task.hung)
@@ -209,6 +257,8 @@ class SessionContext:
         qualify or a sample in it is not right; then each sample is read on its own, which
         also finds and reports whichever sample is bad."""
         columns = source.columns
+        if source.parquet is not None and columns.row_groups[positions].max() >= 0:
+            return None  # rows of a Parquet file: each read from its decoded row group
         offsets = columns.byte_offsets[positions]
         lengths = columns.byte_lengths[positions]
         if offsets.min() < 0 or lengths.min() < 0:  # whole files, or "to the end"
@@ -276,14 +326,12 @@ class SessionContext:
             )
         read_start = time.perf_counter()
         try:
-            data = source.files.read(
-                info.path, int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
-            )
+            data, pipeline = source.read(position)
         finally:
             decode_start = time.perf_counter()
             self._read_s += decode_start - read_start
         try:
-            source.pipeline.decode_into(data, info, row)
+            pipeline.decode_into(data, info, row)
             row["sample_id"][...] = sample_id
             row["label"][...] = info.label
         finally:
