@@ -171,7 +171,7 @@ class ParquetRows:
             )
         problem = group.bad.get(row)
         if problem is not None:
-            raise BadSample(problem[0], f"{path}: row group {row_group}, row {row}: {problem[1]}")
+            raise BadSample(problem[0], f"{path} (row group {row_group}, row {row}): {problem[1]}")
         start, end = int(group.starts[row]), int(group.starts[row + 1])
         return group.data[start:end].data, group.numeric
 

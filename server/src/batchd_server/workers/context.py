@@ -71,6 +71,14 @@ class _Source:
         start, end = self.columns.path_offsets[position], self.columns.path_offsets[position + 1]
         return self.columns.path_bytes[start:end].tobytes().decode("utf-8", "replace")
 
+    def describe(self, position: int) -> str:
+        """Sample ``position`` for messages: its path, and a Parquet row's place in it."""
+        row_group = int(self.columns.row_groups[position])
+        if row_group < 0:
+            return self.path(position)
+        row = int(self.columns.row_indexes[position])
+        return f"{self.path(position)} (row group {row_group}, row {row})"
+
     def read(self, position: int) -> tuple[memoryview, Pipeline]:
         """Sample ``position``'s bytes and the pipeline that decodes them.
 
@@ -312,7 +320,7 @@ class SessionContext:
         info = SampleInfo(
             sample_id=sample_id,
             label=int(columns.labels[position]),
-            path=source.path(position),
+            path=source.describe(position),
             length=int(columns.lengths[position]),
             seed=self.spec.seed,
             epoch=epoch,
@@ -351,7 +359,7 @@ class SessionContext:
                 continue
             except BadSample as e:
                 sample_id = int(source.columns.ids[position])
-                failure = SampleFailure(sample_id, source.path(position), e.kind, str(e))
+                failure = SampleFailure(sample_id, source.describe(position), e.kind, str(e))
             if policy == "raise":
                 return rows, [failure], True
             if policy == "replace":
@@ -377,7 +385,7 @@ class SessionContext:
                 self._decode_one(source, position, epoch, row)
             except BadSample as e:
                 failures.append(
-                    SampleFailure(int(ids[position]), source.path(position), e.kind, str(e))
+                    SampleFailure(int(ids[position]), source.describe(position), e.kind, str(e))
                 )
                 continue
             return int(ids[position])
