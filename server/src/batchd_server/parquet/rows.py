@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -174,6 +175,57 @@ class ParquetRows:
             raise BadSample(problem[0], f"{path} (row group {row_group}, row {row}): {problem[1]}")
         start, end = int(group.starts[row]), int(group.starts[row + 1])
         return group.data[start:end].data, group.numeric
+
+    def gather(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        row_groups: npt.NDArray[np.int32],
+        rows: npt.NDArray[np.int32],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64], bool] | None:
+        """The values of many rows at once, for a pipeline's ``decode_batch``: sample ``i``
+        is row ``rows[i]`` of ``row_groups[i]`` of ``paths[files[i]]`` (``offsets`` and
+        ``lengths``: the catalog's byte ranges, as for :meth:`value`).
+
+        Returns:
+            ``(data, starts, lengths, numbers)``: sample ``i``'s bytes are
+            ``data[starts[i]:starts[i] + lengths[i]]``, a copy of the rows' values alone. None
+            when a row group cannot be read or a row is bad: serve them one by one with
+            :meth:`value`, which says what is wrong with which.
+        """
+        n = len(rows)
+        keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
+        distinct, which = np.unique(keys, return_inverse=True)
+        starts = np.empty(n, np.int64)
+        sizes = np.empty(n, np.int64)
+        pieces: list[npt.NDArray[np.uint8]] = []
+        base, numbers = 0, False
+        for k, key in enumerate(distinct.tolist()):
+            members = np.flatnonzero(which == k)
+            first = int(members[0])
+            try:
+                group = self._group(
+                    paths[key >> 32], key & 0xFFFFFFFF, int(offsets[first]), int(lengths[first])
+                )
+            except BadSample:
+                return None
+            wanted = rows[members].astype(np.int64)
+            if (wanted < 0).any() or (wanted >= len(group.starts) - 1).any():
+                return None
+            if group.bad and not group.bad.keys().isdisjoint(wanted.tolist()):
+                return None
+            begin, end = group.starts[wanted], group.starts[wanted + 1]
+            sizes[members] = end - begin
+            spans = zip(members.tolist(), begin.tolist(), end.tolist(), strict=True)
+            for row, a, b in spans:
+                starts[row] = base
+                pieces.append(group.data[a:b])
+                base += b - a
+            numbers = group.numeric
+        data = np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)
+        return data, starts, sizes, numbers
 
     def _file(self, path: str) -> _File:
         found = self._files.get(path)

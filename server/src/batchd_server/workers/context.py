@@ -5,8 +5,9 @@ global over the sources' rows concatenated in order, and the plan groups each ba
 by source (NOTE [ Mixed order ] in ``planning/mixing.py``), so a batch is a few runs of rows
 of one source each, one run for a session on one split. Each run is filled with its
 source's catalog columns, files and pipeline: byte-range records in one vectorised read and
-decode (``Pipeline.decode_batch``), anything else sample by sample; the session's pipeline
-then finishes the whole batch. A replacement under ``on_error="replace"`` is drawn from the
+decode (``Pipeline.decode_batch``), rows of Parquet files from their decoded row groups
+(``parquet/rows.py``; gathered and decoded in one go where the pipeline can), anything else
+sample by sample; the session's pipeline then finishes the whole batch. A replacement under ``on_error="replace"`` is drawn from the
 bad sample's own source. Where the layout has a ``source`` field (a mix's batches), each
 row's source index goes there.
 """
@@ -266,7 +267,7 @@ class SessionContext:
         also finds and reports whichever sample is bad."""
         columns = source.columns
         if source.parquet is not None and columns.row_groups[positions].max() >= 0:
-            return None  # rows of a Parquet file: each read from its decoded row group
+            return self._read_parquet_rows(source, source.parquet, positions, block)
         offsets = columns.byte_offsets[positions]
         lengths = columns.byte_lengths[positions]
         if offsets.min() < 0 or lengths.min() < 0:  # whole files, or "to the end"
@@ -285,6 +286,43 @@ class SessionContext:
         self._decode_s += time.perf_counter() - decode_start
         if not decoded:
             return None
+        block["sample_id"][:rows] = columns.ids[positions]
+        block["label"][:rows] = columns.labels[positions]
+        return rows
+
+    def _read_parquet_rows(
+        self, source: _Source, parquet: ParquetRows, positions: npt.NDArray[np.int64], block: Block
+    ) -> int | None:
+        """A run of Parquet rows, for a pipeline with a batch path: their values gathered
+        from their decoded row groups and decoded in one go. None as ``_read_records``."""
+        columns = source.columns
+        numbers_pipeline = source.numbers_pipeline or source.pipeline
+        if (
+            columns.row_groups[positions].min() < 0
+            or type(numbers_pipeline).decode_batch is Pipeline.decode_batch
+        ):
+            return None
+        read_start = time.perf_counter()
+        paths, files = self._batch_paths(source, positions)
+        gathered = parquet.gather(
+            paths,
+            files,
+            columns.row_groups[positions],
+            columns.row_indexes[positions],
+            columns.byte_offsets[positions],
+            columns.byte_lengths[positions],
+        )
+        self._read_s += time.perf_counter() - read_start
+        if gathered is None:
+            return None
+        data, starts, lengths, numbers = gathered
+        pipeline = numbers_pipeline if numbers else source.pipeline
+        decode_start = time.perf_counter()
+        decoded = pipeline.decode_batch(data, starts, lengths, block)
+        self._decode_s += time.perf_counter() - decode_start
+        if not decoded:
+            return None
+        rows = len(positions)
         block["sample_id"][:rows] = columns.ids[positions]
         block["label"][:rows] = columns.labels[positions]
         return rows

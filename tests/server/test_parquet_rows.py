@@ -264,3 +264,38 @@ def test_a_file_that_changed_or_is_not_parquet_is_a_corrupt_sample(tmp_path: Pat
     with pytest.raises(BadSample, match="not a Parquet file") as e:
         rows.value("junk.parquet", 0, 0, 4, 10)
     assert e.value.kind == "corrupt"
+
+
+def test_gather_copies_the_rows_of_several_groups_in_order_or_declines_a_bad_row(
+    tmp_path: Path,
+) -> None:
+    """Rows of two files and several row groups, in any order, come back as one buffer with
+    each row's start and length; a batch with a null row is declined (None), for the
+    row-by-row path to report it."""
+    blobs = _blobs(12)
+    for part in range(2):
+        values: list[bytes | None] = list(blobs[part * 6 : part * 6 + 6])
+        if part == 1:
+            values[5] = None
+        _write(tmp_path / f"g{part}.parquet", {"png": pa.array(values, pa.binary())}, 4)
+    rows = ParquetRows(SampleFiles(str(tmp_path)), "png", None)
+    wanted = [7, 0, 5, 1, 9, 4]  # sample i: file i // 6, row group (i % 6) // 4
+    paths = ["g0.parquet", "g1.parquet"]
+    files = np.array([i // 6 for i in wanted], np.intp)
+    groups = np.array([(i % 6) // 4 for i in wanted], np.int32)
+    within = np.array([(i % 6) % 4 for i in wanted], np.int32)
+    ranges = [
+        _chunk(tmp_path / paths[f], int(g), "png") for f, g in zip(files, groups, strict=True)
+    ]
+    offsets = np.array([r[0] for r in ranges], np.int64)
+    lengths = np.array([r[1] for r in ranges], np.int64)
+    got = rows.gather(paths, files, groups, within, offsets, lengths)
+    assert got is not None
+    data, starts, sizes, numbers = got
+    assert not numbers
+    assert [data[a : a + n].tobytes() for a, n in zip(starts, sizes, strict=True)] == [
+        blobs[i] for i in wanted
+    ]
+    files[0], groups[0], within[0] = 1, 1, 1  # sample 11: the null row
+    offsets[0], lengths[0] = _chunk(tmp_path / "g1.parquet", 1, "png")
+    assert rows.gather(paths, files, groups, within, offsets, lengths) is None
