@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from batchd_server.errors import DataError
 from batchd_server.parquet.payload import Payload, chunk_range, resolve_payload
 from batchd_server.pipelines.base import BadSample
+from batchd_server.pipelines.ranges import take_ranges
 
 __all__ = ["ParquetRows", "SampleReader"]
 
@@ -198,12 +199,14 @@ class ParquetRows:
         n = len(rows)
         keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
         distinct, which = np.unique(keys, return_inverse=True)
-        starts = np.empty(n, np.int64)
+        order = np.argsort(which, kind="stable")
+        bounds = np.searchsorted(which[order], np.arange(len(distinct) + 1))
+        begins = np.empty(n, np.int64)
         sizes = np.empty(n, np.int64)
-        pieces: list[npt.NDArray[np.uint8]] = []
-        base, numbers = 0, False
+        pieces: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.intp]]] = []
+        numbers = False
         for k, key in enumerate(distinct.tolist()):
-            members = np.flatnonzero(which == k)
+            members = order[bounds[k] : bounds[k + 1]]
             first = int(members[0])
             try:
                 group = self._group(
@@ -212,19 +215,26 @@ class ParquetRows:
             except BadSample:
                 return None
             wanted = rows[members].astype(np.int64)
-            if (wanted < 0).any() or (wanted >= len(group.starts) - 1).any():
+            if wanted.min() < 0 or wanted.max() >= len(group.starts) - 1:
                 return None
             if group.bad and not group.bad.keys().isdisjoint(wanted.tolist()):
                 return None
-            begin, end = group.starts[wanted], group.starts[wanted + 1]
-            sizes[members] = end - begin
-            spans = zip(members.tolist(), begin.tolist(), end.tolist(), strict=True)
-            for row, a, b in spans:
-                starts[row] = base
-                pieces.append(group.data[a:b])
-                base += b - a
+            begins[members] = group.starts[wanted]
+            sizes[members] = group.starts[wanted + 1] - begins[members]
+            pieces.append((group.data, members))
             numbers = group.numeric
-        data = np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)
+        starts = np.zeros(n, np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        data = np.empty(int(starts[-1] + sizes[-1]) if n else 0, np.uint8)
+        width = int(sizes[0]) if n else 0
+        for source, members in pieces:
+            if width and (sizes[members] == width).all():  # fixed-size values: one gather
+                taken = take_ranges(source, begins[members], width).view(np.uint8)
+                data[(starts[members, None] + np.arange(width)).reshape(-1)] = taken
+                continue
+            for row in members.tolist():
+                a, size = int(begins[row]), int(sizes[row])
+                data[starts[row] : starts[row] + size] = source[a : a + size]
         return data, starts, sizes, numbers
 
     def _file(self, path: str) -> _File:

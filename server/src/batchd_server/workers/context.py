@@ -7,9 +7,9 @@ of one source each, one run for a session on one split. Each run is filled with 
 source's catalog columns, files and pipeline: byte-range records in one vectorised read and
 decode (``Pipeline.decode_batch``), rows of Parquet files from their decoded row groups
 (``parquet/rows.py``; gathered and decoded in one go where the pipeline can), anything else
-sample by sample; the session's pipeline then finishes the whole batch. A replacement under ``on_error="replace"`` is drawn from the
-bad sample's own source. Where the layout has a ``source`` field (a mix's batches), each
-row's source index goes there.
+sample by sample; the session's pipeline then finishes the whole batch. A replacement under
+``on_error="replace"`` is drawn from the bad sample's own source. Where the layout has a
+``source`` field (a mix's batches), each row's source index goes there.
 """
 
 from __future__ import annotations
@@ -336,10 +336,17 @@ class SessionContext:
         starts = source.columns.path_offsets[positions]
         ends = source.columns.path_offsets[positions + 1]
         width = int(ends[0] - starts[0])
-        if (ends - starts == width).all():  # the usual run: one shard for all its samples
+        if width and (ends - starts == width).all():  # the usual run: one shard for all
             names = raw[starts[:, None] + np.arange(width)]
             if (names == names[0]).all():
                 return [source.path(int(positions[0]))], np.zeros(len(positions), np.intp)
+            # Files of one naming pattern (part-0000.parquet, ...): one vectorised unique.
+            distinct, files = np.unique(
+                np.ascontiguousarray(names).view(np.dtype((np.void, width))).reshape(-1),
+                return_inverse=True,
+            )
+            paths = [d.tobytes().decode("utf-8", "replace") for d in distinct]
+            return paths, files.astype(np.intp).reshape(-1)
         seen: dict[bytes, int] = {}
         files = np.fromiter(
             (
