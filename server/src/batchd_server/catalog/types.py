@@ -135,10 +135,6 @@ class SampleColumns:
                 found[name] = np.full(len(arrays["ids"]), -1, np.int32)
         return cls(**found)
 
-    def is_parquet(self, i: int) -> bool:
-        """Whether sample ``i`` (a position) is a row of a Parquet file."""
-        return bool(self.row_groups[i] >= 0)
-
     def __len__(self) -> int:
         return len(self.ids)
 
