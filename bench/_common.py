@@ -422,9 +422,10 @@ def batchd_server(
     database_url: str,
     socket_dir: Path,
     *,
-    workers: int,
+    workers: int | str,
     lease_timeout_s: float,
     ready_timeout_s: float = 120.0,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[ServerProcess]:
     """``batchd-server serve`` on a unix socket in ``socket_dir``, stopped with SIGTERM.
 
@@ -435,6 +436,7 @@ def batchd_server(
     target = f"unix://{socket_dir}/batchd.sock"
     command = [sys.executable, "-m", "batchd_server.cli", "serve", "--listen", target]
     command += ["--workers", str(workers), "--lease-timeout-s", str(lease_timeout_s)]
+    command += list(extra_args)
     env = {**os.environ, "BATCHD_DATABASE_URL": database_url}
     process = subprocess.Popen(
         command,

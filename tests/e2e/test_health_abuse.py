@@ -257,7 +257,7 @@ def test_the_health_reason_tells_a_caller_without_a_token_nothing_of_the_catalog
         min_free_shm_bytes=0,
         catalog_probe=probe,
         catalog_timeout_s=5.0,
-        workers_wanted=0,
+        workers_wanted=lambda: 0,
         workers_alive=lambda: 0,
         dispatcher_alive=lambda: True,
         interval_s=60.0,

@@ -26,6 +26,7 @@ import batchd
 from batchd_server.api import RunningServer
 from batchd_server.catalog.ingest import ingest_manifest
 from batchd_server.catalog.parquet_ingest import ingest_parquet
+from batchd_server.metrics import REGISTRY
 
 from resume import assert_resume_yields_the_rest
 from serving import RECORD_FLOATS, record_dataset, serve
@@ -389,3 +390,51 @@ def test_token_lists_are_served_as_the_same_sequences_as_token_files(
                         got[label] = ids[:n]
             served[dataset] = got
     assert served["lists"] == served["files"] == {i: s.tolist() for i, s in enumerate(seqs)}
+
+
+# --------------------------------------------------------------------------- decode cache
+
+
+def test_the_decode_cache_serves_parquet_rows_each_its_own_and_hits_in_epoch_two(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """With the decode cache on, each Parquet image row is cached under its own key (rows of
+    one row group share a byte range): the second epoch hits every image, and serves what the
+    uncached path serves. Array rows take the batch path, which is not cached (as records in
+    a shard), and are served the same way."""
+    _, parquet = _write_images(tmp_path)
+    ingest_parquet(
+        sqlite_engine, dataset="hf", root=parquet, files=["images-*.parquet"],
+        payload="image.bytes", split_column="split", label="label",
+    )  # fmt: skip
+    _records_parquet(tmp_path / "pq-records")
+    ingest_parquet(
+        sqlite_engine, dataset="pq-records", root=tmp_path / "pq-records", files=["*.parquet"],
+        payload="record", split="train", label="label", key="key",
+    )  # fmt: skip
+
+    def hits(dataset: str) -> float:
+        labels = {"dataset": dataset, "result": "hit"}
+        return REGISTRY.get_sample_value("batchd_decode_cache_lookups_total", labels) or 0.0
+
+    pipelines = {
+        "hf": batchd.Image(size=16, resize=20),
+        "pq-records": batchd.Array((RECORD_FLOATS,), "float32"),
+    }
+    url = sqlite_engine.url.render_as_string(hide_password=False)
+    with serve(url, tmp_path, decode_cache_bytes=64 << 20) as server:
+        for dataset, pipeline in pipelines.items():
+            served = []
+            for cache in (False, True, True):
+                with batchd.Loader(
+                    server.address, dataset=dataset, batch_size=BATCH, pipeline=pipeline,
+                    device="cpu", shuffle=False, decode_cache=cache,
+                ) as loader:  # fmt: skip
+                    before = hits(dataset)
+                    served.append([{k: v.numpy().copy() for k, v in b.items()} for b in loader])
+                    assert loader.last_failed_sample_ids == ()
+            assert hits(dataset) - before == (N_IMAGES if dataset == "hf" else 0)
+            for batches in served[1:]:
+                for got, want in zip(batches, served[0], strict=True):
+                    for key in want:
+                        np.testing.assert_array_equal(got[key], want[key], err_msg=dataset)

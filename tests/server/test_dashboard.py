@@ -66,8 +66,9 @@ def test_every_dashboard_query_names_a_metric_a_live_server_exports(
 
 
 def test_the_dashboard_shows_what_an_operator_asks_first() -> None:
-    """Throughput, per-stage latency, stall ratio, time to first batch, sample errors, shm
-    and workers each have a panel; panel ids and grid positions do not collide."""
+    """Throughput, per-stage latency, stall ratio, time to first batch, sample errors, shm,
+    workers and a mix's share per source (served against expected) each have a panel;
+    panel ids and grid positions do not collide."""
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     text = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in panels}
@@ -87,6 +88,9 @@ def test_the_dashboard_shows_what_an_operator_asks_first() -> None:
         "batchd_shm_free_bytes",
         "batchd_workers_alive",
         "batchd_worker_restarts_total",
+        "batchd_mix_samples_total",
+        "batchd_mix_expected_samples_total",
+        "batchd_mix_tokens_total",
     ):
         panel_with(metric)
     cells = set()

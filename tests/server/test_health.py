@@ -192,7 +192,7 @@ class _Inputs:
             min_free_shm_bytes=64 << 20,
             catalog_probe=self.probe,
             catalog_timeout_s=catalog_timeout_s,
-            workers_wanted=2,
+            workers_wanted=lambda: 2,
             workers_alive=lambda: self.alive,
             dispatcher_alive=lambda: True,
             interval_s=0.05,

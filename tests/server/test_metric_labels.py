@@ -91,3 +91,32 @@ def test_the_stall_windows_of_datasets_nobody_reports_on_are_dropped() -> None:
     batchd_data_stall_ratio series; the one still reported on keeps both."""
     out = _in_fresh_interpreter(_AGE)
     assert out == {"ratios": ["current"], "windows": 1}
+
+
+_SOURCES = """
+import json
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from batchd_server import metrics
+
+n = metrics.MAX_SOURCE_LABELS + 20
+for i in range(n):
+    metrics.record_mix_batch("a+b", [f"s{i}:train"], [3], [7], [2.5])
+values = set()
+for family in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
+    for sample in family.samples:
+        if "source" in sample.labels:
+            values.add(sample.labels["source"])
+total = metrics.REGISTRY.get_sample_value(
+    "batchd_mix_samples_total", {"dataset": "a+b", "source": "other"}
+)
+print(json.dumps({"cap": metrics.MAX_SOURCE_LABELS, "values": len(values), "other": total}))
+"""
+
+
+def test_the_source_label_of_the_mix_counters_is_capped_too() -> None:
+    """Past ``MAX_SOURCE_LABELS`` distinct sources, the rest count under ``other``: no
+    sample is lost and the series stay bounded."""
+    got = _in_fresh_interpreter(_SOURCES)
+    assert got["values"] == got["cap"] + 1
+    assert got["other"] == 20 * 3

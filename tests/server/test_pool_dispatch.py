@@ -291,3 +291,31 @@ def test_stop_is_bounded_by_its_timeout_even_for_a_worker_that_ignores_sigterm(
         pool.stop()
     assert took < 2.6, f"stop(timeout_s=2) took {took:.1f} s"
     assert child_pids() <= before, "a worker outlived the pool"
+
+
+def test_the_pool_grows_and_shrinks_while_it_serves_and_loses_no_task(
+    registry: ShmRegistry, tmp_path: Path
+) -> None:
+    """``resize`` (what ``--workers MIN..MAX`` drives): a new worker starts and takes tasks
+    once ready; shrinking retires only a worker that holds no task, which exits and is
+    reaped, while every submitted task completes once."""
+    with (
+        _pool(1, tasks_per_worker=1) as pool,
+        _session(registry, tmp_path / "r", slots=16) as spec,
+    ):
+        first = pool.pids()
+        pool.resize(2)
+        wait_until(lambda: len(pool.pids()) == 2, "a second worker", 60)
+        futures = [pool.submit(_task(spec, k)) for k in range(8)]
+        _check(futures, 120)
+        grown = pool.pids()
+        assert set(first) < set(grown) and pool.size == 2
+        pool.resize(1)
+        futures = [pool.submit(_task(spec, k)) for k in range(8, 16)]
+        wait_until(lambda: len(pool.pids()) == 1, "a worker to retire", 60)
+        _check(futures, 120)
+        (retired,) = set(grown) - set(pool.pids())
+        wait_until(lambda: _state(retired) == "gone", f"retired worker {retired} reaped", 30)
+        assert pool.alive == 1 and pool.restarts == 0
+        with pytest.raises(ValueError, match="must be >= 1"):
+            pool.resize(0)

@@ -12,6 +12,7 @@ import pytest
 from batchd_server.cli import build_parser, main
 from batchd_server.config import REGENERATE_DOC, ServerConfig, settings_table
 from batchd_server.settings import EVERY_COMMAND, declared, default_text, given
+from batchd_server.workers.sizing import WorkerRange
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "reference" / "server-settings.md"
@@ -46,6 +47,9 @@ PINNED: dict[str, tuple[str | None, str, Any]] = {
     "data_roots": ("--data-root", "BATCHD_DATA_ROOTS", ()),
     "task_timeout_s": ("--task-timeout-s", "BATCHD_TASK_TIMEOUT_S", 60.0),
     "max_sample_bytes": ("--max-sample-bytes", "BATCHD_MAX_SAMPLE_BYTES", 256 << 20),
+    "decode_cache_bytes": ("--decode-cache-size", "BATCHD_DECODE_CACHE_SIZE", 0),
+    "decode_cache_dir": ("--decode-cache-dir", "BATCHD_DECODE_CACHE_DIR", None),
+    "decode_cache_dir_bytes": ("--decode-cache-dir-size", "BATCHD_DECODE_CACHE_DIR_SIZE", 0),
     "reflection": ("--reflection", "BATCHD_REFLECTION", False),
     "heartbeat_interval_s": ("--heartbeat-interval-s", "BATCHD_HEARTBEAT_INTERVAL_S", 5.0),
 }
@@ -63,11 +67,15 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "reflection": ("1", True),
     "max_sample_bytes": ("64MiB", 64 << 20),
     "data_roots": ("/data", (Path("/data"),)),
+    "workers": ("2..6", WorkerRange(2, 6)),
+    "decode_cache_bytes": ("8GiB", 8 << 30),
+    "decode_cache_dir_bytes": ("100GiB", 100 << 30),
 }
 """A valid text for each setting whose type alone does not give one."""
 
 _TLS = {"BATCHD_TLS_CERT": "/etc/batchd/c.pem", "BATCHD_TLS_KEY": "/etc/batchd/k.pem"}
 COMPANIONS: dict[str, dict[str, str]] = {"tls_cert": _TLS, "tls_key": _TLS, "tls_client_ca": _TLS}
+COMPANIONS["decode_cache_dir"] = {"BATCHD_DECODE_CACHE_SIZE": "1GiB"}
 """Variables a setting is only valid with (TLS comes as a certificate and its key)."""
 
 BAD: dict[str, Any] = {
@@ -75,6 +83,7 @@ BAD: dict[str, Any] = {
     "metrics_listen": "9400",
     "log_format": "xml",
     "data_roots": (Path("relative"),),
+    "workers": WorkerRange(3, 2),
 }
 """A value each non-numeric check refuses (every numeric one refuses -1)."""
 

@@ -27,9 +27,9 @@ from batchd._status import error_from_rpc
 from batchd._stream import BatchStream, ReceivedBatch
 from batchd._transport import select_transport
 from batchd._wire.status import disagreement
-from batchd.errors import Unavailable
+from batchd.errors import FailedPrecondition, Unavailable
 
-__all__ = ["MAX_MESSAGE_BYTES", "Connection", "SessionHandle"]
+__all__ = ["MAX_MESSAGE_BYTES", "Connection", "SessionHandle", "check_schedule_applied"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,24 @@ class SessionHandle:
             )
 
 
+def check_schedule_applied(
+    request: loader_pb2.OpenSessionRequest, reply: loader_pb2.OpenSessionResponse, target: str
+) -> None:
+    """Refuse a session on a mix with a schedule from a server that does not apply it (one
+    from before schedules ignores the field and would serve the base weights throughout).
+
+    Raises:
+        FailedPrecondition: the reply does not confirm every point of the schedule.
+    """
+    wanted = len(request.mix.schedule)
+    if wanted and reply.schedule_points != wanted:
+        raise FailedPrecondition(
+            f"the server at {target!r} does not apply mix schedules (it confirmed "
+            f"{reply.schedule_points} of the {wanted} points); upgrade batchd-server, or "
+            "leave schedule out of the Mix"
+        )
+
+
 class Connection:
     """A Loader's channel to the server at ``target``, its session there and its live
     stream."""
@@ -142,6 +160,7 @@ class Connection:
             raise explain_unreachable(error, self.target, self.security) from e
         ring = None
         try:
+            check_schedule_applied(request, reply, self.target)
             chosen, ring, reason = select_transport(transport, reply)
             delivery = make_delivery(ring=ring, prefetch=max(reply.prefetch, 1), **delivery_options)
         except BaseException:

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Final
 
+from batchd._accounting import SourceAccount
 from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
@@ -32,6 +33,7 @@ from batchd._stats import LoaderStats, LoopClock
 from batchd._stream import BatchStream
 from batchd._targets import replicas_of
 from batchd._wire.lifetime import Closeable
+from batchd._wire.schedule import global_step
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 __all__ = ["Loader"]
@@ -95,6 +97,8 @@ class Loader(Closeable):
             default ``$BATCHD_TLS_CA``; None and unset: plaintext. For mutual TLS, the
             client's certificate and key come from ``$BATCHD_TLS_CLIENT_CERT`` and
             ``$BATCHD_TLS_CLIENT_KEY``.
+        decode_cache: False: the server decodes every sample afresh, even where it keeps a
+            decode cache (its rows are the same either way); for a benchmark of cold decoding.
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
@@ -146,6 +150,7 @@ class Loader(Closeable):
         reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
         auth_token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        decode_cache: bool = True,
     ) -> None:
         self._options = LoaderOptions(
             dataset=dataset,
@@ -168,6 +173,7 @@ class Loader(Closeable):
             timeout_s=timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
             sources=sources,
+            decode_cache=decode_cache,
         )
         self._device = resolve_device(device)
         self._lanes = Lanes(
@@ -181,6 +187,7 @@ class Loader(Closeable):
         self._iteration: object | None = None
         self._position = Position(self._options)
         self._clock = LoopClock()
+        self._account = _account_of(self._options.sources)
         self.last_failed_sample_ids: tuple[int, ...] = ()
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
         or replaced (``"replace"``)."""
@@ -279,6 +286,7 @@ class Loader(Closeable):
                     mine, first, stride, previous = _streams(stripes), index, len(stripes), None
                     continue
                 expect_batch(batch, plan)
+                self._count(batch.arrays, reply, cursor, index)
                 out, acks = session.delivery.deliver(batch)
                 clock.handed(batch.rows)
                 stream.ack(acks, clock.take_pending())
@@ -301,6 +309,30 @@ class Loader(Closeable):
                 lanes.abandon(mine)
             if self._iteration is token:
                 self._iteration = None
+
+    def _count(
+        self,
+        arrays: Mapping[str, Any],
+        reply: loader_pb2.OpenSessionResponse,
+        at: Cursor,
+        index: int,
+    ) -> None:
+        """Count a mix's batch per source (``batchd._accounting``), at its global step."""
+        if self._account is None:
+            return
+        options = self._options
+        assert options.world_size is not None  # set in LoaderOptions
+        step = global_step(
+            at.epoch,
+            index,
+            rows=int(reply.num_rows),
+            batch_size=options.batch_size,
+            world_size=options.world_size,
+            drop_last=options.drop_last,
+            start=at.start,
+            order_world_size=at.order_world_size,
+        )
+        self._account.record(arrays, step)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -352,8 +384,13 @@ class Loader(Closeable):
         long ``next()`` waited and the steps in between took (totals and percentiles), the
         stall ratio ``wait / (wait + step)``, and the time to the first batch. The server
         exports the same per-batch numbers as ``batchd_client_wait_seconds``,
-        ``batchd_client_step_seconds`` and ``batchd_data_stall_ratio``."""
-        return self._clock.stats()
+        ``batchd_client_step_seconds`` and ``batchd_data_stall_ratio``. Over a mix,
+        ``sources`` has each source's samples and tokens served against the samples its
+        weights (and schedule) expected."""
+        stats = self._clock.stats()
+        if self._account is None:
+            return stats
+        return replace(stats, sources=self._account.stats())
 
     @property
     def wait_s(self) -> float:
@@ -457,6 +494,17 @@ class Loader(Closeable):
             f"Loader(target={self.target!r}, dataset={self._options.dataset!r}, "
             f"split={self._options.split!r}, batch_size={self._options.batch_size}) [{state}]"
         )
+
+
+def _account_of(mix: Mix | None) -> SourceAccount | None:
+    """The per-source counts of a Loader over ``mix``; None without one."""
+    if mix is None:
+        return None
+    if mix.schedule is not None:
+        return SourceAccount(mix.names, mix.schedule.shares_at)
+    total = sum(mix.weights)
+    shares = tuple(w / total for w in mix.weights)
+    return SourceAccount(mix.names, lambda _step: shares)
 
 
 def _streams(stripes: Sequence[Connection]) -> list[BatchStream]:

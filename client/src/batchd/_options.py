@@ -62,6 +62,7 @@ class LoaderOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
     sources: Mix | None = None
+    decode_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.sources is not None:
@@ -160,6 +161,7 @@ class LoaderOptions:
             snapshot=snapshot or self.snapshot or "",
             on_error=on_error_to_proto(self.on_error),
             max_error_fraction=self.max_error_fraction,
+            no_decode_cache=not self.decode_cache,
         )
         if mix is not None:
             # A mix's versions are its sources'; a reopen's snapshot token pins them all.

@@ -12,8 +12,10 @@ world size, so a state saved by N ranks resumes on M: the rest of the epoch is p
 ``consumed`` for the M new ranks.
 
 A Loader over a mix (``batchd.Mix``) saves its sources, weights and stop under ``"mix"``
-(None without a mix, and missing in states from before mixing, which means the same); they
-must match to resume. Its ``snapshot`` is the mix's token, pinning every source.
+(None without a mix, and missing in states from before mixing, which means the same), and
+its schedule and interpolation when it has one; they must match to resume (a schedule's
+steps count global batches from the run's start, so another schedule would replay other
+batches). Its ``snapshot`` is the mix's token, pinning every source.
 
 Formats: 2 (this one); 1 (batchd before elastic resume: a per-rank ``next_batch``, read as
 ``consumed = next_batch * batch_size * world_size``). Others are refused with a message that
@@ -265,7 +267,7 @@ def _check_state(
         raise InvalidArgument(
             f"state mix={state.get('mix')!r} does not match this Loader's mix="
             f"{mine.get('mix')!r}; create the Loader with the same sources (names, splits, "
-            "versions, weights and stop) to resume"
+            "versions, weights, stop, schedule and interpolate) to resume"
         )
     keys = [*_COMPATIBLE_KEYS, *(["version"] if pinned_version is not None else [])]
     for key in keys:

@@ -21,6 +21,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from batchd._accounting import SourceStats
+
 __all__ = ["MAX_PENDING_TIMINGS", "BatchTiming", "LoaderStats", "LoopClock"]
 
 MAX_PENDING_TIMINGS: Final = 4096
@@ -61,6 +63,9 @@ class LoaderStats:
     """``wait_s / (wait_s + step_s)``: near 0 the loader keeps up, near 1 the GPU starves."""
     time_to_first_batch_s: float | None
     """From the first ``iter()`` to the first batch in the loop's hands."""
+    sources: tuple[SourceStats, ...] = ()
+    """A mix's sources: samples and tokens each served, against what its weights (and
+    schedule) expect (``batchd._accounting``); ``()`` without a mix."""
 
 
 def _finite(seconds: float) -> float:

@@ -11,17 +11,19 @@ admission, credentials, the listener) over the :class:`Parts` built here.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batchd_server import metrics
+from batchd_server import metrics, metrics_scaling
 from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, ping
 from batchd_server.catalog.sample_errors import SampleErrorWriter
 from batchd_server.catalog_cache import CatalogCache
-from batchd_server.config import ServerConfig
+from batchd_server.config import ServerConfig, available_cpus
+from batchd_server.decode_cache import DecodeCacheOwner
 from batchd_server.delivery.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition
 from batchd_server.health import HealthMonitor, HealthReport
@@ -30,6 +32,7 @@ from batchd_server.settings import setting_of
 from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.shm.space import shm_space
 from batchd_server.workers.pool import WorkerPool
+from batchd_server.workers.sizing import Autoscaler
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
     from batchd_server.catalog.db import Engine
@@ -53,6 +56,9 @@ class Parts:
     monitor: HealthMonitor
     sample_errors: SampleErrorWriter
     metrics_endpoint: metrics.MetricsEndpoint | None = None
+    autoscaler: Autoscaler | None = None
+    """Sizes the pool by demand when ``--workers`` is a range MIN..MAX."""
+    decode_cache: DecodeCacheOwner | None = None
 
     def end_sessions(self, timeout_s: float) -> None:
         """End every stream and session at once (the doorbell's too), freeing their rings."""
@@ -77,17 +83,23 @@ class Parts:
             self.sample_errors.close()
         finally:
             try:
+                if self.autoscaler is not None:
+                    self.autoscaler.stop()
                 self.pool.stop(timeout_s=left())
             finally:
                 try:
-                    self.registry.close()
+                    if self.decode_cache is not None:
+                        self.decode_cache.close()  # after the workers: none writes any more
                 finally:
-                    self.engine.dispose()
+                    try:
+                        self.registry.close()
+                    finally:
+                        self.engine.dispose()
 
 
 def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     pool = WorkerPool(
-        config.workers,
+        config.workers.min,
         task_timeout_s=config.task_timeout_s,
         on_restart=metrics.WORKER_RESTARTS.inc,
         on_timeout=metrics.WORKER_TIMEOUTS.inc,
@@ -95,12 +107,45 @@ def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     )
     pool.start()
     metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
-    metrics.WORKERS_CONFIGURED.set(config.workers)
+    metrics.WORKERS_CONFIGURED.set(config.workers.max)
+    metrics_scaling.WORKERS_MIN.set(config.workers.min)
+    metrics_scaling.WORKERS_TARGET.set_function(lambda: pool.size)
     metrics.WORKERS_CRASH_LOOP.set_function(lambda: pool.crash_loop is not None)
     metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
     metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
     metrics.SHM_BUDGET_BYTES.set_function(registry.effective_budget_bytes)
     return pool
+
+
+def _start_decode_cache(config: ServerConfig, registry: ShmRegistry) -> DecodeCacheOwner | None:
+    """The decode cache's tiers, its bytes taken from the shm budget; None without one."""
+    size = config.decode_cache_bytes
+    if not size:
+        return None
+    owner = DecodeCacheOwner(
+        shm_dir=registry.shm_dir,
+        instance=registry.instance,
+        size_bytes=size,
+        disk_dir=config.decode_cache_dir,
+        disk_bytes=config.decode_cache_dir_bytes or 4 * size,
+        on_evict=lambda tier, n: metrics.DECODE_CACHE_EVICTIONS.labels(tier=tier).inc(n),
+    )
+    try:
+        registry.set_aside(
+            size, purpose="the decode cache (--decode-cache-size)", used=owner.used_bytes
+        )
+    except BaseException:
+        owner.close()
+        raise
+    for tier in ("shm", "disk") if owner.disk is not None else ("shm",):
+        bound = owner.shm if tier == "shm" else owner.disk
+        assert bound is not None
+        metrics.DECODE_CACHE_BYTES.labels(tier=tier).set_function(
+            functools.partial(owner.used_bytes, tier)
+        )
+        metrics.DECODE_CACHE_LIMIT_BYTES.labels(tier=tier).set(bound.limit_bytes)
+    owner.start()
+    return owner
 
 
 def _shm_size_bytes(config: ServerConfig) -> int | None:
@@ -134,6 +179,13 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         registry.close()
         engine.dispose()
         raise
+    try:
+        decode_cache = _start_decode_cache(config, registry)
+    except BaseException:
+        pool.stop()
+        registry.close()
+        engine.dispose()
+        raise
     catalog = CatalogCache(engine, registry)
     sample_errors = SampleErrorWriter(engine)
     bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
@@ -149,13 +201,16 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         doorbell=bell_path.name,
         data_roots=config.data_roots,
         max_sample_bytes=config.max_sample_bytes,
+        decode_cache=decode_cache.spec if decode_cache is not None else None,
     )
+    if decode_cache is not None:
+        decode_cache.live_roots = sessions.live_roots
     monitor = HealthMonitor(
         space=registry.space,
         min_free_shm_bytes=config.min_free_shm_bytes,
         catalog_probe=lambda: ping(engine),
         catalog_timeout_s=config.catalog_timeout_s,
-        workers_wanted=config.workers,
+        workers_wanted=lambda: pool.size,
         workers_alive=lambda: pool.alive,
         dispatcher_alive=lambda: pool.dispatcher_alive,
         crash_loop=lambda: pool.crash_loop,
@@ -169,10 +224,13 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         catalog.close()
         sample_errors.close()
         pool.stop()
+        if decode_cache is not None:
+            decode_cache.close()
         registry.close()
         engine.dispose()
         raise
     parts = Parts(engine, registry, pool, catalog, sessions, doorbell, monitor, sample_errors)
+    parts.decode_cache = decode_cache
     try:
         address = config.metrics_address()
         if address is not None:
@@ -184,6 +242,16 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
                     f"cannot serve metrics on {address[0]}:{address[1]}: {e.strerror or e}; "
                     f"choose another {flag}"
                 ) from e
+        if not config.workers.fixed:
+            parts.autoscaler = Autoscaler(
+                pool,
+                config.workers,
+                cpus=available_cpus(),
+                stall_ratio=metrics.RECENT_STALL.current,
+                on_change=metrics_scaling.record_worker_scaling,
+                on_signals=metrics_scaling.record_scaling_signals,
+            )
+            parts.autoscaler.start()
         monitor.start()
     except BaseException:
         parts.close()

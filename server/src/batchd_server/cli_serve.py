@@ -118,7 +118,7 @@ def cmd_serve(args: argparse.Namespace, engine: Engine) -> int:
                 )
             metrics = server.metrics_address
             log.info(
-                "ready: serving on %s (batchd-server %s) with %d decode workers, shm budget %s "
+                "ready: serving on %s (batchd-server %s) with %s decode workers, shm budget %s "
                 "in %s (segments batchd-%s-*), lease timeout %g s, catalog %s, %s, grace %g s",
                 server.address,
                 __version__,

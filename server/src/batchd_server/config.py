@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from batchd_server.decode_cache.settings import DecodeCacheSettings
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.settings import (
     EVERY_COMMAND,
@@ -36,6 +37,7 @@ from batchd_server.settings import (
     within,
 )
 from batchd_server.shm.space import usable_bytes
+from batchd_server.workers.sizing import WorkerRange, parse_worker_range
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -128,7 +130,7 @@ class ShmLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig:
+class ServerConfig(DecodeCacheSettings):
     """Everything the server needs to know, validated on construction.
 
     Each field's ``setting(...)`` says what it does, how to set it and what it allows; the
@@ -158,15 +160,17 @@ class ServerConfig:
             metavar="ADDRESS",
         ),
     )
-    workers: int = field(
-        default_factory=available_cpus,
+    workers: WorkerRange = field(
+        default_factory=lambda: WorkerRange(available_cpus(), available_cpus()),
         metadata=setting(
-            "decode processes",
+            "decode processes: N keeps N running; MIN..MAX starts MIN and adds one while "
+            "trainers stall on queued decode work and cores are idle, removes one when the "
+            "workers idle, never past MAX, the CPUs or what memory affords",
             flag="--workers",
             env="BATCHD_WORKERS",
-            parse=int,
-            check=at_least(1),
-            metavar="N",
+            parse=parse_worker_range,
+            check=Check(">= 1, MIN <= MAX", WorkerRange.problem),
+            metavar="N|MIN..MAX",
             default_text="the CPUs this process may use",
         ),
     )
@@ -493,6 +497,8 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.workers, int):  # ServerConfig(workers=4) from Python
+            object.__setattr__(self, "workers", WorkerRange(self.workers, self.workers))
         check_values(self)
         cert, key = _setting("tls_cert"), _setting("tls_key")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -506,6 +512,8 @@ class ServerConfig:
                 f"{ca.flag} ({ca.env}) asks for mutual TLS, which needs the server's own "
                 f"{cert.flag} and {key.flag}"
             )
+
+        self.check_decode_cache()
 
     @property
     def reserved_rpcs(self) -> int:

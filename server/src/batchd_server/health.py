@@ -149,7 +149,8 @@ class HealthMonitor:
         min_free_shm_bytes: Ready only while at least this much is free.
         catalog_probe: One round trip to the catalog; raises when it fails.
         catalog_timeout_s: A probe running longer than this is a failure.
-        workers_wanted: The configured decode workers.
+        workers_wanted: The decode workers the pool runs now (``--workers``, or the
+            size the autoscaler chose within its range).
         workers_alive: How many of them live now.
         dispatcher_alive: Whether the worker pool's dispatcher thread runs (liveness).
         crash_loop: Why the workers are in a crash loop, or None (the default: never).
@@ -165,7 +166,7 @@ class HealthMonitor:
         min_free_shm_bytes: int,
         catalog_probe: Callable[[], None],
         catalog_timeout_s: float,
-        workers_wanted: int,
+        workers_wanted: Callable[[], int],
         workers_alive: Callable[[], int],
         dispatcher_alive: Callable[[], bool],
         interval_s: float,
@@ -256,17 +257,15 @@ class HealthMonitor:
         catalog = self._catalog.problem()
         if catalog is not None:
             problems.append(Problem("catalog", catalog))
-        alive = self._workers_alive()
+        alive, wanted = self._workers_alive(), self._workers_wanted()
         crash_loop = self._crash_loop()
         if crash_loop is not None:
-            problems.append(
-                Problem("workers", f"{alive} of {self._workers_wanted} workers alive; {crash_loop}")
-            )
-        elif alive < self._workers_wanted:
+            problems.append(Problem("workers", f"{alive} of {wanted} workers alive; {crash_loop}"))
+        elif alive < wanted:
             problems.append(
                 Problem(
                     "workers",
-                    f"{alive} of {self._workers_wanted} decode workers are alive; dead ones are "
+                    f"{alive} of {wanted} decode workers are alive; dead ones are "
                     "being replaced (if this lasts, the server log says why they die)",
                 )
             )

@@ -10,6 +10,11 @@ Prometheus without bound. Clients choose which datasets they mix, so ``dataset``
 besides (:func:`dataset_label`): past :data:`MAX_DATASET_LABELS` distinct values, a new one
 is reported as :data:`OTHER_DATASET`.
 
+A mix's sources (``batchd_mix_*_total``) are labelled ``dataset`` (the mix's label) and
+``source`` (a source's ``dataset:split``, ``@version`` when pinned), capped the same way
+(:data:`MAX_SOURCE_LABELS`, then :data:`OTHER_DATASET`): served samples and tokens per
+source beside the samples its weights (and schedule) expected (:func:`record_mix_batch`).
+
 Stall attribution, read top-down: ``batchd_batch_seconds`` is a batch's time from the
 server's hand-off to a worker until its result; ``batchd_queue_wait_seconds`` is the part
 before a worker began it (too few workers), ``batchd_stage_seconds{stage}`` the worker's own
@@ -33,6 +38,7 @@ import contextlib
 import itertools
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,10 +62,15 @@ __all__ = [
     "FIRST_BATCH_SECONDS",
     "MAX_CLIENT_SECONDS",
     "MAX_DATASET_LABELS",
+    "MAX_SOURCE_LABELS",
     "MAX_TIMINGS_PER_ACK",
+    "MIX_EXPECTED_SAMPLES",
+    "MIX_SAMPLES",
+    "MIX_TOKENS",
     "OTHER_DATASET",
     "QUEUE_WAIT_SECONDS",
     "READY",
+    "RECENT_STALL",
     "REGISTRY",
     "SAMPLES",
     "SAMPLE_ERRORS",
@@ -87,6 +98,7 @@ __all__ = [
     "record_client_batch",
     "record_client_timings",
     "record_delivery",
+    "record_mix_batch",
     "record_sample_error",
     "serve",
 ]
@@ -227,6 +239,37 @@ DATA_STALL_RATIO = Gauge(
     ["dataset"],
     registry=REGISTRY,
 )
+# -- the decode cache (decode_cache/) --
+DECODE_CACHE_LOOKUPS = Counter(
+    "batchd_decode_cache_lookups",
+    "Decode cache lookups by dataset and result: hit, miss (decoded, then offered to the "
+    "cache) or corrupt (an entry that did not check out, decoded again; also a miss).",
+    ["dataset", "result"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_WRITTEN_BYTES = Counter(
+    "batchd_decode_cache_written_bytes",
+    "Bytes of decode cache entries written by the workers.",
+    registry=REGISTRY,
+)
+DECODE_CACHE_BYTES = Gauge(
+    "batchd_decode_cache_bytes",
+    "Bytes the decode cache holds, by tier (shm, disk).",
+    ["tier"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_LIMIT_BYTES = Gauge(
+    "batchd_decode_cache_limit_bytes",
+    "The decode cache's bound by tier (--decode-cache-size, --decode-cache-dir-size).",
+    ["tier"],
+    registry=REGISTRY,
+)
+DECODE_CACHE_EVICTIONS = Counter(
+    "batchd_decode_cache_evictions",
+    "Decode cache entries evicted, by tier (from shm they move to the disk tier, if any).",
+    ["tier"],
+    registry=REGISTRY,
+)
 
 MAX_CLIENT_SECONDS: Final = 3600.0
 """A client-reported duration is clamped to this: one batch never takes an hour to wait for."""
@@ -279,6 +322,13 @@ def observe_worker_result(
         STAGE_SECONDS.labels(dataset=dataset, stage=stage).observe(max(0.0, seconds))
     QUEUE_WAIT_SECONDS.labels(dataset=dataset).observe(max(0.0, queued_s))
     BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, latency_s))
+    cache = result.cache
+    if task.spec.decode_cache is not None:
+        for outcome, count in (("hit", cache.hits), ("miss", cache.misses)):
+            DECODE_CACHE_LOOKUPS.labels(dataset=dataset, result=outcome).inc(count)
+        if cache.corrupt:
+            DECODE_CACHE_LOOKUPS.labels(dataset=dataset, result="corrupt").inc(cache.corrupt)
+        DECODE_CACHE_WRITTEN_BYTES.inc(cache.written_bytes)
 
 
 def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = None) -> None:
@@ -288,6 +338,48 @@ def record_delivery(dataset: str, rows: int, *, since_open_s: float | None = Non
     SAMPLES.labels(dataset=dataset).inc(rows)
     if since_open_s is not None:
         FIRST_BATCH_SECONDS.labels(dataset=dataset).observe(max(0.0, since_open_s))
+
+
+MIX_SAMPLES = Counter(
+    "batchd_mix_samples",
+    "Samples of each source of a mix delivered to clients.",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MIX_TOKENS = Counter(
+    "batchd_mix_tokens",
+    "Tokens (before padding) of each source of a mix delivered to clients; token pipelines.",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MIX_EXPECTED_SAMPLES = Counter(
+    "batchd_mix_expected_samples",
+    "Samples of each source of a mix that its weights in force expected of the batches "
+    "delivered (rows times the source's share at each batch's step).",
+    ["dataset", "source"],
+    registry=REGISTRY,
+)
+MAX_SOURCE_LABELS: Final = 256
+"""Distinct values of the ``source`` label a process reports (3 plain counters each)."""
+_SOURCE_LABELS: Final = LabelValues(MAX_SOURCE_LABELS, OTHER_DATASET)
+
+
+def record_mix_batch(
+    dataset: str,
+    sources: Sequence[str],
+    samples: Sequence[int],
+    tokens: Sequence[int] | None,
+    expected: Sequence[float],
+) -> None:
+    """Count one delivered batch of the mix ``dataset``: each source's ``samples`` (and
+    ``tokens``, for token pipelines) and the samples its share ``expected``."""
+    dataset = dataset_label(dataset)
+    for i, source in enumerate(sources):
+        label = _SOURCE_LABELS(source)
+        MIX_SAMPLES.labels(dataset=dataset, source=label).inc(samples[i])
+        MIX_EXPECTED_SAMPLES.labels(dataset=dataset, source=label).inc(max(0.0, expected[i]))
+        if tokens is not None:
+            MIX_TOKENS.labels(dataset=dataset, source=label).inc(tokens[i])
 
 
 def record_sample_error(dataset: str, kind: str) -> None:
@@ -404,6 +496,24 @@ STALL_RATIOS: Final = StallRatios(DATA_STALL_RATIO)
 """The process's stall windows, behind ``batchd_data_stall_ratio``."""
 
 
+class RecentStall:
+    """The stall ratio of every client together over the last few seconds: the demand the
+    worker autoscaler reacts to (a minute, as the gauge shows, is too slow to act on)."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self._window = StallWindow(window_s)
+
+    def add(self, wait_s: float, step_s: float, *, now: float) -> None:
+        self._window.add(now, wait_s, step_s)
+
+    def current(self) -> float | None:
+        """The ratio over the window ending now (``time.monotonic``); None with no reports."""
+        return self._window.ratio(time.monotonic())
+
+
+RECENT_STALL: Final = RecentStall()
+
+
 def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: float) -> None:
     """One batch as a client reported it (see NOTE [ Client wait histogram ])."""
     dataset = dataset_label(dataset)
@@ -411,6 +521,7 @@ def record_client_batch(dataset: str, wait_s: float, step_s: float, *, now: floa
     CLIENT_WAIT_SECONDS.labels(dataset=dataset).observe(wait_s)
     CLIENT_STEP_SECONDS.labels(dataset=dataset).observe(step_s)
     STALL_RATIOS.add(dataset, wait_s, step_s, now=now)
+    RECENT_STALL.add(wait_s, step_s, now=now)
 
 
 MAX_TIMINGS_PER_ACK: Final = 4096

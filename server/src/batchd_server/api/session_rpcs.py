@@ -12,6 +12,7 @@ from typing import Any, Final
 import grpc
 
 from batchd._proto.batchd.v1 import loader_pb2 as pb
+from batchd._wire.schedule import WeightSchedule
 from batchd._wire.specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
 from batchd_server import metrics
 from batchd_server.api.admission import client_identity
@@ -118,6 +119,7 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         on_error=_ON_ERROR[request.on_error],
         max_error_fraction=request.max_error_fraction or 0.01,
         mix=mix,
+        decode_cache=not request.no_decode_cache,
     )
 
 
@@ -156,13 +158,30 @@ def _mix_target(request: pb.OpenSessionRequest, sampler: SamplerOptions) -> _Tar
                 pipeline_options=options,
             )
         )
-    mix = MixOptions(sources=tuple(sources), stop_samples=request.mix.stop_samples)
+    mix = MixOptions(
+        sources=tuple(sources),
+        stop_samples=request.mix.stop_samples,
+        schedule=_schedule(request.mix, tuple(s.weight for s in sources)),
+    )
     if sampler.mode != "uniform":
         raise InvalidArgument(
             f"sampling={sampler.mode!r} cannot be used with a mix: the mix's weights decide how "
             "samples are drawn; use sampling 'uniform'"
         )
     return mix.label, None, "", mix
+
+
+def _schedule(mix: pb.Mix, base: tuple[float, ...]) -> WeightSchedule | None:
+    """``mix.schedule`` as a validated schedule over ``base``; None without points."""
+    if not mix.schedule:
+        if mix.interpolate:
+            raise InvalidArgument(
+                f"the mix has interpolate={mix.interpolate!r} but no schedule; give schedule "
+                "points, or leave interpolate empty"
+            )
+        return None
+    points = tuple((int(p.step), tuple(p.weights)) for p in mix.schedule)
+    return WeightSchedule(base, points, mix.interpolate or "step")
 
 
 def open_session(
@@ -173,6 +192,7 @@ def open_session(
     session = sessions.open(options, client)
     ring = session.ring
     version, sources = _served(session)
+    mix_schedule = None if options.mix is None else options.mix.schedule
     return pb.OpenSessionResponse(
         session_id=session.id,
         num_batches=session.num_batches,
@@ -194,6 +214,7 @@ def open_session(
         split=options.split,
         prefetch=options.prefetch,
         sources=sources,
+        schedule_points=0 if mix_schedule is None else len(mix_schedule.points),
     )
 
 

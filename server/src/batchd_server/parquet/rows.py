@@ -177,6 +177,14 @@ class ParquetRows:
         start, end = int(group.starts[row]), int(group.starts[row + 1])
         return group.data[start:end].data, group.numeric
 
+    def numeric(self, path: str) -> bool:
+        """Whether the payload of ``path`` is numbers (a list or fixed-size list), not bytes.
+
+        Raises:
+            BadSample: As :meth:`value`, for the file.
+        """
+        return self._file(path).payload.kind != "binary"
+
     def gather(
         self,
         paths: Sequence[str],

@@ -56,7 +56,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -80,7 +80,15 @@ except ImportError:  # pragma: no cover - simplejpeg is an optional speed-up
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DECODERS", "MAX_SIZE", "ImagePipeline", "dct_shift", "random_resized_crop", "sniff"]
+__all__ = [
+    "DECODERS",
+    "MAX_SIZE",
+    "Decoded",
+    "ImagePipeline",
+    "dct_shift",
+    "random_resized_crop",
+    "sniff",
+]
 
 DECODERS: Final = IMAGE_DECODERS
 MAX_SIZE: Final = MAX_IMAGE_SIZE
@@ -94,8 +102,24 @@ _MAX_RESIZED_ASPECT: Final = 4
 _Rng = np.random.Generator | None
 Crop = tuple[int, int, int, int]
 """``(i, j, h, w)``: top, left, height and width of a random crop on the full-size image."""
-_Decoded = tuple[np.ndarray, int, Crop | None, _Rng]
-"""HWC RGB pixels, the DCT shift they were decoded at, the random crop (or None), the rng."""
+
+
+class Decoded(NamedTuple):
+    """An image decoded and planned (:meth:`ImagePipeline.decode_pixels`)."""
+
+    pixels: np.ndarray
+    """HWC RGB, decoded at 1 / 2**k of the full size."""
+    k: int
+    """The DCT shift (step 3)."""
+    crop: Crop | None
+    """The random crop on the full-size image, None for the centre crop."""
+    rng: _Rng
+    """The sample's rng after the crop's draws (None when nothing is random)."""
+    width: int
+    height: int
+    """The full-size image's, as its header says."""
+    fmt: str
+    """``"JPEG"``, ``"PNG"`` or ``"WEBP"``."""
 
 
 def sniff(data: memoryview | bytes) -> str | None:
@@ -236,6 +260,19 @@ class ImagePipeline(Pipeline):
         return [FieldSpec("image", np.dtype(np.uint8), (3, self.size, self.size))]
 
     def decode_into(self, data: memoryview, sample: SampleInfo, row: Block) -> None:
+        decoded = self.decode_pixels(data, sample)
+        self.finish_pixels(decoded.pixels, decoded.k, decoded.crop, decoded.rng, row["image"])
+
+    def decode_pixels(self, data: memoryview, sample: SampleInfo) -> Decoded:
+        """Steps 1-3 and the crop's draws of step 6: the image decoded at its DCT shift.
+
+        The decode cache (``decode_cache/``) keeps these pixels for a random crop and redoes
+        only :meth:`finish_pixels`, so the two together must stay :meth:`decode_into`. The
+        pixels may live in a buffer the next decode reuses.
+
+        Raises:
+            BadSample: ``corrupt``: not an image this pipeline decodes.
+        """
         fmt = sniff(data)
         if fmt is None:
             raise BadSample(
@@ -253,9 +290,14 @@ class ImagePipeline(Pipeline):
         # become a BadSample, never a dead worker.
         except Exception as e:
             raise BadSample("corrupt", f"{sample.path}: {fmt} does not decode: {e}") from e
-        pixels, k, crop, rng = decoded
+        return decoded
+
+    def finish_pixels(
+        self, pixels: np.ndarray, k: int, crop: Crop | None, rng: _Rng, out: np.ndarray
+    ) -> None:
+        """Steps 4-8 on what :meth:`decode_pixels` gave: the flip's draw, resize, crop."""
         flip = rng is not None and self.flip and rng.random() < 0.5
-        self._resize_into(pixels, k, crop, flip, row["image"])
+        self._resize_into(pixels, k, crop, flip, out)
 
     def _resize_into(
         self, pixels: np.ndarray, k: int, crop: Crop | None, flip: bool, out: np.ndarray
@@ -291,7 +333,7 @@ class ImagePipeline(Pipeline):
         kept: torch.Tensor = resized[0, :, top : top + size, left : left + size]
         torch.from_numpy(out).copy_(kept.flip(-1) if flip else kept)
 
-    def _plan(self, width: int, height: int, jpeg: bool, rng: _Rng) -> tuple[int, Crop | None]:
+    def plan(self, width: int, height: int, jpeg: bool, rng: _Rng) -> tuple[int, Crop | None]:
         """``(k, crop)``: the DCT shift, and the random crop or None for the centre crop."""
         if not self.random_crop:
             return (dct_shift(min(width, height), self.resize) if jpeg else 0), None
@@ -300,11 +342,11 @@ class ImagePipeline(Pipeline):
         _, _, h, w = crop
         return (dct_shift(min(w, h), self.size) if jpeg else 0), crop
 
-    def _rng(self, sample: SampleInfo) -> _Rng:
+    def rng_of(self, sample: SampleInfo) -> _Rng:
         # A fresh stream per decode attempt, so a Pillow fallback draws the same crop.
         return sample.rng() if self.random_crop or self.flip else None
 
-    def _simplejpeg_decode(self, data: memoryview, sample: SampleInfo) -> _Decoded | None:
+    def _simplejpeg_decode(self, data: memoryview, sample: SampleInfo) -> Decoded | None:
         """The decoded image and its plan, or None where Pillow must decode (see step 2)."""
         assert simplejpeg is not None
         try:
@@ -316,8 +358,8 @@ class ImagePipeline(Pipeline):
             # Pillow converts CMYK its own way, and refuses decompression bombs (images over
             # twice MAX_IMAGE_PIXELS) before allocating them; simplejpeg has no such limit.
             return None
-        rng = self._rng(sample)
-        k, crop = self._plan(width, height, True, rng)
+        rng = self.rng_of(sample)
+        k, crop = self.plan(width, height, True, rng)
         s = 1 << k
         out_h, out_w = ceil_div(height, s), ceil_div(width, s)
         needed = out_h * out_w * 3
@@ -336,17 +378,17 @@ class ImagePipeline(Pipeline):
             return None
         if pixels.shape != (out_h, out_w, 3):
             return None  # a scale other than 1/2**k: let Pillow follow the recipe exactly
-        return pixels, k, crop, rng
+        return Decoded(pixels, k, crop, rng, width, height, "JPEG")
 
-    def _pillow_decode(self, data: memoryview, fmt: str, sample: SampleInfo) -> _Decoded:
+    def _pillow_decode(self, data: memoryview, fmt: str, sample: SampleInfo) -> Decoded:
         image: Image.Image = Image.open(io.BytesIO(data), formats=[fmt])
         width, height = image.size
-        rng = self._rng(sample)
-        k, crop = self._plan(width, height, fmt == "JPEG", rng)
+        rng = self.rng_of(sample)
+        k, crop = self.plan(width, height, fmt == "JPEG", rng)
         if k:
             image.draft("RGB", (width >> k, height >> k))
         image.load()
         if image.mode != "RGB":
             image = image.convert("RGB")
         # np.array, not asarray: torch wants writable memory, and asarray's is read-only.
-        return np.array(image), k, crop, rng
+        return Decoded(np.array(image), k, crop, rng, width, height, fmt)

@@ -34,6 +34,9 @@ get every sample of the smaller source). A contiguous run keeps the weights, so 
 rank's every batch is within (S + 1) samples of its shares (within 2 for two sources).
 Within each batch the rows are grouped by source (a stable sort), so that a worker decodes
 each source's rows together.
+
+A mix with a schedule (weights that change with the global step) orders its epochs
+otherwise: NOTE [ Scheduled mix ] in ``planning/schedule.py``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from batchd._wire.mix import valid_weight
+from batchd._wire.schedule import WeightSchedule
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.planning.sampling import (
     MIX_PASS_TAG,
@@ -59,6 +63,7 @@ from batchd_server.planning.sampling import (
     num_batches,
     rest_of_order,
 )
+from batchd_server.planning.schedule import scheduled_order
 
 if TYPE_CHECKING:
     from batchd_server.catalog.types import SplitArrays
@@ -193,6 +198,8 @@ class MixOptions:
     sources: tuple[MixSourceOptions, ...]
     stop_samples: int = 0
     """0: the epoch ends where the first source runs out; N > 0: N samples per epoch."""
+    schedule: WeightSchedule | None = None
+    """Weights by global step (NOTE [ Scheduled mix ]); its base is the sources' weights."""
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -220,6 +227,12 @@ class MixOptions:
             )
         if stop > MAX_EPOCH_SAMPLES:
             raise InvalidArgument(f"stop_samples={stop} must be at most {MAX_EPOCH_SAMPLES}")
+        weights = tuple(s.weight for s in self.sources)
+        if self.schedule is not None and self.schedule.base != weights:
+            raise InvalidArgument(
+                f"the mix schedule's base weights {self.schedule.base} are not the sources' "
+                f"weights {weights}"
+            )
 
     @property
     def units(self) -> tuple[int, ...]:
@@ -252,8 +265,16 @@ class MixOptions:
     def plan(
         self, splits: Sequence[SplitArrays], options: SamplerOptions, at: EpochStart
     ) -> EpochPlan:
-        """``plan_mix_epoch``; a mix's order never depends on the world size."""
-        return plan_mix_epoch([len(s) for s in splits], self, options, at.epoch, start=at.start)
+        """``plan_mix_epoch``; a mix's order depends on the world size only under a schedule
+        (its steps are global batches)."""
+        return plan_mix_epoch(
+            [len(s) for s in splits],
+            self,
+            options,
+            at.epoch,
+            start=at.start,
+            order_world_size=at.order_world_size,
+        )
 
     def pins(self, token: str | None) -> Sequence[tuple[str | None, str | None]]:
         if token is None:
@@ -327,9 +348,11 @@ def plan_mix_epoch(
     epoch: int,
     *,
     start: int = 0,
+    order_world_size: int | None = None,
 ) -> EpochPlan:
     """This rank's batches of one epoch of the mix from global entry ``start`` on, each
-    batch's rows grouped by source.
+    batch's rows grouped by source; under a schedule, the epoch's order built for
+    ``order_world_size`` ranks (default ``options.world_size``).
 
     Raises:
         InvalidArgument: ``options.mode`` is not "uniform", or as ``mix_counts``.
@@ -340,14 +363,27 @@ def plan_mix_epoch(
             f"sampling={options.mode!r} cannot be used with a mix: the mix's weights decide "
             "how samples are drawn; use sampling='uniform'"
         )
-    order = mixed_order(
-        sizes,
-        mix.units,
-        seed=options.seed,
-        epoch=epoch,
-        shuffle=options.shuffle,
-        stop_samples=mix.stop_samples,
-    )
+    if mix.schedule is None:
+        order = mixed_order(
+            sizes,
+            mix.units,
+            seed=options.seed,
+            epoch=epoch,
+            shuffle=options.shuffle,
+            stop_samples=mix.stop_samples,
+        )
+    else:
+        seed, shuffle = options.seed, options.shuffle
+        order = scheduled_order(
+            sizes,
+            mix.schedule,
+            lambda s, count: _rows(s, count, sizes[s], seed, epoch, shuffle),
+            length=sum(mix_counts(sizes, mix.units, mix.stop_samples)),
+            options=options,
+            epoch=epoch,
+            order_world_size=order_world_size,
+            resolution=SHARE_RESOLUTION,
+        )
     rest = rest_of_order(order, options, start=start)
     plan = deal_blocks(rest, options, num_batches(order.size, options, start=start))
     return group_by_source(plan, source_starts(sizes))

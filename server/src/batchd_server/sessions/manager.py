@@ -15,6 +15,7 @@ from typing import Final
 from batchd._wire.ring import slot_offset
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogCache
+from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from batchd_server.limits import MAX_SLOT_BYTES
 from batchd_server.logs import session_log_id
@@ -78,8 +79,11 @@ class SessionManager:
         doorbell: str = "",
         data_roots: tuple[Path, ...] = (),
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
+        decode_cache: DecodeCacheSpec | None = None,
     ) -> None:
         self._max_sample_bytes = max_sample_bytes
+        self._decode_cache = decode_cache
+        """The server's decode cache, given to every session that does not opt out."""
         self._catalog = catalog
         self._pool = pool
         self._registry = registry
@@ -245,6 +249,7 @@ class SessionManager:
                 record_errors=self._record_errors,
                 max_sample_bytes=self._max_sample_bytes,
                 roots=roots,
+                decode_cache=self._decode_cache if options.decode_cache else None,
             )
             if session.num_batches == 0:
                 raise FailedPrecondition(
@@ -298,6 +303,13 @@ class SessionManager:
                 "server; mount the data there or re-ingest with the right --root"
             )
         return str(resolved)
+
+    def live_roots(self) -> set[str]:
+        """The dataset roots the open sessions' workers read (the decode cache keeps their
+        entries: NOTE [ Admission and eviction ] in ``decode_cache/owner.py``)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return {source.root for session in sessions for source in session.spec.sources}
 
     def get(self, session_id: str, client: str | None = None) -> Session:
         """The open session ``session_id``; with ``client``, only if that client opened it.

@@ -46,6 +46,8 @@ class SessionOptions:
     mix: MixOptions | None = None
     """A weighted mix of splits; ``dataset`` is then the mix's label and ``split`` empty,
     and ``snapshot`` a mix's token. None: the session serves ``dataset``'s ``split``."""
+    decode_cache: bool = True
+    """Use the server's decode cache (if it has one); False: decode every sample afresh."""
 
     def __post_init__(self) -> None:
         if not self.dataset:

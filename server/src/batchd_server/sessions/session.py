@@ -24,13 +24,16 @@ from typing import Final, Protocol
 import numpy as np
 
 from batchd._wire.ring import HEADER_BYTES, slot_offset
+from batchd._wire.schedule import global_step
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
+from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import EpochStart, source_starts
 from batchd_server.planning.sampling import EpochPlan
+from batchd_server.sessions.accounting import MixAccount
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
@@ -106,6 +109,10 @@ class Stream:
     closed: bool = False
     stride: int = 1
     """Every ``stride``-th batch from ``start``: a client striping over replicas."""
+    start_sample: int = 0
+    order_world_size: int = 0
+    """The plan is the rest of the epoch's order (built for this world size, 0: the
+    session's) from this entry on: an elastic resume."""
 
 
 class Session:
@@ -125,6 +132,7 @@ class Session:
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
         roots: Sequence[str] | None = None,
+        decode_cache: DecodeCacheSpec | None = None,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
         ``roots``: the directory the workers read each one's files from, as the manager
@@ -151,6 +159,7 @@ class Session:
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
         self._plans: dict[EpochStart, EpochPlan] = {first: probe}
+        self._account = None if options.mix is None else MixAccount(options.mix)
         self.ring = ring
         self.layout = layout
         self.slot_bytes = slot_bytes
@@ -194,6 +203,7 @@ class Session:
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
             max_sample_bytes=max_sample_bytes,
+            decode_cache=decode_cache,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
@@ -356,6 +366,8 @@ class Session:
                 start_batch,
                 leased=held_leases is not None,
                 stride=max(stride, 1),
+                start_sample=start_sample,
+                order_world_size=order_world_size,
             )
             self._stream = stream
             self.last_used = time.monotonic()
@@ -500,6 +512,19 @@ class Session:
         first, self._delivered_any = not self._delivered_any, True
         since_open_s = time.monotonic() - self.opened_at if first else None
         metrics.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
+        if self._account is not None:
+            sampler = self.options.sampler
+            step = global_step(
+                stream.epoch,
+                result.batch_index,
+                rows=self.num_rows,
+                batch_size=sampler.batch_size,
+                world_size=sampler.world_size,
+                drop_last=sampler.drop_last,
+                start=stream.start_sample,
+                order_world_size=stream.order_world_size,
+            )
+            self._account.record(self.slot_memory(result.slot), views, result.rows, step)
         return ReadyBatch(
             result.batch_index,
             result.slot,

@@ -16,6 +16,7 @@ import os
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from batchd._wire.lifetime import Closeable
@@ -62,6 +63,9 @@ class ShmRegistry(Closeable):
         self._mutex = threading.Lock()
         self._segments: dict[str, Segment] = {}
         self._creating_bytes = 0
+        self._aside_bytes = 0
+        self._aside_used: Callable[[], int] = lambda: 0
+        """Bytes set aside for the decode cache's shared-memory tier, and what it holds now."""
         self._closed = False
         # Files to remove if close() is never called; shared with the finalizer, which must
         # not hold self.
@@ -75,7 +79,36 @@ class ShmRegistry(Closeable):
             return self._reserved_locked()
 
     def _reserved_locked(self) -> int:
-        return self._creating_bytes + sum(s.nbytes for s in self._segments.values())
+        segments = sum(s.nbytes for s in self._segments.values())
+        return self._creating_bytes + self._aside_bytes + segments
+
+    def _aside_unused(self) -> int:
+        """Set-aside bytes the cache does not hold yet: free in ``shm_dir``, but not for us."""
+        return max(0, self._aside_bytes - self._aside_used()) if self._aside_bytes else 0
+
+    def set_aside(self, nbytes: int, *, purpose: str, used: Callable[[], int]) -> None:
+        """Take ``nbytes`` of the budget for files that fill up over time (the decode cache's
+        shared-memory tier, ``shm/entries.py``), whose bytes held now ``used()`` says.
+
+        Raises:
+            ResourceExhausted: The budget or ``shm_dir`` cannot hold ``nbytes`` more.
+        """
+        space = self.space()
+        with self._mutex:
+            self._require_open()
+            reserved = self._reserved_locked()
+            if nbytes > self.budget_bytes - reserved:
+                raise ResourceExhausted(
+                    f"{purpose} needs {format_bytes(nbytes)} of the server's shared-memory "
+                    f"budget of {format_bytes(self.budget_bytes)}, of which "
+                    f"{format_bytes(reserved)} is reserved already; raise --shm-budget "
+                    "(BATCHD_SHM_BUDGET) by as much, leaving room for the sessions' rings, or "
+                    "ask for less"
+                )
+            if nbytes > space.free_bytes - self._creating_bytes:
+                raise ResourceExhausted(self._no_space_message(space, nbytes, purpose))
+            self._aside_bytes += nbytes
+            self._aside_used = used
 
     def free_bytes(self) -> int:
         """Bytes an unprivileged process may still allocate in ``shm_dir``."""
@@ -91,7 +124,7 @@ class ShmRegistry(Closeable):
         cannot hold that much beside what others keep there (read fresh on every call)."""
         with self._mutex:
             reserved = self._reserved_locked()
-        return min(self.budget_bytes, reserved + self.free_bytes())
+        return min(self.budget_bytes, reserved + self.free_bytes() - self._aside_unused())
 
     def segments(self) -> list[Segment]:
         """The live segments, oldest first."""
@@ -122,7 +155,7 @@ class ShmRegistry(Closeable):
             # Two ceilings: the operator's budget and what the filesystem can still take (less
             # what is being created here and not yet allocated). The message names the one
             # that binds: "raise --shm-budget" is no help when /dev/shm is the limit.
-            fs_room = space.free_bytes - self._creating_bytes
+            fs_room = space.free_bytes - self._creating_bytes - self._aside_unused()
             budget_room = self.budget_bytes - reserved
             if nbytes > min(fs_room, budget_room):
                 if fs_room <= budget_room:

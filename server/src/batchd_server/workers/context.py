@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from batchd._wire.ring import slot_offset
 from batchd_server.catalog.types import SampleColumns
+from batchd_server.decode_cache.worker import CacheCounts, CachedSource, SampleCache
 from batchd_server.parquet.rows import ParquetRows
 from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
@@ -63,10 +64,14 @@ class _Source:
     files: SampleFiles
     pipeline: Pipeline
     attachment: Attachment
+    cached: CachedSource | None = None
+    """Its samples through the decode cache; None when they are not cached."""
     parquet: ParquetRows | None = None
     """Its Parquet rows' reader, when it has any."""
     numbers_pipeline: Pipeline | None = None
     """What decodes a Parquet row whose value is numbers (raw, of the pipeline's dtype)."""
+    numbers_cached: CachedSource | None = None
+    """``numbers_pipeline``'s samples through the decode cache."""
 
     def path(self, position: int) -> str:
         start, end = self.columns.path_offsets[position], self.columns.path_offsets[position + 1]
@@ -80,8 +85,8 @@ class _Source:
         row = int(self.columns.row_indexes[position])
         return f"{self.path(position)} (row group {row_group}, row {row})"
 
-    def read(self, position: int) -> tuple[memoryview, Pipeline]:
-        """Sample ``position``'s bytes and the pipeline that decodes them.
+    def read(self, position: int) -> memoryview:
+        """Sample ``position``'s bytes: a file's byte range, or a Parquet row's value.
 
         Raises:
             BadSample: As ``SampleFiles.read`` and ``ParquetRows.value``.
@@ -90,16 +95,31 @@ class _Source:
         offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
         row_group = int(columns.row_groups[position])
         if row_group < 0:
-            return self.files.read(self.path(position), offset, length), self.pipeline
+            return self.files.read(self.path(position), offset, length)
+        row = int(columns.row_indexes[position])
+        return self._parquet().value(self.path(position), row_group, row, offset, length)[0]
+
+    def decoder(self, position: int) -> tuple[Pipeline, CachedSource | None]:
+        """What decodes sample ``position``'s bytes, and through which cache: a Parquet
+        row of numbers goes to ``numbers_pipeline``.
+
+        Raises:
+            BadSample: A Parquet row whose file cannot be read.
+        """
+        if self.columns.row_groups[position] < 0 or self.numbers_pipeline is None:
+            return self.pipeline, self.cached
+        if self._parquet().numeric(self.path(position)):
+            return self.numbers_pipeline, self.numbers_cached
+        return self.pipeline, self.cached
+
+    def _parquet(self) -> ParquetRows:
         if self.parquet is None:
             raise BadSample(
                 "corrupt",
-                f"{self.path(position)}: a Parquet row of a dataset that names no payload "
-                "column; re-ingest it with batchd-server ingest parquet",
+                "a Parquet row of a dataset that names no payload column; re-ingest it with "
+                "batchd-server ingest parquet",
             )
-        row = int(columns.row_indexes[position])
-        data, numbers = self.parquet.value(self.path(position), row_group, row, offset, length)
-        return data, (self.numbers_pipeline or self.pipeline) if numbers else self.pipeline
+        return self.parquet
 
     def begin_batch(self) -> None:
         self.files.begin_batch()
@@ -134,6 +154,7 @@ class SessionContext:
         self.spec = spec
         self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
         """The session's: it finishes every batch."""
+        self._cache = SampleCache(spec.decode_cache) if spec.decode_cache is not None else None
         self._sources: list[_Source] = []
         self._ring: Attachment | None = None
         try:
@@ -164,10 +185,15 @@ class SessionContext:
                 pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
             columns = SampleColumns.of(arrays)
             files = SampleFiles(source.root, max_sample_bytes=self.spec.max_sample_bytes)
-            opened = _Source(source.start, columns, files, pipeline, attachment)
+            cached = CachedSource.of(self._cache, pipeline, source.root)
+            opened = _Source(source.start, columns, files, pipeline, attachment, cached)
             if source.parquet_payload and len(columns) and columns.row_groups.max() >= 0:
-                opened.parquet, opened.numbers_pipeline = _parquet_readers(
-                    files, source.parquet_payload, pipeline
+                opened.parquet, numbers = _parquet_readers(files, source.parquet_payload, pipeline)
+                opened.numbers_pipeline = numbers
+                opened.numbers_cached = (
+                    cached
+                    if numbers is pipeline
+                    else CachedSource.of(self._cache, numbers, source.root)
                 )
             return opened
         except BaseException:
@@ -244,7 +270,10 @@ class SessionContext:
             decode_s=self._decode_s,
             collate_s=time.perf_counter() - finish_start,
         )
-        return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
+        counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
+        return BatchResult(
+            task.batch_index, task.slot, rows, shapes, failures, fatal, times, counts
+        )
 
     def _runs(self, positions: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[Any]]]:
         """The task's positions as runs of one source each: (source index, the run's rows in
@@ -365,7 +394,7 @@ class SessionContext:
         info = SampleInfo(
             sample_id=sample_id,
             label=int(columns.labels[position]),
-            path=source.describe(position),
+            path=source.path(position),
             length=int(columns.lengths[position]),
             seed=self.spec.seed,
             epoch=epoch,
@@ -377,18 +406,29 @@ class SessionContext:
                 "(--task-timeout-s) twice, and the worker was killed each time; check the "
                 "file and the file system it is on",
             )
-        read_start = time.perf_counter()
+        offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
+        read_s = 0.0
+
+        def read() -> memoryview:
+            nonlocal read_s
+            read_start = time.perf_counter()
+            try:
+                return source.read(position)
+            finally:
+                read_s += time.perf_counter() - read_start
+
+        start = time.perf_counter()
         try:
-            data, pipeline = source.read(position)
-        finally:
-            decode_start = time.perf_counter()
-            self._read_s += decode_start - read_start
-        try:
-            pipeline.decode_into(data, info, row)
+            pipeline, cached = source.decoder(position)
+            if cached is not None:
+                cached.decode(info, offset, length, read, row)
+            else:
+                pipeline.decode_into(read(), info, row)
             row["sample_id"][...] = sample_id
             row["label"][...] = info.label
         finally:
-            self._decode_s += time.perf_counter() - decode_start
+            self._read_s += read_s
+            self._decode_s += time.perf_counter() - start - read_s
 
     def _decode_each(
         self, source: _Source, epoch: int, positions: npt.NDArray[np.int64], block: Block

@@ -20,7 +20,7 @@ import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Final
@@ -30,7 +30,7 @@ from batchd_server.workers.sender import WorkerSender
 from batchd_server.workers.task import BatchResult, BatchTask
 from batchd_server.workers.worker import worker_main
 
-__all__ = ["REAP_S", "Pending", "Worker", "end_processes", "left", "spawn_worker"]
+__all__ = ["REAP_S", "Pending", "Worker", "end_processes", "left", "spawn_worker", "wait_ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,34 @@ def spawn_worker(ctx: SpawnContext, index: int) -> Worker:
     finally:
         child.close()
     return Worker(index, process, parent, WorkerSender(parent, f"batchd-send-{index}"), progress)
+
+
+def wait_ready(workers: list[Worker], timeout_s: float) -> str | None:
+    """Wait until each of ``workers`` said ready (and mark it so); what went wrong, or None.
+
+    Returns:
+        Why not all got ready: one exited while starting, or the time ran out.
+    """
+    pending = {w.conn: w for w in workers}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        watched: list[Any] = [*pending, *(w.process.sentinel for w in pending.values())]
+        ready = wait(watched, left(deadline))
+        if not ready:
+            return (
+                f"{len(pending)} of {len(workers)} decode workers were not ready after "
+                f"{timeout_s:g} s; the machine may be overloaded"
+            )
+        for obj in ready:
+            worker = pending.get(obj)  # type: ignore[call-overload]
+            if worker is None or not worker.received_ready():
+                return (
+                    "a decode worker exited while starting; run with --log-level debug and "
+                    "check that batchd-server is installed completely"
+                )
+            worker.ready = True
+            del pending[obj]  # type: ignore[arg-type]
+    return None
 
 
 def end_processes(processes: list[BaseProcess], deadline: float) -> None:

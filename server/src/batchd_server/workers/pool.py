@@ -54,7 +54,16 @@ from typing import Any
 from batchd_server.errors import DataLoss, FailedPrecondition, Unavailable
 from batchd_server.workers.deadline import NOT_BEGUN, HungBatch, after_timeout, where_stuck
 from batchd_server.workers.fair_queue import FairQueue
-from batchd_server.workers.handle import REAP_S, Pending, Worker, end_processes, left, spawn_worker
+from batchd_server.workers.handle import (
+    REAP_S,
+    Pending,
+    Worker,
+    end_processes,
+    left,
+    spawn_worker,
+    wait_ready,
+)
+from batchd_server.workers.resizing import Resizable
 from batchd_server.workers.respawn import RespawnPolicy
 from batchd_server.workers.sender import pickled
 from batchd_server.workers.task import BatchResult, BatchTask
@@ -75,8 +84,10 @@ _TERMINATE_S = 1.0
 terminating and killing workers that did not exit when asked."""
 
 
-class WorkerPool:
+class WorkerPool(Resizable):
     """``workers`` decode processes; :meth:`submit` returns a future of the batch's result.
+
+    :meth:`resize` changes how many run while it serves (``resizing.py``).
 
     Args:
         workers: Processes to keep alive.
@@ -125,6 +136,8 @@ class WorkerPool:
         take a while to go)."""
         self._ctx = mp.get_context("spawn")
         self._workers: list[Worker] = []
+        self._retired: list[Worker] = []
+        """Workers asked to exit when the pool shrank, until they are reaped."""
         # Round-robin across sessions (fair_queue.py), so no session waits behind another's
         # whole ring.
         self._queue: FairQueue[Pending] = FairQueue(lambda p: p.task.spec.session_id)
@@ -160,27 +173,10 @@ class WorkerPool:
                 "check the machine's process, open file and memory limits (ulimit -u, "
                 "ulimit -n, the container's pids and memory limits) or start fewer --workers"
             ) from e
-        pending = {w.conn: w for w in self._workers}
-        deadline = time.monotonic() + self._start_timeout_s
-        while pending:
-            watched: list[Any] = [*pending, *(w.process.sentinel for w in pending.values())]
-            ready = wait(watched, left(deadline))
-            if not ready:
-                self._abandon()
-                raise FailedPrecondition(
-                    f"{len(pending)} of {self.size} decode workers were not ready after "
-                    f"{self._start_timeout_s:g} s; the machine may be overloaded"
-                )
-            for obj in ready:
-                worker = pending.get(obj)  # type: ignore[call-overload]
-                if worker is None or not worker.received_ready():
-                    self._abandon()
-                    raise FailedPrecondition(
-                        "a decode worker exited while starting; run with --log-level debug "
-                        "and check that batchd-server is installed completely"
-                    )
-                worker.ready = True
-                del pending[obj]  # type: ignore[arg-type]
+        problem = wait_ready(self._workers, self._start_timeout_s)
+        if problem is not None:
+            self._abandon()
+            raise FailedPrecondition(problem)
         self._turned_at = time.monotonic()
         self._thread = threading.Thread(target=self._dispatch, name="batchd-pool", daemon=True)
         self._thread.start()
@@ -208,7 +204,7 @@ class WorkerPool:
             worker.sender.send(pickled(None))
         for worker in self._live():
             worker.process.join(left(ask_until))
-        end_processes([w.process for w in self._workers], deadline)
+        end_processes([w.process for w in [*self._workers, *self._retired]], deadline)
         for process in self._doomed:
             process.join(left(deadline + REAP_S))
             if process.is_alive():
@@ -217,9 +213,9 @@ class WorkerPool:
                     "exited yet (stuck in the kernel: a hung file system?)",
                     process.pid,
                 )
-        for worker in self._workers:
+        for worker in [*self._workers, *self._retired]:
             worker.sender.close()
-        for worker in self._workers:
+        for worker in [*self._workers, *self._retired]:
             worker.sender.join(left(deadline + REAP_S))
         error = Unavailable("the batchd server is shutting down")
         with self._lock:
@@ -351,6 +347,7 @@ class WorkerPool:
             if worker.respawn_at is not None and now >= worker.respawn_at:
                 self._start_replacement(worker)
         self._doomed = [p for p in self._doomed if p.is_alive()]
+        self._apply_size()
         self._turned_at = time.monotonic()
         return True
 

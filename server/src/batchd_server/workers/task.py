@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from batchd_server.decode_cache.worker import CacheCounts, DecodeCacheSpec
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 
 __all__ = [
@@ -89,6 +90,8 @@ class SessionSpec:
     """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
     max_sample_bytes: int = MAX_SAMPLE_BYTES
     """The most bytes one sample may have (``--max-sample-bytes``); more is ``too_large``."""
+    decode_cache: DecodeCacheSpec | None = None
+    """The server's decode cache; None when it has none or the session opted out."""
 
     def __post_init__(self) -> None:
         assert self.sources and self.sources[0].start == 0, "sources start at position 0"
@@ -153,3 +156,5 @@ class BatchResult:
     """on_error="raise" and a sample failed: the batch must not be served."""
     times: StageTimes = field(default_factory=StageTimes, compare=False)
     """How long the worker took; not part of what the batch is (two runs of it differ)."""
+    cache: CacheCounts = field(default_factory=CacheCounts, compare=False)
+    """The decode cache's hits and misses on this batch."""

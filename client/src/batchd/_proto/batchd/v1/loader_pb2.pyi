@@ -158,7 +158,7 @@ class Pipeline(_message.Message):
     def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix")
+    __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix", "no_decode_cache")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class OpenSessionRequest(_message.Message):
     ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     MAX_ERROR_FRACTION_FIELD_NUMBER: _ClassVar[int]
     MIX_FIELD_NUMBER: _ClassVar[int]
+    NO_DECODE_CACHE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     version: str
     split: str
@@ -191,7 +192,8 @@ class OpenSessionRequest(_message.Message):
     on_error: OnError
     max_error_fraction: float
     mix: Mix
-    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, str]] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., prefetch: _Optional[int] = ..., snapshot: _Optional[str] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_error_fraction: _Optional[float] = ..., mix: _Optional[_Union[Mix, _Mapping]] = ...) -> None: ...
+    no_decode_cache: bool
+    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, str]] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., prefetch: _Optional[int] = ..., snapshot: _Optional[str] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_error_fraction: _Optional[float] = ..., mix: _Optional[_Union[Mix, _Mapping]] = ..., no_decode_cache: _Optional[bool] = ...) -> None: ...
 
 class MixSource(_message.Message):
     __slots__ = ("dataset", "version", "split", "weight", "rows", "epoch_samples", "pipeline")
@@ -212,12 +214,24 @@ class MixSource(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., weight: _Optional[float] = ..., rows: _Optional[int] = ..., epoch_samples: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
 
 class Mix(_message.Message):
-    __slots__ = ("sources", "stop_samples")
+    __slots__ = ("sources", "stop_samples", "schedule", "interpolate")
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     STOP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    INTERPOLATE_FIELD_NUMBER: _ClassVar[int]
     sources: _containers.RepeatedCompositeFieldContainer[MixSource]
     stop_samples: int
-    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., stop_samples: _Optional[int] = ...) -> None: ...
+    schedule: _containers.RepeatedCompositeFieldContainer[MixSchedulePoint]
+    interpolate: str
+    def __init__(self, sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., stop_samples: _Optional[int] = ..., schedule: _Optional[_Iterable[_Union[MixSchedulePoint, _Mapping]]] = ..., interpolate: _Optional[str] = ...) -> None: ...
+
+class MixSchedulePoint(_message.Message):
+    __slots__ = ("step", "weights")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FieldSchema(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -256,7 +270,7 @@ class DoorbellHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows", "sources")
+    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows", "sources", "schedule_points")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +283,7 @@ class OpenSessionResponse(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_POINTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_batches: int
     num_samples: int
@@ -281,7 +296,8 @@ class OpenSessionResponse(_message.Message):
     prefetch: int
     num_rows: int
     sources: _containers.RepeatedCompositeFieldContainer[MixSource]
-    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ...) -> None: ...
+    schedule_points: int
+    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., schedule_points: _Optional[int] = ...) -> None: ...
 
 class StreamStart(_message.Message):
     __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size", "stride", "heartbeat", "accept_first")
