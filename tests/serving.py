@@ -35,8 +35,9 @@ def batchd_segments(instance: str = "") -> list[str]:
 
 def child_pids() -> set[int]:
     """Live children of this process (zombies excluded), except multiprocessing's resource
-    tracker: the ``spawn`` start method starts that helper once per process and it exits
-    with its parent."""
+    tracker (the ``spawn`` start method starts that helper once per process and it exits
+    with its parent) and a test's own S3 store (``s3server.py``), which a test may restart
+    while a server runs."""
     me = os.getpid()
     found: set[int] = set()
     for task in Path(f"/proc/{me}/task").iterdir():
@@ -51,7 +52,8 @@ def child_pids() -> set[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state == "Z" or b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if state == "Z" or b"resource_tracker" in cmdline or b"weed\x00server\x00" in cmdline:
             continue
         alive.add(pid)
     return alive

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
-from PIL import Image
+from parquet_data import N_IMAGES, N_RECORDS, png, records_parquet, write_images
 from sqlalchemy.engine import Engine
 
 import batchd
@@ -31,8 +30,6 @@ from batchd_server.metrics import REGISTRY
 from resume import assert_resume_yields_the_rest
 from serving import RECORD_FLOATS, record_dataset, serve
 
-N_IMAGES = 30
-N_RECORDS = 203  # prime: no world size or batch size divides it
 N_TOKENS = 50
 BATCH = 8
 
@@ -47,38 +44,6 @@ def cli(*args: str, url: str, home: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
     )
-
-
-def _png(i: int) -> bytes:
-    rng = np.random.default_rng(i)
-    pixels = rng.integers(0, 256, (20 + i % 7, 24 + i % 5, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-def _write_images(tmp: Path) -> tuple[Path, Path]:
-    """The same images as a class-per-directory tree (image ``i`` in class ``c{i:03d}``, so
-    its label is ``i``) and as two Parquet files of 7-row groups, each twice: a binary column
-    ``png`` and a Hugging Face style ``image`` struct of ``bytes`` and ``path``."""
-    folder, parquet = tmp / "folder", tmp / "parquet"
-    parquet.mkdir(parents=True)
-    images = [_png(i) for i in range(N_IMAGES)]
-    for i, data in enumerate(images):
-        (folder / "train" / f"c{i:03d}").mkdir(parents=True)
-        (folder / "train" / f"c{i:03d}" / f"img{i:03d}.png").write_bytes(data)
-    half = N_IMAGES // 2
-    for part, rows in enumerate((range(half), range(half, N_IMAGES))):
-        table = pa.table(
-            {
-                "png": pa.array([images[i] for i in rows], pa.binary()),
-                "image": pa.array([{"bytes": images[i], "path": f"img{i:03d}.png"} for i in rows]),
-                "label": pa.array(list(rows), pa.int64()),
-                "split": pa.array(["train"] * len(rows)),
-            }
-        )
-        pq.write_table(table, parquet / f"images-{part}.parquet", row_group_size=7)
-    return folder, parquet
 
 
 def _images_by_label(server: RunningServer, dataset: str) -> dict[int, np.ndarray]:
@@ -104,7 +69,7 @@ def test_parquet_images_plain_and_nested_serve_the_pixels_of_the_same_files_read
 ) -> None:
     """``ingest parquet --payload png`` and ``--payload image.bytes`` (a struct's field) give
     every image once, with its label, pixel for pixel as the image folder of the same files."""
-    folder, parquet = _write_images(tmp_path)
+    folder, parquet = write_images(tmp_path)
     url = engine.url.render_as_string(hide_password=False)
     home = tmp_path / "home"
     done = cli(
@@ -135,7 +100,7 @@ def test_ingest_parquet_refuses_a_file_that_is_not_parquet_or_lacks_the_column(
     """A clear one-line error, exit 2, and nothing written: for a file that is not Parquet,
     a missing payload column (its columns listed), a struct named without its field, and a
     column of text."""
-    _, parquet = _write_images(tmp_path)
+    _, parquet = write_images(tmp_path)
     (parquet / "notes.parquet").write_bytes(b"this is not parquet at all" * 10)
     url = engine.url.render_as_string(hide_password=False)
     home = tmp_path / "home"
@@ -164,7 +129,7 @@ def test_undecodable_and_null_payloads_are_bad_samples_the_rest_are_served(
     failed samples (and recorded in the catalog); every other row is served."""
     root = tmp_path / "pq"
     root.mkdir()
-    payloads: list[bytes | None] = [_png(i) for i in range(12)]
+    payloads: list[bytes | None] = [png(i) for i in range(12)]
     payloads[3] = b"not an image"
     payloads[8] = None
     table = pa.table({"png": pa.array(payloads, pa.binary()), "label": pa.array(range(12))})
@@ -194,29 +159,10 @@ def test_undecodable_and_null_payloads_are_bad_samples_the_rest_are_served(
 # --------------------------------------------------------------------------- records
 
 
-def _records_parquet(root: Path) -> np.ndarray:
-    """The records of ``serving.record_dataset`` (record ``i`` is ``i * 1000 + arange``,
-    label ``i % 10``), as fixed-size lists of float32 in three files of 16-row groups."""
-    root.mkdir(parents=True)
-    records = np.arange(N_RECORDS, dtype=np.float32)[:, None] * 1000
-    records = records + np.arange(RECORD_FLOATS, dtype=np.float32)
-    for part, rows in enumerate(np.array_split(np.arange(N_RECORDS), 3)):
-        values = pa.array(records[rows].reshape(-1))
-        table = pa.table(
-            {
-                "record": pa.FixedSizeListArray.from_arrays(values, RECORD_FLOATS),
-                "label": pa.array((rows % 10).tolist(), pa.int32()),
-                "key": pa.array([f"r{i:06d}" for i in rows]),
-            }
-        )
-        pq.write_table(table, root / f"records-{part}.parquet", row_group_size=16)
-    return records
-
-
 @pytest.fixture
 def records(engine: Engine, tmp_path: Path) -> Iterator[RunningServer]:
     """A server on "pq-records" (Parquet) and "records" (the same records in a shard file)."""
-    _records_parquet(tmp_path / "pq-records")
+    records_parquet(tmp_path / "pq-records")
     ingest_parquet(
         engine, dataset="pq-records", root=tmp_path / "pq-records", files=["*.parquet"],
         payload="record", split="train", label="label", key="key",
@@ -402,12 +348,12 @@ def test_the_decode_cache_serves_parquet_rows_each_its_own_and_hits_in_epoch_two
     one row group share a byte range): the second epoch hits every image, and serves what the
     uncached path serves. Array rows take the batch path, which is not cached (as records in
     a shard), and are served the same way."""
-    _, parquet = _write_images(tmp_path)
+    _, parquet = write_images(tmp_path)
     ingest_parquet(
         sqlite_engine, dataset="hf", root=parquet, files=["images-*.parquet"],
         payload="image.bytes", split_column="split", label="label",
     )  # fmt: skip
-    _records_parquet(tmp_path / "pq-records")
+    records_parquet(tmp_path / "pq-records")
     ingest_parquet(
         sqlite_engine, dataset="pq-records", root=tmp_path / "pq-records", files=["*.parquet"],
         payload="record", split="train", label="label", key="key",

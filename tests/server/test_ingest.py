@@ -374,9 +374,14 @@ def test_imagefolder_without_images_explains_the_layouts(engine: Engine, tmp_pat
     assert table_counts(engine) == (0, 0)
 
 
-def test_a_uri_root_is_stored_as_given_and_its_rows_trusted(engine: Engine, tmp_path: Path) -> None:
-    """Files under a URI root cannot be stat()ed here: the manifest is trusted (--no-verify)."""
+def test_a_uri_root_is_stored_as_given_and_with_no_verify_its_rows_trusted(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """An s3:// root is stored without its trailing slash; --no-verify trusts the manifest
+    without asking the store (verification by listing: tests/e2e/test_object_store.py)."""
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"path": "a.jpg", "split": "train"}])
-    report = ingest_manifest(engine, dataset="ds", root="s3://bucket/data/", manifest=manifest)
+    report = ingest_manifest(
+        engine, dataset="ds", root="s3://bucket/data/", manifest=manifest, verify=False
+    )
     assert report.dataset.root == "s3://bucket/data"
     assert [(r.is_verified, r.byte_size) for r in sample_rows(engine)] == [(True, None)]

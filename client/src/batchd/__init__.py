@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from batchd._dataset import DataLoader, IterableDataset
     from batchd._loader import Loader
     from batchd._mix import Mix, Source
+    from batchd._pack import Pack
     from batchd._specs import Array, Custom, Image, Tokens
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "IterableDataset",
     "Loader",
     "Mix",
+    "Pack",
     "Source",
     "SplitInfo",
     "Tokens",
@@ -49,6 +51,7 @@ _LAZY: dict[str, str] = {
     "IterableDataset": "batchd._dataset",
     "Loader": "batchd._loader",
     "Mix": "batchd._mix",
+    "Pack": "batchd._pack",
     "Source": "batchd._mix",
     "SplitInfo": "batchd._catalog",
     "Tokens": "batchd._specs",

@@ -25,6 +25,7 @@ from batchd._device import Batch, resolve_device
 from batchd._lanes import Lanes
 from batchd._mix import Mix
 from batchd._options import LoaderOptions
+from batchd._pack import Pack
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._specs import PipelineSpec, check_int
@@ -99,6 +100,9 @@ class Loader(Closeable):
             ``$BATCHD_TLS_CLIENT_KEY``.
         decode_cache: False: the server decodes every sample afresh, even where it keeps a
             decode cache (its rows are the same either way); for a benchmark of cold decoding.
+        pack: A :class:`batchd.Pack` (with a :class:`batchd.Tokens` pipeline): serve the
+            documents packed into rows of ``seq_len`` tokens, ``batch_size`` rows a batch
+            (see docs/client/packing.md).
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
@@ -151,6 +155,7 @@ class Loader(Closeable):
         auth_token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
         decode_cache: bool = True,
+        pack: Pack | None = None,
     ) -> None:
         self._options = LoaderOptions(
             dataset=dataset,
@@ -174,6 +179,7 @@ class Loader(Closeable):
             reconnect_timeout_s=reconnect_timeout_s,
             sources=sources,
             decode_cache=decode_cache,
+            pack=pack,
         )
         self._device = resolve_device(device)
         self._lanes = Lanes(

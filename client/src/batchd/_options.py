@@ -7,6 +7,7 @@ from typing import Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._mix import Mix
+from batchd._pack import Pack, check_pack
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._specs import (
@@ -63,6 +64,7 @@ class LoaderOptions:
     reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
     sources: Mix | None = None
     decode_cache: bool = True
+    pack: Pack | None = None
 
     def __post_init__(self) -> None:
         if self.sources is not None:
@@ -99,6 +101,7 @@ class LoaderOptions:
         sampling_to_proto(self.sampling)
         on_error_to_proto(self.on_error)
         self._set("pipeline", pipeline_or_default(self.pipeline))
+        check_pack(self.pack, self.pipeline)
         rank, world_size = resolve_rank(self.rank, self.world_size)
         self._set("rank", rank)
         self._set("world_size", world_size)
@@ -166,8 +169,14 @@ class LoaderOptions:
         if mix is not None:
             # A mix's versions are its sources'; a reopen's snapshot token pins them all.
             request.mix.CopyFrom(mix._to_proto())
+        if self.pack is not None:
+            request.pack.CopyFrom(self.pack._to_proto())
         return request
 
     def mix_state(self) -> dict[str, object] | None:
         """What a saved state records of the mix (None without one)."""
         return None if self.sources is None else self.sources._state()
+
+    def pack_state(self) -> dict[str, object] | None:
+        """What a saved state records of the packing (None without it)."""
+        return None if self.pack is None else self.pack._state()

@@ -169,6 +169,7 @@ class Position:
             "drop_last": options.drop_last,
             "sampling": options.sampling,
             "mix": options.mix_state(),
+            "pack": options.pack_state(),
             "epoch": cursor.epoch,
             "consumed": cursor.start + cursor.next_batch * global_batch,
             "order_world_size": cursor.order_world_size or self._world_size,
@@ -268,6 +269,12 @@ def _check_state(
             f"state mix={state.get('mix')!r} does not match this Loader's mix="
             f"{mine.get('mix')!r}; create the Loader with the same sources (names, splits, "
             "versions, weights, stop, schedule and interpolate) to resume"
+        )
+    # Not required either: states from before packing have no "pack", which means none.
+    if state.get("pack") != mine.get("pack"):
+        raise InvalidArgument(
+            f"state pack={state.get('pack')!r} does not match this Loader's pack="
+            f"{mine.get('pack')!r}; create the Loader with the same batchd.Pack to resume"
         )
     keys = [*_COMPATIBLE_KEYS, *(["version"] if pinned_version is not None else [])]
     for key in keys:

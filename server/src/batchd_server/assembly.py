@@ -31,6 +31,7 @@ from batchd_server.sessions import SessionManager
 from batchd_server.settings import setting_of
 from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.shm.space import shm_space
+from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.sizing import Autoscaler
 
@@ -202,6 +203,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         data_roots=config.data_roots,
         max_sample_bytes=config.max_sample_bytes,
         decode_cache=decode_cache.spec if decode_cache is not None else None,
+        store=StoreOptions(retry_s=config.object_store_retry_s),
     )
     if decode_cache is not None:
         decode_cache.live_roots = sessions.live_roots

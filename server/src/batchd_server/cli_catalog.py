@@ -68,7 +68,9 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         help="images under ROOT/<split>/<class>/ (or ROOT/<class>/ with --split)",
     )
     _dataset_args(p)
-    p.add_argument("--root", required=True, help="the image tree's top directory")
+    p.add_argument(
+        "--root", required=True, help="the image tree's top directory, or s3://BUCKET/PREFIX"
+    )
     p.add_argument("--split", help="the whole tree is this split: ROOT/<class>/<image>")
     p.add_argument("--description")
     p.set_defaults(func=cmd_ingest_imagefolder)
@@ -77,14 +79,18 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         "manifest", parents=[common], help="rows of a JSONL (.jsonl/.ndjson) or CSV manifest"
     )
     _dataset_args(p)
-    p.add_argument("--root", required=True, help="directory the manifest's paths are under")
+    p.add_argument(
+        "--root",
+        required=True,
+        help="directory (or s3://BUCKET/PREFIX) the manifest's paths are under",
+    )
     p.add_argument("--split", help="split of rows that have none")
     p.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
-        help="trust the manifest: do not stat files (every row is verified, byte_size is "
-        "byte_length)",
+        help="trust the manifest: do not stat files or list the object store (every row is "
+        "verified, byte_size is byte_length)",
     )
     p.add_argument("--description")
     p.add_argument("manifest", metavar="FILE")
@@ -96,7 +102,9 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         help="WebDataset tar shards: samples as byte ranges inside them (nothing extracted)",
     )
     _dataset_args(p)
-    p.add_argument("--root", required=True, help="directory the shards are under")
+    p.add_argument(
+        "--root", required=True, help="directory (or s3://BUCKET/PREFIX) the shards are under"
+    )
     p.add_argument("--split", help="split of every sample (default: train/val/test in the name)")
     p.add_argument(
         "--label-key", default="label", help="field of a .json member with the label (label)"
@@ -185,6 +193,7 @@ def cmd_ingest_manifest(args: argparse.Namespace, engine: Engine) -> int:
         split=args.split,
         verify=args.verify,
         description=args.description,
+        object_store_retry_s=args.config.object_store_retry_s,
     )
     print(report.summary())
     return 0
@@ -200,6 +209,7 @@ def cmd_ingest_imagefolder(args: argparse.Namespace, engine: Engine) -> int:
         root=args.root,
         split=args.split,
         description=args.description,
+        object_store_retry_s=args.config.object_store_retry_s,
     )
     print(report.summary())
     return 0
@@ -234,6 +244,7 @@ def cmd_ingest_tar(args: argparse.Namespace, engine: Engine) -> int:
         label_key=args.label_key,
         description=args.description,
         progress=_progress("shards") if sys.stderr.isatty() else None,
+        object_store_retry_s=args.config.object_store_retry_s,
     )
     print(report.summary())
     return 0
@@ -256,6 +267,7 @@ def cmd_ingest_parquet(args: argparse.Namespace, engine: Engine) -> int:
         length=args.length,
         description=args.description,
         progress=_progress("files") if sys.stderr.isatty() else None,
+        object_store_retry_s=args.config.object_store_retry_s,
     )
     print(report.summary())
     return 0

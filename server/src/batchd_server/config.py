@@ -37,7 +37,8 @@ from batchd_server.settings import (
     within,
 )
 from batchd_server.shm.space import usable_bytes
-from batchd_server.workers.sizing import WorkerRange, parse_worker_range
+from batchd_server.storage.options import DEFAULT_RETRY_S, RETRY_SETTING
+from batchd_server.workers.sizing import WorkerRange, available_cpus, parse_worker_range
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -84,14 +85,6 @@ def default_database_url(environ: Mapping[str, str] | None = None) -> str:
     """The embedded default catalog: a SQLite file ``catalog.db`` under :func:`batchd_home`."""
     path = (batchd_home(environ) / "catalog.db").resolve()
     return f"sqlite:///{path}"
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, so a container's cpuset counts)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def reserved_rpcs(max_concurrent_rpcs: int) -> int:
@@ -472,6 +465,8 @@ class ServerConfig(DecodeCacheSettings):
             metavar="BYTES",
         ),
     )
+    # Declared beside the object-store code, as the settings of a subsystem.
+    object_store_retry_s: float = field(default=DEFAULT_RETRY_S, metadata=RETRY_SETTING)
     reflection: bool = field(
         default=False,
         metadata=setting(

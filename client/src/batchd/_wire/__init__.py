@@ -11,6 +11,7 @@ that reads the ring layout stays a small process.
 - :mod:`.status` — status code names to ``batchd.errors`` classes and back.
 - :mod:`.metadata` — the gRPC metadata keys.
 - :mod:`.specs`, :mod:`.mix` — the limits, defaults and choices both sides check.
+- :mod:`.pack` — sequence packing's methods and limits.
 - :mod:`.schedule` — a mix's weights by global step, and which step a batch is.
 - :mod:`.lifetime` — ``with obj:`` for every object that holds something to close.
 - :mod:`.tls` — whether a TCP target speaks TLS, to explain a failed connection.

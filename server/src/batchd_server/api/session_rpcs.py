@@ -21,6 +21,7 @@ from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.limits import check_name
 from batchd_server.logs import session_log_id
 from batchd_server.planning.mixing import MixOptions, MixSourceOptions
+from batchd_server.planning.packing import PackOptions
 from batchd_server.planning.sampling import SamplerOptions
 from batchd_server.sessions import Session, SessionManager, SessionOptions, Stream
 from batchd_server.sessions.sources import snapshot_token
@@ -120,7 +121,26 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         max_error_fraction=request.max_error_fraction or 0.01,
         mix=mix,
         decode_cache=not request.no_decode_cache,
+        pack=_pack(request),
     )
+
+
+_PACK_METHODS: Final = {
+    pb.PACK_METHOD_UNSPECIFIED: "best_fit",
+    pb.PACK_METHOD_BEST_FIT: "best_fit",
+    pb.PACK_METHOD_FIRST_FIT: "first_fit",
+    pb.PACK_METHOD_CONCAT: "concat",
+}
+
+
+def _pack(request: pb.OpenSessionRequest) -> PackOptions | None:
+    """``request.pack`` as validated options; None when the request packs nothing."""
+    if not request.HasField("pack"):
+        return None
+    method = _PACK_METHODS.get(request.pack.method)
+    if method is None:
+        raise InvalidArgument(f"pack method={request.pack.method} is not a known PackMethod")
+    return PackOptions(seq_len=request.pack.seq_len, method=method)
 
 
 _Target = tuple[str, str | None, str, MixOptions | None]

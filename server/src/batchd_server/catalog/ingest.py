@@ -41,10 +41,19 @@ from batchd_server.catalog.manifest import (
     trusted,
 )
 from batchd_server.catalog.migrate import require_schema
+from batchd_server.catalog.object_roots import (
+    ObjectListing,
+    ObjectVerifier,
+    check_object_root,
+    iter_object_rows,
+    object_images,
+    object_shards,
+)
 from batchd_server.catalog.queries import DatasetRef
 from batchd_server.catalog.schema import datasets
-from batchd_server.catalog.tar_shards import TarSamples, expand_shards
+from batchd_server.catalog.tar_shards import TarSamples, expand_shards, local_shards
 from batchd_server.errors import DataError
+from batchd_server.storage.options import DEFAULT_RETRY_S
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -233,7 +242,7 @@ def _resolve_root(root: str | Path, *, must_exist: bool) -> tuple[str, Path | No
     """The root as stored in ``datasets.root``, and as a local directory (None for a URI)."""
     text = str(root)
     if "://" in text:
-        return text.rstrip("/"), None
+        return check_object_root(text), None
     path = Path(text).expanduser()
     if must_exist and not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
@@ -255,7 +264,7 @@ def _run(
     file: str,
     empty: str | None = None,
     classes: list[str] | None = None,
-    missing: Verifier | None = None,
+    missing: Verifier | ObjectVerifier | None = None,
     columns: str = _STAGE_COLUMNS,
     attrs_update: Callable[[DatasetRef, dict[str, Any]], bool] | None = None,
 ) -> IngestReport:
@@ -318,6 +327,7 @@ def ingest_manifest(
     split: str | None = None,
     verify: bool = True,
     description: str | None = None,
+    object_store_retry_s: float = DEFAULT_RETRY_S,
 ) -> IngestReport:
     """Add the rows of a JSONL (``.jsonl``/``.ndjson``) or CSV (``.csv``) manifest.
 
@@ -347,9 +357,13 @@ def ingest_manifest(
         check_name("split", split, SPLIT_MAX_CHARS)
     stored_root, local_root = _resolve_root(root, must_exist=verify)
     checker = RowChecker(file, split)
-    verifier = Verifier(local_root, file) if verify and local_root is not None else None
-    if verify and local_root is None:
-        log.warning("root %s is not a local directory; trusting the manifest", stored_root)
+    verifier: Verifier | ObjectVerifier | None = None
+    if verify:
+        if local_root is not None:
+            verifier = Verifier(local_root, file)
+        else:
+            listing = ObjectListing(stored_root, retry_s=object_store_retry_s)
+            verifier = ObjectVerifier(listing, file)
     with path.open(encoding="utf-8-sig", newline="" if suffix == ".csv" else None) as f:
         parsed = read_csv(f, checker) if suffix == ".csv" else read_jsonl(f, checker)
         rows = map(verifier.verify, parsed) if verifier else trusted(parsed)
@@ -410,6 +424,12 @@ def _images(path: Path, verifier: Verifier) -> list[tuple[str, int]]:
     return found
 
 
+def _no_images(root: str, split: str | None) -> str:
+    layout = "root/<class>/<image>" if split else "root/<split>/<class>/<image>"
+    hint = "" if split else "; for root/<class>/<image>, pass --split"
+    return f"no .jpg/.jpeg/.png/.webp images found in {root} as {layout}{hint}"
+
+
 def ingest_imagefolder(
     engine: Engine,
     *,
@@ -418,6 +438,7 @@ def ingest_imagefolder(
     root: str | Path,
     split: str | None = None,
     description: str | None = None,
+    object_store_retry_s: float = DEFAULT_RETRY_S,
 ) -> IngestReport:
     """Add the images of a class-per-directory tree.
 
@@ -432,10 +453,22 @@ def ingest_imagefolder(
             or (dataset, version) already rooted elsewhere.
     """
     stored_root, local = _resolve_root(root, must_exist=True)
-    if local is None:
-        raise DataError(f"root {stored_root!r} must be a local directory for an image folder")
     if split is not None:
         check_name("split", split, SPLIT_MAX_CHARS)
+    if local is None:
+        listing = ObjectListing(stored_root, retry_s=object_store_retry_s)
+        images = object_images(listing, split, IMAGE_SUFFIXES)
+        return _run(
+            engine,
+            name=dataset,
+            version=version,
+            root=stored_root,
+            description=description,
+            rows=iter_object_rows(images),
+            file=stored_root,
+            empty=_no_images(stored_root, split),
+            classes=sorted({c for _, c, _, _ in images}),
+        )
     verifier = Verifier(local, stored_root)
     splits = [split] if split is not None else _subdirs(local, verifier)
     folders: list[tuple[str, str, Path]] = []  # (split, class, directory)
@@ -455,8 +488,6 @@ def ingest_imagefolder(
                 # The label column holds the class name until _run maps it to its index.
                 yield (line, rel, rel, None, None, c, s, None, 1.0, None, True, size)
 
-    layout = "root/<class>/<image>" if split else "root/<split>/<class>/<image>"
-    hint = "" if split else "; for root/<class>/<image>, pass --split"
     return _run(
         engine,
         name=dataset,
@@ -465,7 +496,7 @@ def ingest_imagefolder(
         description=description,
         rows=rows(),
         file=stored_root,
-        empty=f"no .jpg/.jpeg/.png/.webp images found in {stored_root} as {layout}{hint}",
+        empty=_no_images(stored_root, split),
         classes=sorted({c for _, c, _ in folders}),
     )
 
@@ -484,6 +515,7 @@ def ingest_tar(
     label_key: str = "label",
     description: str | None = None,
     progress: Callable[[int, int, int], None] | None = None,
+    object_store_retry_s: float = DEFAULT_RETRY_S,
 ) -> IngestReport:
     """Add the samples of WebDataset-style tar shards, as byte ranges inside them.
 
@@ -509,9 +541,14 @@ def ingest_tar(
         check_name("split", split, SPLIT_MAX_CHARS)
     stored_root, local = _resolve_root(root, must_exist=True)
     if local is None:
-        raise DataError(f"root {stored_root!r} must be a local directory for tar shards")
+        found = object_shards(ObjectListing(stored_root, retry_s=object_store_retry_s), shards)
+    else:
+        found = local_shards(local, expand_shards(shards, local))
     samples = TarSamples(
-        local, expand_shards(shards, local), split, label_key=label_key, progress=progress
+        found,
+        split,
+        label_key=label_key,
+        progress=progress,
     )
     report = _run(
         engine,

@@ -16,10 +16,12 @@ from batchd_server.catalog.ingest import (
     _run,
 )
 from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, check_name
-from batchd_server.catalog.tar_shards import expand_shards
+from batchd_server.catalog.object_roots import ObjectListing, object_shards
+from batchd_server.catalog.tar_shards import expand_shards, local_shards
 from batchd_server.catalog.types import DatasetRef
 from batchd_server.errors import DataError
 from batchd_server.parquet.samples import ParquetSamples
+from batchd_server.storage.options import DEFAULT_RETRY_S
 
 __all__ = ["ingest_parquet"]
 
@@ -39,10 +41,14 @@ def ingest_parquet(
     length: str | None = None,
     description: str | None = None,
     progress: Callable[[int, int, int], None] | None = None,
+    object_store_retry_s: float = DEFAULT_RETRY_S,
 ) -> IngestReport:
     """Add the rows of Parquet files: one row, one sample (see ``parquet/samples.py``).
 
     Args:
+        root: A local directory or an object-store prefix (``s3://BUCKET/PREFIX``: files
+            are matched against one listing of it, and each footer and small column is read
+            with ranged GETs).
         files: Paths, globs or brace ranges, relative to ``root``; every file must be
             under it.
         payload: The column whose value is the sample (``image.bytes`` for a struct's
@@ -61,15 +67,14 @@ def ingest_parquet(
         check_name("split", split, SPLIT_MAX_CHARS)
     stored_root, local = _resolve_root(root, must_exist=True)
     if local is None:
-        raise DataError(f"root {stored_root!r} must be a local directory for Parquet files")
-    found = expand_shards(files, local)
-    outside = [p for p in found if not p.is_relative_to(local)]
-    if outside:
-        raise DataError(f"Parquet file {outside[0]} is not under --root {stored_root}")
-    rels = [p.relative_to(local).as_posix() for p in found]
+        found = object_shards(ObjectListing(stored_root, retry_s=object_store_retry_s), files)
+    else:
+        found = local_shards(local, expand_shards(files, local))
+    opens = {shard.rel: shard.open for shard in found}
+    rels = list(opens)
     samples = ParquetSamples(
         files=rels,
-        open_file=lambda rel: (local / rel).open("rb"),
+        open_file=lambda rel: opens[rel](),
         payload=payload,
         split=split,
         split_column=split_column,

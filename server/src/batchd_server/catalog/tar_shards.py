@@ -25,13 +25,21 @@ import re
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Final
+from pathlib import Path, PurePath, PurePosixPath
+from typing import IO, Any, Final
 
 from batchd_server.catalog.manifest import Row
 from batchd_server.errors import DataError
 
-__all__ = ["LABEL_EXTENSIONS", "TarSamples", "expand_shards", "split_from_name"]
+__all__ = [
+    "LABEL_EXTENSIONS",
+    "Shard",
+    "TarSamples",
+    "expand_braces",
+    "expand_shards",
+    "local_shards",
+    "split_from_name",
+]
 
 LABEL_EXTENSIONS: Final = ("cls", "json", "txt")
 """Members that hold a label or metadata, never a payload."""
@@ -60,7 +68,7 @@ def expand_shards(patterns: list[str], root: Path) -> list[Path]:
     found: dict[Path, None] = {}
     for pattern in patterns:
         matched = []
-        for expanded in _expand_braces(pattern):
+        for expanded in expand_braces(pattern):
             full = expanded if os.path.isabs(expanded) else str(root / expanded)
             hits = sorted(glob.glob(full)) if glob.has_magic(full) else [full]
             matched += [Path(h) for h in hits if os.path.isfile(h)]
@@ -73,7 +81,8 @@ def expand_shards(patterns: list[str], root: Path) -> list[Path]:
     return list(found)
 
 
-def _expand_braces(pattern: str) -> list[str]:
+def expand_braces(pattern: str) -> list[str]:
+    """``pattern`` with its brace ranges and lists expanded, in order."""
     match = _BRACES.search(pattern)
     if match is None:
         return [pattern]
@@ -86,24 +95,64 @@ def _expand_braces(pattern: str) -> list[str]:
         options = [str(i).zfill(width) for i in range(int(first), int(last) + step, step)]
     else:
         options = body.split(",")
-    return [out for option in options for out in _expand_braces(head + option + tail)]
+    return [out for option in options for out in expand_braces(head + option + tail)]
 
 
-def split_from_name(shard: Path) -> str | None:
+def split_from_name(shard: PurePath) -> str | None:
     """``train``/``val``/``test`` when the shard's name says so (``imagenet-train-0001.tar``)."""
     words = re.split(r"[-_.]", shard.name.lower())
     found = {_SPLIT_WORDS[w] for w in words if w in _SPLIT_WORDS}
     return found.pop() if len(found) == 1 else None
 
 
-def _refuse_compressed(shard: Path) -> None:
-    with shard.open("rb") as f:
+@dataclass(frozen=True)
+class Shard:
+    """One shard to read: a local file or an object (``catalog/object_roots.py``)."""
+
+    rel: str
+    """Its path relative to the dataset root, as the catalog records it."""
+    where: str
+    """The file's path or the object's URL, for messages."""
+    open: Callable[[], IO[bytes]]
+    """Opens it for seekable binary reads."""
+    size: int | None = None
+    """Its size in bytes; None: ask the opened file."""
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.rel).name
+
+
+def local_shards(root: Path, paths: list[Path]) -> list[Shard]:
+    """Shard files under the local directory ``root``.
+
+    Raises:
+        DataError: a shard is not under ``root``.
+    """
+    shards = []
+    for path in paths:
+        if not path.is_relative_to(root):
+            raise DataError(f"shard {path} is not under --root {root}")
+        rel = path.relative_to(root).as_posix()
+        shards.append(Shard(rel, str(path), _opener(path)))
+    return shards
+
+
+def _opener(path: Path) -> Callable[[], IO[bytes]]:
+    def open_shard() -> IO[bytes]:
+        return path.open("rb")
+
+    return open_shard
+
+
+def _refuse_compressed(shard: Shard) -> None:
+    with shard.open() as f:
         magic = f.read(6)
     for prefix, kind, command in _COMPRESSED:
         if magic.startswith(prefix):
             raise DataError(
-                f"{shard} is a {kind}-compressed tar; samples are read as byte ranges of the "
-                f"shard, which needs an uncompressed tar. Recompress it uncompressed "
+                f"{shard.where} is a {kind}-compressed tar; samples are read as byte ranges of "
+                f"the shard, which needs an uncompressed tar. Recompress it uncompressed "
                 f"({command} {shard.name}, or tar -cf) and ingest the .tar"
             )
 
@@ -121,14 +170,13 @@ class TarSamples:
     """The rows of a set of shards; ``skipped`` fills in as ``rows()`` is consumed.
 
     Args:
-        root: The dataset root; shards must be under it.
+        shards: The shards, local files or objects.
         split: The split of every sample; None takes it from each shard's name.
         label_key: The field of a ``.json`` member that holds the label.
         progress: Called after each shard with (shards done, shards, samples so far).
     """
 
-    root: Path
-    shards: list[Path]
+    shards: list[Shard]
     split: str | None = None
     label_key: str = "label"
     progress: Callable[[int, int, int], None] | None = None
@@ -136,9 +184,7 @@ class TarSamples:
 
     def __post_init__(self) -> None:
         for shard in self.shards:
-            if not shard.is_relative_to(self.root):
-                raise DataError(f"shard {shard} is not under --root {self.root}")
-            if self.split is None and split_from_name(shard) is None:
+            if self.split is None and split_from_name(PurePosixPath(shard.rel)) is None:
                 raise DataError(
                     f"cannot tell the split of shard {shard.name} from its name (no single "
                     "train/val/test word in it); pass --split"
@@ -148,9 +194,9 @@ class TarSamples:
     def rows(self) -> Iterator[Row]:
         line = 0
         for done, shard in enumerate(self.shards, 1):
-            rel = shard.relative_to(self.root).as_posix()
-            split = self.split or split_from_name(shard)
-            with shard.open("rb") as f:
+            rel = shard.rel
+            split = self.split or split_from_name(PurePosixPath(rel))
+            with shard.open() as f:
                 for sample in self._samples(shard, f):
                     row = self._row(rel, split, sample, f)
                     if row is not None:
@@ -159,9 +205,9 @@ class TarSamples:
             if self.progress is not None:
                 self.progress(done, len(self.shards), line)
 
-    def _samples(self, shard: Path, f: Any) -> Iterator[_Sample]:
+    def _samples(self, shard: Shard, f: Any) -> Iterator[_Sample]:
         """The shard's samples in tar order (WebDataset keeps a sample's members together)."""
-        size = os.fstat(f.fileno()).st_size
+        size = shard.size if shard.size is not None else os.fstat(f.fileno()).st_size
         current: _Sample | None = None
         try:
             with tarfile.open(fileobj=f, mode="r:") as tar:

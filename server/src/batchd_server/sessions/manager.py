@@ -30,6 +30,10 @@ from batchd_server.sessions.sources import (
 )
 from batchd_server.shm import ShmRegistry, format_bytes
 from batchd_server.shm.space import remedy, usable_bytes
+from batchd_server.storage.options import StoreOptions
+from batchd_server.storage.roots import check_object_root
+from batchd_server.storage.s3 import is_object_url
+from batchd_server.workers.packed import packed_fields
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import SlotField
 
@@ -80,10 +84,12 @@ class SessionManager:
         data_roots: tuple[Path, ...] = (),
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
         decode_cache: DecodeCacheSpec | None = None,
+        store: StoreOptions | None = None,
     ) -> None:
         self._max_sample_bytes = max_sample_bytes
         self._decode_cache = decode_cache
         """The server's decode cache, given to every session that does not opt out."""
+        self._store = store or StoreOptions()
         self._catalog = catalog
         self._pool = pool
         self._registry = registry
@@ -120,8 +126,11 @@ class SessionManager:
         """
         pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
         check_source_pipelines(options, pipeline)
+        fields = pipeline.fields()
+        if options.pack is not None:
+            fields = packed_fields(pipeline, options.pack.seq_len)
         layout, slot_bytes = slot_layout(
-            pipeline.fields(),
+            fields,
             options.sampler.batch_size,
             labels_rows=options.mixing.labels_rows,
         )
@@ -250,6 +259,7 @@ class SessionManager:
                 max_sample_bytes=self._max_sample_bytes,
                 roots=roots,
                 decode_cache=self._decode_cache if options.decode_cache else None,
+                store=self._store,
             )
             if session.num_batches == 0:
                 raise FailedPrecondition(
@@ -286,9 +296,16 @@ class SessionManager:
         to be a directory: what the workers open, so that a symlink swapped in after the
         check cannot lead them elsewhere.
 
+        An ``s3://`` root is checked by listing one object under it (see
+        :func:`check_object_root`).
+
         Raises:
-            FailedPrecondition: the root is outside every data root, or not a directory.
+            FailedPrecondition: the root is outside every data root, or not a directory
+                (or an object-store prefix that cannot be reached).
         """
+        if is_object_url(root):
+            check_object_root(dataset, root, self._store)
+            return root
         resolved = Path(root).resolve()
         if self._data_roots and not any(resolved.is_relative_to(r) for r in self._data_roots):
             allowed = ", ".join(str(r) for r in self._data_roots)

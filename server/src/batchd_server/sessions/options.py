@@ -14,6 +14,7 @@ from batchd_server.limits import MAX_PREFETCH
 from batchd_server.pipelines.base import FieldSpec
 from batchd_server.planning.mixing import Mixing, MixOptions, MixSourceOptions
 from batchd_server.planning.one_split import OneSplit
+from batchd_server.planning.packing import PackOptions
 from batchd_server.planning.sampling import SamplerOptions
 from batchd_server.workers.task import ROW_FIELDS, SOURCE_FIELD, SlotField
 
@@ -48,6 +49,9 @@ class SessionOptions:
     and ``snapshot`` a mix's token. None: the session serves ``dataset``'s ``split``."""
     decode_cache: bool = True
     """Use the server's decode cache (if it has one); False: decode every sample afresh."""
+    pack: PackOptions | None = None
+    """Sequence packing (``planning/packing.py``): the session serves rows of packed
+    documents. None: one sample a row."""
 
     def __post_init__(self) -> None:
         if not self.dataset:

@@ -32,12 +32,14 @@ from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import EpochStart, source_starts
+from batchd_server.planning.packing import packed_mixing
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.accounting import MixAccount
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
+from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField, SourceSpec
 
@@ -133,13 +135,19 @@ class Session:
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
         roots: Sequence[str] | None = None,
         decode_cache: DecodeCacheSpec | None = None,
+        store: StoreOptions | None = None,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
         ``roots``: the directory the workers read each one's files from, as the manager
         checked it (symlinks resolved; default: the catalog's roots as they are)."""
         self.id = session_id
         self.options = options
-        self._mixing = options.mixing
+        self._mixing = packed_mixing(
+            options.mixing,
+            options.pack,
+            (options.pipeline_kind, options.pipeline_options),
+            [entry.arrays for entry in sources],
+        )
         self.catalogs = sources
         """Every entry the session holds (the manager releases them all)."""
         assert len(sources) == len(self._mixing.sources), "one entry per source"
@@ -204,6 +212,8 @@ class Session:
             dataset=options.dataset,
             max_sample_bytes=max_sample_bytes,
             decode_cache=decode_cache,
+            store=store or StoreOptions(),
+            pack_seq_len=options.pack.seq_len if options.pack is not None else 0,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes

@@ -35,6 +35,9 @@ from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
+from batchd_server.storage.objects import ObjectFiles
+from batchd_server.storage.open import open_sample_files
+from batchd_server.workers.packed import run_packed
 from batchd_server.workers.task import (
     ROW_FIELDS,
     SOURCE_FIELD,
@@ -61,7 +64,7 @@ class _Source:
     start: int
     """Its first task position."""
     columns: SampleColumns
-    files: SampleFiles
+    files: SampleFiles | ObjectFiles
     pipeline: Pipeline
     attachment: Attachment
     cached: CachedSource | None = None
@@ -134,7 +137,7 @@ class _Source:
 
 
 def _parquet_readers(
-    files: SampleFiles, column: str, pipeline: Pipeline
+    files: SampleFiles | ObjectFiles, column: str, pipeline: Pipeline
 ) -> tuple[ParquetRows, Pipeline]:
     """A Parquet source's row reader and the pipeline of its numeric values: those arrive
     as raw numbers of the pipeline's own dtype (an array pipeline reads them raw)."""
@@ -184,7 +187,9 @@ class SessionContext:
             if source.pipeline_kind:
                 pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
             columns = SampleColumns.of(arrays)
-            files = SampleFiles(source.root, max_sample_bytes=self.spec.max_sample_bytes)
+            files = open_sample_files(
+                source.root, max_sample_bytes=self.spec.max_sample_bytes, store=self.spec.store
+            )
             cached = CachedSource.of(self._cache, pipeline, source.root)
             opened = _Source(source.start, columns, files, pipeline, attachment, cached)
             if source.parquet_payload and len(columns) and columns.row_groups.max() >= 0:
@@ -228,7 +233,31 @@ class SessionContext:
 
     # -- filling a slot -----------------------------------------------------------------
 
+    def locate(self, position: int) -> tuple[_Source, int]:
+        """The source of a task position, and the position's row in it."""
+        index = int(np.searchsorted(self._later_starts, position, side="right"))
+        source = self._sources[index]
+        return source, position - source.start
+
+    def piece_ids(
+        self, positions: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Each task position's sample id, label and source index."""
+        ids = np.empty(positions.size, np.int64)
+        labels = np.empty(positions.size, np.int64)
+        index = np.searchsorted(self._later_starts, positions, side="right")
+        for s, source in enumerate(self._sources):
+            mine = index == s
+            local = positions[mine] - source.start
+            ids[mine] = source.columns.ids[local]
+            labels[mine] = source.columns.labels[local]
+        return ids, labels, index.astype(np.int64)
+
     def run(self, task: BatchTask) -> BatchResult:
+        if self.spec.pack_seq_len:
+            for source in self._sources:
+                source.files.begin_batch()
+            return run_packed(self, task)
         started_at = time.monotonic()
         self._read_s = self._decode_s = 0.0
         positions = np.frombuffer(task.positions, np.int64)
@@ -436,6 +465,11 @@ class SessionContext:
         policy = self.spec.on_error
         failures: list[SampleFailure] = []
         rows = 0
+        if isinstance(source.files, ObjectFiles):
+            # Whole objects (image files) are fetched ahead, several at once, while the
+            # first ones decode: one round trip per sample would bound the worker's rate.
+            whole = positions[source.columns.byte_offsets[positions] < 0]
+            source.files.prefetch([source.path(int(p)) for p in whole.tolist()])
         for position in positions.tolist():
             row = {name: array[rows, ...] for name, array in block.items()}
             try:

@@ -40,6 +40,7 @@ __all__ = [
     "ScalingPolicy",
     "Signals",
     "WorkerRange",
+    "available_cpus",
     "cpu_times",
     "decide",
     "parse_worker_range",
@@ -71,6 +72,14 @@ class WorkerRange:
 
     def __str__(self) -> str:
         return str(self.min) if self.fixed else f"{self.min}..{self.max}"
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, so a container's cpuset counts)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def parse_worker_range(text: str) -> WorkerRange:

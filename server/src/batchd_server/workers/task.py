@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from batchd_server.decode_cache.worker import CacheCounts, DecodeCacheSpec
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.storage.options import StoreOptions
 
 __all__ = [
     "ROW_FIELDS",
@@ -92,6 +93,11 @@ class SessionSpec:
     """The most bytes one sample may have (``--max-sample-bytes``); more is ``too_large``."""
     decode_cache: DecodeCacheSpec | None = None
     """The server's decode cache; None when it has none or the session opted out."""
+    store: StoreOptions = field(default_factory=StoreOptions)
+    """The object-store settings, for sources whose root is ``s3://``."""
+    pack_seq_len: int = 0
+    """A packed session's row length (``workers/packed.py``): its tasks carry pieces, not
+    positions. 0: not packed."""
 
     def __post_init__(self) -> None:
         assert self.sources and self.sources[0].start == 0, "sources start at position 0"
@@ -110,7 +116,8 @@ class BatchTask:
     slot: int
     positions: bytes
     """The batch's sample positions, int64, global over the session's sources (a source's
-    row r is ``SourceSpec.start + r``)."""
+    row r is ``SourceSpec.start + r``). A packed session's: its pieces, four int64 each
+    (row of the batch, position, first token, tokens; ``workers/packed.py``)."""
     one_by_one: bool = False
     """Read and decode each sample on its own, never the batch at once (a redo after a
     worker hung on the batch; see ``workers/deadline.py``)."""

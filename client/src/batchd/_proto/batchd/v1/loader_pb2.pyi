@@ -30,6 +30,13 @@ class OnError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ON_ERROR_SKIP: _ClassVar[OnError]
     ON_ERROR_RAISE: _ClassVar[OnError]
     ON_ERROR_REPLACE: _ClassVar[OnError]
+
+class PackMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PACK_METHOD_UNSPECIFIED: _ClassVar[PackMethod]
+    PACK_METHOD_BEST_FIT: _ClassVar[PackMethod]
+    PACK_METHOD_FIRST_FIT: _ClassVar[PackMethod]
+    PACK_METHOD_CONCAT: _ClassVar[PackMethod]
 SAMPLING_UNSPECIFIED: Sampling
 SAMPLING_UNIFORM: Sampling
 SAMPLING_WEIGHTED: Sampling
@@ -42,6 +49,10 @@ ON_ERROR_UNSPECIFIED: OnError
 ON_ERROR_SKIP: OnError
 ON_ERROR_RAISE: OnError
 ON_ERROR_REPLACE: OnError
+PACK_METHOD_UNSPECIFIED: PackMethod
+PACK_METHOD_BEST_FIT: PackMethod
+PACK_METHOD_FIRST_FIT: PackMethod
+PACK_METHOD_CONCAT: PackMethod
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()
@@ -158,7 +169,7 @@ class Pipeline(_message.Message):
     def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix", "no_decode_cache")
+    __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix", "no_decode_cache", "pack")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +187,7 @@ class OpenSessionRequest(_message.Message):
     MAX_ERROR_FRACTION_FIELD_NUMBER: _ClassVar[int]
     MIX_FIELD_NUMBER: _ClassVar[int]
     NO_DECODE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PACK_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     version: str
     split: str
@@ -193,7 +205,16 @@ class OpenSessionRequest(_message.Message):
     max_error_fraction: float
     mix: Mix
     no_decode_cache: bool
-    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, str]] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., prefetch: _Optional[int] = ..., snapshot: _Optional[str] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_error_fraction: _Optional[float] = ..., mix: _Optional[_Union[Mix, _Mapping]] = ..., no_decode_cache: _Optional[bool] = ...) -> None: ...
+    pack: Pack
+    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., batch_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, str]] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ..., prefetch: _Optional[int] = ..., snapshot: _Optional[str] = ..., on_error: _Optional[_Union[OnError, str]] = ..., max_error_fraction: _Optional[float] = ..., mix: _Optional[_Union[Mix, _Mapping]] = ..., no_decode_cache: _Optional[bool] = ..., pack: _Optional[_Union[Pack, _Mapping]] = ...) -> None: ...
+
+class Pack(_message.Message):
+    __slots__ = ("seq_len", "method")
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    seq_len: int
+    method: PackMethod
+    def __init__(self, seq_len: _Optional[int] = ..., method: _Optional[_Union[PackMethod, str]] = ...) -> None: ...
 
 class MixSource(_message.Message):
     __slots__ = ("dataset", "version", "split", "weight", "rows", "epoch_samples", "pipeline")

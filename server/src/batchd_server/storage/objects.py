@@ -1,0 +1,312 @@
+"""Read sample bytes from an object-store prefix: the sibling of ``pipelines/files.py``.
+
+:class:`ObjectFiles` has :class:`~batchd_server.pipelines.files.SampleFiles`'s interface
+(``read``, ``read_ranges``, ``map_whole``, ``begin_batch``, ``close``, plus ``prefetch``)
+for a dataset whose root is ``s3://BUCKET/PREFIX``; ``storage/open.py`` picks one or the
+other by the root's scheme. Every byte comes through a
+:class:`~batchd_server.storage.base.RangeFetcher` (the store's client, or the node cache
+around it), so this class knows nothing of HTTP.
+
+- **Confinement.** A catalog path is untrusted: an absolute path, a ``..`` component, an
+  empty component or a NUL would name a key outside the prefix, and is refused as
+  ``unsafe_path`` before any request.
+- **Coalescing.** A batch's byte ranges of one object are sorted and neighbours within
+  :data:`OBJECT_GAP_BYTES` merged into runs (``pipelines/ranges.plan_reads``): a request
+  costs a round trip of a millisecond or more, so fetching up to 1 MiB of gap is cheaper
+  than another request.
+- **Several requests in flight.** The objects of a batch are fetched at once, from a small
+  thread pool (:data:`FETCH_THREADS`; the store's calls release the GIL), and a run of whole
+  objects (image files) is fetched ahead by :meth:`prefetch` while the worker decodes the
+  first ones. A fetch of one object's runs is itself split into parallel requests by the
+  client.
+- **Failures.** The client retries (see ``storage/s3.py``); what still fails is a bad sample
+  of kind ``missing`` (naming the URL) or ``transient``. After one ``transient`` failure a
+  batch's remaining fetches fail at once (the store is down: one retry window per batch,
+  not one per sample); :meth:`begin_batch` clears that.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from batchd._wire.lifetime import Closeable
+from batchd_server.limits import INT64_MAX
+from batchd_server.pipelines.base import BadSample
+from batchd_server.pipelines.ranges import plan_reads
+from batchd_server.shm.space import format_bytes
+from batchd_server.storage.base import RangeFetcher
+from batchd_server.storage.s3 import join_url
+
+__all__ = ["FETCH_THREADS", "OBJECT_GAP_BYTES", "PREFETCH_BYTES", "ObjectFiles"]
+
+OBJECT_GAP_BYTES: Final = 1 << 20
+"""Ranges of one object closer than this are fetched in one request, the gap included."""
+FETCH_THREADS: Final = 8
+"""Objects a worker fetches at once."""
+PREFETCH_BYTES: Final = 256 << 20
+"""Whole objects fetched ahead of a batch's decodes, at most this many bytes in all."""
+_MAX_SIZES: Final = 65536
+_MAX_MAPS: Final = 8
+
+SizeOf = Callable[[str], int]
+"""The size of the object at a URL (a HEAD); raises BadSample like a fetch."""
+
+
+class ObjectFiles(Closeable):
+    """Confined reads of the objects under one ``s3://`` prefix, through a fetcher.
+
+    Not thread-safe itself (a worker process holds one per session); its fetches run on
+    threads, so the fetcher must be.
+
+    Args:
+        root: ``s3://BUCKET/PREFIX``.
+        fetcher: Where the bytes come from (``storage/open.make_fetcher``).
+        size_of: The size of an object, for whole-object reads.
+        max_sample_bytes: The most bytes one sample may have; more is ``too_large``.
+    """
+
+    def __init__(
+        self, root: str, fetcher: RangeFetcher, size_of: SizeOf, *, max_sample_bytes: int
+    ) -> None:
+        if max_sample_bytes < 1:
+            raise ValueError(f"max_sample_bytes={max_sample_bytes} must be >= 1")
+        self.root = root.rstrip("/")
+        self.max_sample_bytes = max_sample_bytes
+        self._fetcher = fetcher
+        self._size_of = size_of
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._sizes_lock = threading.Lock()
+        self._maps: OrderedDict[str, npt.NDArray[np.uint8]] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: dict[str, Future[bytes]] = {}
+        self._down: BadSample | None = None
+        """The batch's first transient failure: later fetches in the batch fail with it."""
+
+    # -- the SampleFiles interface --------------------------------------------------------
+
+    def begin_batch(self) -> None:
+        """A new batch: fetches are tried again, and what was fetched ahead is dropped."""
+        self._down = None
+        self._drop_ahead()
+
+    def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview:
+        """The bytes of one sample (``offset``/``length`` -1: the whole object, or to its
+        end).
+
+        Raises:
+            BadSample: ``unsafe_path``, ``missing``, ``unreadable``, ``too_large``,
+                ``bad_range`` or ``transient``.
+        """
+        url = self._url(path)
+        if offset < -1 or length < -1:
+            raise BadSample(
+                "unreadable", f"{url}: byte range offset={offset}, length={length} is invalid"
+            )
+        if offset >= 0 and length >= 0 and offset > INT64_MAX - length:
+            raise BadSample(
+                "bad_range",
+                f"{url}: byte range offset={offset}, length={length} ends past 2**63 - 1; "
+                "the catalog row is wrong: fix its byte_offset and byte_length and re-ingest",
+            )
+        whole = offset <= 0 and length == -1
+        ahead = self._ahead.pop(path, None) if whole else None
+        if ahead is not None:
+            return memoryview(ahead.result())
+        start = max(offset, 0)
+        if length == -1:
+            length = self._size(url) - start
+            if length < 0:
+                raise BadSample("unreadable", f"{url}: offset {start} is past the object's end")
+        self._check_size(url, length)
+        return memoryview(self._fetch(url, [(start, length)])[0])
+
+    def read_ranges(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+        """Many samples' byte ranges, coalesced per object and fetched several objects at
+        once; as :meth:`SampleFiles.read_ranges` (``data[starts[i]:][:lengths[i]]``).
+
+        Raises:
+            BadSample: as :meth:`read`; which sample is at fault is not said.
+        """
+        n = len(offsets)
+        if n and (offsets.min() < 0 or lengths.min() < 0):
+            raise BadSample("unreadable", "a byte range has a negative offset or length")
+        if n and int(lengths.max()) > self.max_sample_bytes:
+            i = int(lengths.argmax())
+            self._check_size(self._url(paths[int(files[i])]), int(lengths[i]))
+        urls = [self._url(p) for p in paths]
+        if len(paths) == 1:
+            groups = [np.arange(n)]
+        else:
+            groups = [np.flatnonzero(files == k) for k in range(len(paths))]
+        try:
+            plans = [plan_reads(offsets[g], lengths[g], OBJECT_GAP_BYTES) for g in groups]
+        except ValueError as e:
+            raise BadSample("bad_range", f"{urls[0]}: {e}") from e
+        runs = [
+            list(zip(p.run_offsets.tolist(), p.run_lengths.tolist(), strict=True)) for p in plans
+        ]
+        if len(urls) == 1:
+            fetched = [self._fetch(urls[0], runs[0])]
+        else:
+            pool = self._threads()
+            futures = [pool.submit(self._fetch, u, r) for u, r in zip(urls, runs, strict=True)]
+            fetched = [f.result() for f in futures]
+        total = sum(p.total_bytes for p in plans)
+        data = np.empty(total, np.uint8)
+        starts = np.empty(n, np.int64)
+        base = 0
+        for rows, plan, chunks in zip(groups, plans, fetched, strict=True):
+            at = base
+            for chunk in chunks:
+                data[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
+                at += len(chunk)
+            starts[rows] = plan.starts + base
+            base = at
+        return data, starts
+
+    def size(self, path: str) -> int:
+        """The size in bytes of the object ``path`` names (a Parquet footer is read from its
+        end); remembered like a whole-object read's.
+
+        Raises:
+            BadSample: ``unsafe_path``, ``missing`` or ``transient``.
+        """
+        return self._size(self._url(path))
+
+    def map_whole(self, path: str) -> npt.NDArray[np.uint8]:
+        """A whole object as a read-only array, cached (least recently used first out).
+
+        Raises:
+            BadSample: As :meth:`read`.
+        """
+        cached = self._maps.get(path)
+        if cached is not None:
+            self._maps.move_to_end(path)
+            return cached
+        array = np.frombuffer(bytes(self.read(path)), np.uint8)
+        self._maps[path] = array
+        if len(self._maps) > _MAX_MAPS:
+            self._maps.popitem(last=False)
+        return array
+
+    def prefetch(self, paths: Sequence[str]) -> None:
+        """Start fetching these whole objects (a run of image files about to be decoded one
+        by one), up to :data:`PREFETCH_BYTES`; :meth:`read` then takes them. Problems are
+        left for :meth:`read` to report."""
+        pool = self._threads()
+        budget = PREFETCH_BYTES
+        for path in paths:
+            if path in self._ahead:
+                continue
+            try:
+                url = self._url(path)
+            except BadSample:
+                continue
+            with self._sizes_lock:
+                known = self._sizes.get(url)
+            if known is not None:
+                if known > budget:
+                    break
+                budget -= known
+            self._ahead[path] = pool.submit(self._fetch_whole, url)
+
+    def close(self) -> None:
+        """Stop fetching ahead and drop what was fetched. Idempotent."""
+        self._drop_ahead()
+        self._maps.clear()
+        if self._pool is not None:
+            # Not waited for: a fetch stuck in the retries of a store that is down would hold
+            # the worker's session close for the retry window; it ends on its own.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _url(self, path: str) -> str:
+        if (
+            not path
+            or path.startswith("/")
+            or "\x00" in path
+            or any(part in ("", ".", "..") for part in path.split("/"))
+        ):
+            raise BadSample(
+                "unsafe_path",
+                f"{path!r}: sample paths must be relative to the dataset root, without '..', "
+                "'.' or empty components",
+            )
+        return join_url(self.root, path)
+
+    def _check_size(self, url: str, count: int) -> None:
+        if count > self.max_sample_bytes:
+            raise BadSample(
+                "too_large",
+                f"{url}: reading this sample means reading {format_bytes(count)} ({count} "
+                f"bytes), more than the {format_bytes(self.max_sample_bytes)} a sample may "
+                "have. If it is right, raise the server's --max-sample-bytes "
+                "(BATCHD_MAX_SAMPLE_BYTES)",
+            )
+
+    def _size(self, url: str) -> int:
+        with self._sizes_lock:
+            size = self._sizes.get(url)
+        if size is None:
+            if self._down is not None:
+                raise self._down
+            try:
+                size = self._size_of(url)
+            except BadSample as e:
+                if e.kind == "transient":
+                    self._down = e
+                raise
+            with self._sizes_lock:
+                self._sizes[url] = size
+                if len(self._sizes) > _MAX_SIZES:
+                    self._sizes.popitem(last=False)
+        return size
+
+    def _fetch_whole(self, url: str) -> bytes:
+        size = self._size(url)
+        self._check_size(url, size)
+        return self._fetch(url, [(0, size)])[0] if size else b""
+
+    def _fetch(self, url: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        down = self._down
+        if down is not None:
+            raise BadSample(down.kind, str(down))
+        try:
+            got = self._fetcher.fetch(url, ranges)
+        except BadSample as e:
+            if e.kind == "transient":
+                self._down = e
+            raise
+        for (offset, length), chunk in zip(ranges, got, strict=True):
+            if len(chunk) != length:
+                raise BadSample(
+                    "unreadable",
+                    f"{url}: the object ended at byte {offset + len(chunk)}, inside the byte "
+                    f"range [{offset}, {offset + length})",
+                )
+        return got
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="batchd-fetch")
+        return self._pool
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, {}
+        for future in ahead.values():
+            future.cancel()

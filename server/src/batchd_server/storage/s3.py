@@ -1,0 +1,333 @@
+"""S3-compatible object stores through obstore: URLs, the credential chain, retries, errors.
+
+Why obstore: it is the Python face of the Rust ``object_store`` crate (Apache Arrow's, used
+by DataFusion, Polars and delta-rs): one small wheel with no Python dependencies, byte-range
+GETs that coalesce neighbours and run several requests at once (``get_ranges``), listings
+and HEADs, retries with exponential backoff and jitter for 5xx (503 SlowDown included),
+resets and timeouts, and the standard AWS configuration: ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_REGION``,
+the pod's web identity (``AWS_WEB_IDENTITY_TOKEN_FILE`` + ``AWS_ROLE_ARN``, as EKS sets
+them), ECS and EKS Pod Identity container credentials, and the instance metadata service.
+Its calls release the GIL, so a worker's threads keep several requests in flight.
+
+What ``object_store`` does not read, this module adds (:func:`store_config`):
+
+- **Profiles** (``AWS_PROFILE``, ``~/.aws/credentials`` and ``~/.aws/config``, or the files
+  that ``AWS_SHARED_CREDENTIALS_FILE`` / ``AWS_CONFIG_FILE`` name): used when the
+  environment holds no keys and no web identity. A profile's static keys, ``region`` and
+  ``endpoint_url`` are read here; a profile without keys (SSO, ``role_arn``) goes through
+  boto3 when it is installed (it is not a dependency).
+- **Plain HTTP endpoints**: an ``http://`` endpoint (a MinIO or SeaweedFS on a private
+  network) just works; ``object_store`` would refuse it unless ``AWS_ALLOW_HTTP`` is set.
+
+Credentials stay inside the store objects: no message, log line or metric here carries
+one. Errors quote only the first line of ``object_store``'s message (method, URL, status),
+never a header or a signature.
+
+A store is made lazily, once per process and bucket (:func:`store_for`): worker processes
+are spawned, and each makes its own on its first read.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from typing import Any, Final
+
+import obstore
+from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+from obstore.store import S3Store
+
+from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.options import DEFAULT_RETRY_S
+
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "REQUEST_TIMEOUT_S",
+    "SCHEME",
+    "S3Fetcher",
+    "StoreUnreachable",
+    "is_object_url",
+    "join_url",
+    "split_url",
+    "store_config",
+    "store_for",
+]
+
+SCHEME: Final = "s3://"
+CONNECT_TIMEOUT_S: Final = 5.0
+"""A TCP connect that takes longer is a failed try (retried)."""
+REQUEST_TIMEOUT_S: Final = 20.0
+"""One request, body included, that takes longer is a failed try (retried)."""
+_PROFILE_KEYS: Final = (
+    ("aws_access_key_id", "access_key_id"),
+    ("aws_secret_access_key", "secret_access_key"),
+    ("aws_session_token", "token"),
+)
+
+
+class StoreUnreachable(Exception):
+    """The store could not be listed or asked about an object: the message names the URL
+    and says what to check (endpoint, credentials, bucket)."""
+
+
+def is_object_url(root: str) -> bool:
+    """Whether ``root`` names an object-store prefix (``s3://bucket/prefix``)."""
+    return root.startswith(SCHEME)
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/key`` -> ``("bucket", "some/key")``.
+
+    Raises:
+        ValueError: not an ``s3://`` URL with a bucket.
+    """
+    if not is_object_url(url):
+        raise ValueError(f"{url!r} is not an s3:// URL")
+    bucket, _, key = url[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket; write s3://BUCKET/PREFIX")
+    return bucket, key
+
+
+def join_url(root: str, path: str) -> str:
+    """The URL of ``path`` (relative, as the catalog records it) under the prefix ``root``."""
+    return f"{root.rstrip('/')}/{path}"
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def _profile_sections(name: str, env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The ``[name]`` section of the shared credentials file and ``[profile name]`` (or
+    ``[default]``) of the config file; empty where absent."""
+    home = os.path.expanduser("~")
+    creds_file = env.get("AWS_SHARED_CREDENTIALS_FILE") or f"{home}/.aws/credentials"
+    config_file = env.get("AWS_CONFIG_FILE") or f"{home}/.aws/config"
+    found = []
+    for file, section in (
+        (creds_file, name),
+        (config_file, name if name == "default" else f"profile {name}"),
+    ):
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(file, encoding="utf-8")
+        except (configparser.Error, UnicodeDecodeError):
+            parser = configparser.RawConfigParser()
+        found.append(dict(parser[section]) if parser.has_section(section) else {})
+    return found[0], found[1]
+
+
+def store_config(environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], Any]:
+    """What the environment leaves out of ``object_store``'s own chain (see the module
+    docs): extra ``S3Store`` settings, and a credential provider (or None).
+
+    The environment itself is read by ``object_store`` (``S3Store`` reads ``AWS_*`` on
+    construction); only a profile's settings and ``allow_http`` are returned here.
+    """
+    env = os.environ if environ is None else environ
+    extra: dict[str, Any] = {}
+    provider = None
+    chain_has_keys = any(
+        env.get(k)
+        for k in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_WEB_IDENTITY_TOKEN_FILE",
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        )
+    )
+    creds, config = _profile_sections(env.get("AWS_PROFILE") or "default", env)
+    if not env.get("AWS_REGION") and not env.get("AWS_DEFAULT_REGION") and config.get("region"):
+        extra["region"] = config["region"]
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if not endpoint and config.get("endpoint_url"):
+        endpoint = extra["endpoint"] = config["endpoint_url"]
+    if not chain_has_keys:
+        merged = config | creds
+        static = {ours: merged[theirs] for theirs, ours in _PROFILE_KEYS if merged.get(theirs)}
+        if "access_key_id" in static and "secret_access_key" in static:
+            extra.update(static)
+        elif env.get("AWS_PROFILE"):
+            provider = _boto3_provider(env["AWS_PROFILE"])
+    if endpoint and endpoint.startswith("http://"):
+        extra["allow_http"] = True
+    return extra, provider
+
+
+def _boto3_provider(profile: str) -> Any:
+    """A profile without static keys (SSO, an assumed role), through boto3 if it is here."""
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        return None  # object_store's own chain then decides (and says what is missing)
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    except Exception:  # no such profile: object_store's chain then says what is missing
+        return None
+
+
+_stores: dict[tuple[object, ...], S3Store] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(bucket: str, *, retry_s: float = DEFAULT_RETRY_S) -> S3Store:
+    """This process's store for ``bucket``, made on first use.
+
+    Args:
+        retry_s: How long a failing request is retried (with backoff) before it fails.
+    """
+    # The AWS environment is part of the key: a process that changes it (a test, a
+    # rotated key file) gets a store made from what it says now.
+    aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = (os.getpid(), bucket, retry_s, aws)
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            extra, provider = store_config()
+            retry = {
+                "max_retries": 1000,  # bounded by retry_timeout
+                "retry_timeout": timedelta(seconds=retry_s),
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=100),
+                    "max_backoff": timedelta(seconds=4),
+                    "base": 2,
+                },
+            }
+            client = {
+                "connect_timeout": timedelta(seconds=CONNECT_TIMEOUT_S),
+                "timeout": timedelta(seconds=REQUEST_TIMEOUT_S),
+            }
+            store = _stores[key] = S3Store(
+                bucket,
+                retry_config=retry,  # type: ignore[arg-type]
+                client_options=client,  # type: ignore[arg-type]
+                credential_provider=provider,
+                **extra,
+            )
+        return store
+
+
+def first_line(error: BaseException) -> str:
+    """``object_store``'s message without its multi-line debug dump."""
+    return str(error).split("\n", 1)[0].strip() or type(error).__name__
+
+
+def _is_not_found(error: BaseException) -> bool:
+    return isinstance(error, FileNotFoundError)
+
+
+def _is_denied(error: BaseException) -> bool:
+    return isinstance(error, PermissionDeniedError | UnauthenticatedError)
+
+
+def classify(url: str, error: Exception) -> BadSample:
+    """A store error as a bad sample: ``missing`` for a 404, ``transient`` otherwise (the
+    retries are spent, or the store refused the credentials: the object may well be fine)."""
+    if _is_not_found(error):
+        return BadSample("missing", f"{url}: no such object in the store")
+    if _is_denied(error):
+        return BadSample(
+            "transient",
+            f"{url}: the store refused access ({first_line(error)}); the object may well be "
+            "fine: check the server's credentials (AWS_* environment, profile or web "
+            "identity) and their permissions",
+        )
+    if "416" in first_line(error) or "Range Not Satisfiable" in str(error):
+        return BadSample("unreadable", f"{url}: a byte range lies past the end of the object")
+    return BadSample(
+        "transient",
+        f"{url}: {first_line(error)}; the store kept failing through the retries, the object "
+        "itself may well be fine: check the store and the network to it",
+    )
+
+
+def unreachable(url: str, error: Exception) -> StoreUnreachable:
+    """An error of a listing or HEAD at ingest or session open, as a clear message."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    where = f" at {endpoint}" if endpoint else ""
+    if _is_denied(error):
+        why = "the store refused the credentials; check AWS_ACCESS_KEY_ID and its permissions"
+    else:
+        why = (
+            f"check that the store{where} is up and reachable from here (AWS_ENDPOINT_URL), "
+            "that the bucket exists, and the credentials"
+        )
+    return StoreUnreachable(f"cannot reach {url}: {first_line(error)}; {why}")
+
+
+class S3Fetcher:
+    """The object store as a :class:`~batchd_server.storage.base.RangeFetcher`.
+
+    Thread-safe: several threads of a worker fetch at once. Each call is retried by
+    ``object_store`` for up to ``retry_s`` seconds (see :func:`store_for`).
+    """
+
+    def __init__(self, *, retry_s: float = DEFAULT_RETRY_S) -> None:
+        self.retry_s = retry_s
+
+    def fetch(self, url: str, ranges: Any) -> list[bytes]:
+        bucket, key = split_url(url)
+        store = store_for(bucket, retry_s=self.retry_s)
+        starts = [int(o) for o, _ in ranges]
+        lengths = [int(n) for _, n in ranges]
+        if not starts:
+            return []
+        try:
+            got = obstore.get_ranges(store, key, starts=starts, lengths=lengths)
+        except Exception as e:
+            raise classify(url, e) from None
+        return [bytes(b) for b in got]
+
+    def size(self, url: str) -> int:
+        """The object's size in bytes (a HEAD).
+
+        Raises:
+            BadSample: as :meth:`fetch`.
+        """
+        bucket, key = split_url(url)
+        try:
+            return int(obstore.head(store_for(bucket, retry_s=self.retry_s), key)["size"])
+        except Exception as e:
+            raise classify(url, e) from None
+
+
+def list_objects(root: str, *, retry_s: float = DEFAULT_RETRY_S) -> Iterator[tuple[str, int]]:
+    """(path relative to ``root``, size) of every object under the prefix ``root``.
+
+    Raises:
+        StoreUnreachable: the listing failed (after the retries).
+    """
+    bucket, prefix = split_url(root)
+    prefix = prefix.strip("/")
+    store = store_for(bucket, retry_s=retry_s)
+    cut = len(prefix) + 1 if prefix else 0
+    try:
+        for page in obstore.list(store, prefix=prefix or None, chunk_size=1000):
+            for meta in page:
+                path = meta["path"]
+                if cut and not path.startswith(prefix + "/"):
+                    continue
+                yield path[cut:], int(meta["size"])
+    except Exception as e:
+        raise unreachable(root, e) from None
+
+
+def check_reachable(root: str, *, retry_s: float = DEFAULT_RETRY_S) -> None:
+    """Lists at most one object under ``root``: proves the endpoint answers, the bucket
+    exists and the credentials may list it.
+
+    Raises:
+        StoreUnreachable: it does not.
+    """
+    bucket, prefix = split_url(root)
+    store = store_for(bucket, retry_s=retry_s)
+    try:
+        stream = obstore.list(store, prefix=prefix.strip("/") or None, chunk_size=1)
+        next(iter(stream), None)
+    except Exception as e:
+        raise unreachable(root, e) from None

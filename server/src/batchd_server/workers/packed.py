@@ -1,0 +1,294 @@
+"""How a worker fills a slot with packed rows: the pieces its task names, written in place.
+
+A packed session's task carries its batch's pieces (``planning.packing.PackedRows.pieces``):
+for each, the row of the batch, the document's position (global over the sources), its
+first token and how many. The worker reads exactly those tokens (a byte range inside the
+document's record or file: a document cut into several pieces is never read whole) and
+writes every field of the batch once, vectorised over the batch's tokens:
+
+- ``input_ids`` ``(rows, seq_len)``: the tokens, ``pad_id`` after each row's last piece;
+- ``position_ids`` int32: each token's position in its document (a later piece of a long
+  document continues where the earlier one stopped), 0 on padding;
+- ``segment_ids`` int32: 1, 2, ... for the pieces of a row, 0 on padding;
+- ``document_id`` int64: the catalog sample id of each token, -1 on padding;
+- ``cu_seqlens`` int32 ``(segments + 1,)``: the boundaries of every piece and of every row's
+  padding over the flattened ``(rows * seq_len)`` batch, for varlen attention kernels;
+- ``length`` int32 ``(rows,)``: each row's tokens before its padding;
+- ``sample_id``, ``label`` (and ``source`` in a mix): of each row's first document.
+
+A piece that cannot be read (or whose document holds fewer tokens than the catalog said)
+is a bad sample of its document: under ``on_error="raise"`` the batch fails; under "skip"
+and "replace" the piece is left out and its row ends earlier (a packed row has no room for a
+substitute's other length).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from batchd_server.catalog.types import SampleColumns
+from batchd_server.errors import InvalidArgument
+from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline
+from batchd_server.pipelines.files import SampleFiles
+from batchd_server.pipelines.tokens import TokensPipeline
+from batchd_server.storage.objects import ObjectFiles
+from batchd_server.workers.task import (
+    SOURCE_FIELD,
+    BatchResult,
+    BatchTask,
+    SampleFailure,
+    SessionSpec,
+    StageTimes,
+)
+
+__all__ = ["PackedContext", "packed_fields", "run_packed", "tokens_of"]
+
+_ROW_FIELDS: Final = ("input_ids", "position_ids", "segment_ids", "document_id")
+"""The packed fields of shape ``(rows, seq_len)``."""
+
+
+class _Source(Protocol):
+    columns: SampleColumns
+    files: SampleFiles | ObjectFiles
+
+    def path(self, position: int) -> str: ...
+
+
+class PackedContext(Protocol):
+    """What filling packed rows needs of a worker's ``SessionContext``."""
+
+    spec: SessionSpec
+    pipeline: Pipeline
+    where: npt.NDArray[np.int64]
+
+    def slot_block(self, slot: int) -> Block: ...
+
+    def locate(self, position: int) -> tuple[_Source, int]: ...
+
+    def piece_ids(
+        self, positions: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+
+
+def tokens_of(pipeline: Pipeline, what: str = "the session's pipeline") -> TokensPipeline:
+    """``pipeline`` as the Tokens pipeline packing needs.
+
+    Raises:
+        InvalidArgument: it is another kind, saying what to pass.
+    """
+    if not isinstance(pipeline, TokensPipeline):
+        raise InvalidArgument(
+            f"pack needs a tokens pipeline, but {what} is a {type(pipeline).__name__}; pass "
+            "pipeline=batchd.Tokens(max_len=..., dtype=...) with pack=batchd.Pack(...)"
+        )
+    return pipeline
+
+
+def packed_fields(pipeline: Pipeline, seq_len: int) -> list[FieldSpec]:
+    """A packed batch's fields (one row's shape at most), from the session's pipeline.
+
+    Raises:
+        InvalidArgument: the pipeline is not a Tokens pipeline.
+    """
+    tokens = tokens_of(pipeline)
+    int32 = np.dtype("<i4")
+    return [
+        FieldSpec("input_ids", tokens.dtype, (seq_len,)),
+        FieldSpec("position_ids", int32, (seq_len,)),
+        FieldSpec("segment_ids", int32, (seq_len,)),
+        FieldSpec("document_id", np.dtype("<i8"), (seq_len,)),
+        # At most one piece per token plus the row's padding, over all rows: seq_len + 1 a
+        # row is room enough for ``rows * seq_len + 1`` boundaries.
+        FieldSpec("cu_seqlens", int32, (seq_len + 1,)),
+        # Each row's tokens before padding: what a mix's per-source accounting sums.
+        FieldSpec("length", int32, ()),
+    ]
+
+
+def run_packed(context: PackedContext, task: BatchTask) -> BatchResult:
+    """Fill ``task``'s slot with its packed rows (see the module's docs)."""
+    started_at = time.monotonic()
+    spec = context.spec
+    seq_len = spec.pack_seq_len
+    pieces = np.frombuffer(task.positions, np.int64).reshape(-1, 4)
+    rows = int(pieces[:, 0].max()) + 1 if pieces.size else 0
+    block = context.slot_block(task.slot)
+    read_start = time.perf_counter()
+    pipeline = tokens_of(context.pipeline)
+    tokens, kept, failures, fatal = _read_pieces(context, pipeline, task, pieces)
+    decode_start = time.perf_counter()
+    boundaries = 0
+    if not fatal:
+        boundaries = _write(context, pipeline, block, pieces[kept], tokens, rows, seq_len)
+    done = time.perf_counter()
+    shapes: dict[str, tuple[int, ...]] = {
+        name: (rows, seq_len)
+        for name in ("input_ids", "position_ids", "segment_ids", "document_id")
+    }
+    shapes["cu_seqlens"] = (boundaries,)
+    for name in ("length", "sample_id", "label", SOURCE_FIELD):
+        if name in block:
+            shapes[name] = (rows,)
+    del block
+    times = StageTimes(
+        started_at=started_at,
+        read_s=decode_start - read_start,
+        decode_s=done - decode_start,
+    )
+    return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
+
+
+def _read_pieces(
+    context: PackedContext,
+    tokens: TokensPipeline,
+    task: BatchTask,
+    pieces: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_], list[SampleFailure], bool]:
+    """Every piece's tokens, concatenated; which pieces were read; the failures; whether
+    the batch must fail (on_error="raise")."""
+    if not task.one_by_one and not task.hung:
+        together = _read_together(context, tokens, pieces)
+        if together is not None:
+            return together, np.ones(len(pieces), np.bool_), [], False
+    itemsize = tokens.dtype.itemsize
+    out: list[npt.NDArray[Any]] = []
+    kept = np.ones(len(pieces), np.bool_)
+    failures: list[SampleFailure] = []
+    hung = set(task.hung)
+    for i, (_, position, start, count) in enumerate(pieces.tolist()):
+        source, local = context.locate(position)
+        columns = source.columns
+        context.where[0] = position
+        try:
+            if position in hung:
+                raise BadSample(
+                    "timeout",
+                    f"{source.path(local)}: reading it hung past the server's task deadline "
+                    "(--task-timeout-s) twice; check the file and its file system",
+                )
+            offset, length = int(columns.byte_offsets[local]), int(columns.byte_lengths[local])
+            want = (start + count) * itemsize
+            if offset >= 0 and 0 <= length < want:
+                raise BadSample(
+                    "shape",
+                    f"{source.path(local)}: its record has {length // itemsize} tokens, the "
+                    f"catalog's length says at least {start + count}; fix the length column",
+                )
+            base = max(offset, 0)
+            data = source.files.read(source.path(local), base + start * itemsize, count * itemsize)
+            if len(data) != count * itemsize:
+                raise BadSample(
+                    "shape",
+                    f"{source.path(local)}: {len(data)} bytes where the catalog's length "
+                    f"promised {count * itemsize}; fix the length column or the file",
+                )
+            out.append(np.frombuffer(data, tokens.dtype).copy())
+        except BadSample as e:
+            kept[i] = False
+            failures.append(
+                SampleFailure(int(columns.ids[local]), source.path(local), e.kind, str(e))
+            )
+            if context.spec.on_error == "raise":
+                return np.empty(0, tokens.dtype), kept, failures, True
+    context.where[0] = -1
+    joined = np.concatenate(out) if out else np.empty(0, tokens.dtype)
+    return joined, kept, failures, False
+
+
+def _read_together(
+    context: PackedContext, tokens: TokensPipeline, pieces: npt.NDArray[np.int64]
+) -> npt.NDArray[Any] | None:
+    """Every piece's tokens in a few reads per source (``SampleFiles.read_ranges``), when
+    every piece lies inside its document's byte-range record; None when one does not, or a
+    read fails: then each piece is read on its own, which finds and reports the bad one."""
+    itemsize = tokens.dtype.itemsize
+    located = [context.locate(int(p)) for p in pieces[:, 1].tolist()]
+    runs: dict[int, list[int]] = {}
+    for i, (source, _) in enumerate(located):
+        runs.setdefault(id(source), []).append(i)
+    parts: dict[int, npt.NDArray[Any]] = {}
+    for members in runs.values():
+        source = located[members[0]][0]
+        local = np.array([located[i][1] for i in members], np.int64)
+        offsets = source.columns.byte_offsets[local]
+        lengths = source.columns.byte_lengths[local]
+        first = pieces[members, 2] * itemsize
+        count = pieces[members, 3] * itemsize
+        if offsets.min() < 0 or (lengths < first + count).any():
+            return None
+        seen: dict[str, int] = {}
+        files = np.fromiter(
+            (seen.setdefault(source.path(int(p)), len(seen)) for p in local.tolist()),
+            np.intp,
+            len(members),
+        )
+        try:
+            data, starts = source.files.read_ranges(list(seen), files, offsets + first, count)
+        except BadSample:
+            return None
+        for i, start, n in zip(members, starts.tolist(), count.tolist(), strict=True):
+            parts[i] = data[start : start + n].view(tokens.dtype).copy()
+    out = [parts[i] for i in range(len(pieces))]
+    return np.concatenate(out) if out else np.empty(0, tokens.dtype)
+
+
+def _write(
+    context: PackedContext,
+    pipeline: TokensPipeline,
+    block: Block,
+    pieces: npt.NDArray[np.int64],
+    tokens: npt.NDArray[Any],
+    rows: int,
+    seq_len: int,
+) -> int:
+    """Write the read pieces (in row order) and the padding of ``rows`` rows; the number of
+    ``cu_seqlens`` boundaries written."""
+    row, start, count = pieces[:, 0], pieces[:, 2], pieces[:, 3]
+    area = rows * seq_len
+    ids = block["input_ids"].reshape(-1)[:area]
+    positions = block["position_ids"].reshape(-1)[:area]
+    segments = block["segment_ids"].reshape(-1)[:area]
+    documents = block["document_id"].reshape(-1)[:area]
+    ids[:] = pipeline.pad_id
+    positions[:] = 0
+    segments[:] = 0
+    documents[:] = -1
+    # Each piece's column in its row: the tokens of the row's earlier pieces.
+    ends = np.cumsum(count)
+    row_first = np.searchsorted(row, row, side="left")
+    before_row = (ends - count)[row_first]
+    column = ends - count - before_row
+    total = int(ends[-1]) if ends.size else 0
+    step = np.arange(total, dtype=np.int64)
+    local = step - np.repeat(ends - count, count)
+    flat = np.repeat(row * seq_len + column, count) + local
+    ids[flat] = tokens
+    positions[flat] = np.repeat(start, count) + local
+    segments[flat] = np.repeat(np.arange(len(pieces)) - row_first + 1, count)
+    sample_ids, labels, sources = context.piece_ids(pieces[:, 1])
+    documents[flat] = np.repeat(sample_ids, count)
+    # Each row's first piece names the row.
+    firsts = (
+        np.flatnonzero(np.r_[True, row[1:] != row[:-1]]) if len(pieces) else np.empty(0, np.int64)
+    )
+    block["sample_id"][:rows] = -1
+    block["label"][:rows] = -1
+    block["sample_id"][row[firsts]] = sample_ids[firsts]
+    block["label"][row[firsts]] = labels[firsts]
+    if SOURCE_FIELD in block:
+        block[SOURCE_FIELD][:rows] = -1
+        block[SOURCE_FIELD][row[firsts]] = sources[firsts]
+    # cu_seqlens: every piece's start, every row's padding start, and each row's end.
+    piece_starts = row * seq_len + column
+    used = np.bincount(row, weights=count, minlength=rows).astype(np.int64)
+    block["length"][:rows] = used
+    padding_starts = np.flatnonzero(used < seq_len) * seq_len + used[used < seq_len]
+    bounds = np.unique(
+        np.concatenate([piece_starts, padding_starts, np.arange(rows + 1) * seq_len])
+    )
+    block["cu_seqlens"].reshape(-1)[: bounds.size] = bounds
+    return int(bounds.size)
