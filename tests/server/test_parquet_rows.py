@@ -180,6 +180,7 @@ class CountingReader:
         self.files = SampleFiles(str(root))
         self.sizes: Counter[str] = Counter()
         self.reads: Counter[tuple[str, int, int]] = Counter()
+        self.range_calls = 0
 
     def size(self, path: str) -> int:
         self.sizes[path] += 1
@@ -188,6 +189,10 @@ class CountingReader:
     def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview:
         self.reads[(path, offset, length)] += 1
         return self.files.read(path, offset, length)
+
+    def read_ranges(self, paths: Any, files: Any, offsets: Any, lengths: Any) -> Any:
+        self.range_calls += 1
+        return self.files.read_ranges(paths, files, offsets, lengths)
 
 
 def test_a_worker_reads_each_footer_once_and_each_row_groups_chunk_once(tmp_path: Path) -> None:
@@ -299,3 +304,28 @@ def test_gather_copies_the_rows_of_several_groups_in_order_or_declines_a_bad_row
     files[0], groups[0], within[0] = 1, 1, 1  # sample 11: the null row
     offsets[0], lengths[0] = _chunk(tmp_path / "g1.parquet", 1, "png")
     assert rows.gather(paths, files, groups, within, offsets, lengths) is None
+
+
+def test_load_reads_a_batchs_row_groups_together_and_then_rows_cost_no_read(
+    tmp_path: Path,
+) -> None:
+    """``load`` fetches the payload chunks of every row group a batch needs in one
+    ``read_ranges`` (what keeps several GETs in flight on an object store); serving the rows
+    after it reads nothing more, and their bytes are right."""
+    blobs = _blobs(16)
+    _write(tmp_path / "l.parquet", {"png": pa.array(blobs)}, row_group_size=4)
+    reader = CountingReader(tmp_path)
+    rows = ParquetRows(reader, "png", None)
+    wanted = np.array([13, 2, 6, 9, 0, 15], np.int64)
+    groups = (wanted // 4).astype(np.int32)
+    ranges = [_chunk(tmp_path / "l.parquet", int(g), "png") for g in groups]
+    offsets = np.array([r[0] for r in ranges], np.int64)
+    lengths = np.array([r[1] for r in ranges], np.int64)
+    files = np.zeros(len(wanted), np.intp)
+    rows.load(["l.parquet"], files, groups, offsets, lengths)
+    assert reader.range_calls == 1
+    reads = sum(reader.reads.values())  # the footer's two
+    for i, g, (offset, length) in zip(wanted.tolist(), groups.tolist(), ranges, strict=True):
+        data, _ = rows.value("l.parquet", g, i % 4, offset, length)
+        assert bytes(data) == blobs[i]
+    assert sum(reader.reads.values()) == reads == 2

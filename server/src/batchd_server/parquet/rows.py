@@ -52,6 +52,14 @@ class SampleReader(Protocol):
 
     def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview: ...
 
+    def read_ranges(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]: ...
+
     def size(self, path: str) -> int: ...
 
 
@@ -185,6 +193,49 @@ class ParquetRows:
         """
         return self._file(path).payload.kind != "binary"
 
+    def load(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        row_groups: npt.NDArray[np.int32],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> None:
+        """Read the payload chunks of a batch's row groups that are not decoded yet in one
+        ``read_ranges`` (on an object store: several objects' GETs in flight at once, not
+        one round trip per row group as the rows ask), and decode each. Arguments as
+        :meth:`gather`. What fails here is left for :meth:`value` and :meth:`gather` to
+        meet again and report, row by row."""
+        keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
+        distinct, first = np.unique(keys, return_index=True)
+        todo = [
+            int(i)
+            for key, i in zip(distinct.tolist(), first.tolist(), strict=True)
+            if (paths[key >> 32], key & 0xFFFFFFFF) not in self._groups
+        ]
+        if len(todo) < 2:
+            return
+        chosen = np.array(todo, np.intp)
+        try:
+            for name in {paths[int(files[i])] for i in todo}:
+                self._file(name)
+            data, starts = self.files.read_ranges(
+                paths, files[chosen], offsets[chosen], lengths[chosen]
+            )
+        except BadSample:
+            return
+        # ``data`` is the reader's buffer until its next read: every chunk is copied first.
+        chunks = [
+            bytes(data[int(a) : int(a) + int(n)])
+            for a, n in zip(starts.tolist(), lengths[chosen].tolist(), strict=True)
+        ]
+        for i, chunk in zip(todo, chunks, strict=True):
+            path, group = paths[int(files[i])], int(row_groups[i])
+            try:
+                self._group(path, group, int(offsets[i]), int(lengths[i]), chunk)
+            except BadSample:
+                continue
+
     def gather(
         self,
         paths: Sequence[str],
@@ -272,7 +323,9 @@ class ParquetRows:
             self._files.popitem(last=False)
         return found
 
-    def _group(self, path: str, row_group: int, offset: int, length: int) -> _Group:
+    def _group(
+        self, path: str, row_group: int, offset: int, length: int, data: bytes | None = None
+    ) -> _Group:
         key = (path, row_group)
         cached = self._groups.get(key)
         if cached is not None:
@@ -295,7 +348,7 @@ class ParquetRows:
                 "re-ingest it",
             )
         file.window.start = offset
-        file.window.data = bytes(self.files.read(path, offset, length))
+        file.window.data = bytes(self.files.read(path, offset, length)) if data is None else data
         try:
             table = file.reader.read_row_group(
                 row_group, columns=[".".join(file.payload.names)], use_threads=False

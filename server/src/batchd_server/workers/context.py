@@ -179,6 +179,8 @@ class SessionContext:
         the whole batch. The worker points this into memory its pool reads when the task
         overruns its deadline (``workers/deadline.py``)."""
         self._hung: frozenset[int] = frozenset()
+        self._one_by_one = False
+        """The current task reads each sample on its own (a redo after a hang)."""
 
     def _open(self, source: SourceSpec) -> _Source:
         arrays, attachment = attach_arrays(source.catalog_segment, shm_dir=Path(self.spec.shm_dir))
@@ -267,6 +269,7 @@ class SessionContext:
         self._hung = frozenset(task.hung)  # task positions, as ``where`` reports them
         self.where[0] = -1
         one_by_one = task.one_by_one or bool(task.hung)
+        self._one_by_one = one_by_one
         source_column = block.get(SOURCE_FIELD)
         fill = {name: array for name, array in block.items() if name != SOURCE_FIELD}
         rows = 0
@@ -362,6 +365,13 @@ class SessionContext:
             return None
         read_start = time.perf_counter()
         paths, files = self._batch_paths(source, positions)
+        parquet.load(
+            paths,
+            files,
+            columns.row_groups[positions],
+            columns.byte_offsets[positions],
+            columns.byte_lengths[positions],
+        )
         gathered = parquet.gather(
             paths,
             files,
@@ -384,6 +394,26 @@ class SessionContext:
         block["sample_id"][:rows] = columns.ids[positions]
         block["label"][:rows] = columns.labels[positions]
         return rows
+
+    def _load_row_groups(
+        self, source: _Source, parquet: ParquetRows, positions: npt.NDArray[np.int64]
+    ) -> None:
+        """The row groups of a run's Parquet rows, read together before the rows are
+        decoded one by one (``ParquetRows.load``)."""
+        rows = positions[source.columns.row_groups[positions] >= 0]
+        if rows.size < 2 or self._one_by_one:  # a redo finds the row that hangs, one by one
+            return
+        read_start = time.perf_counter()
+        paths, files = self._batch_paths(source, rows)
+        columns = source.columns
+        parquet.load(
+            paths,
+            files,
+            columns.row_groups[rows],
+            columns.byte_offsets[rows],
+            columns.byte_lengths[rows],
+        )
+        self._read_s += time.perf_counter() - read_start
 
     @staticmethod
     def _batch_paths(
@@ -465,6 +495,8 @@ class SessionContext:
         policy = self.spec.on_error
         failures: list[SampleFailure] = []
         rows = 0
+        if source.parquet is not None:
+            self._load_row_groups(source, source.parquet, positions)
         if isinstance(source.files, ObjectFiles):
             # Whole objects (image files) are fetched ahead, several at once, while the
             # first ones decode: one round trip per sample would bound the worker's rate.
