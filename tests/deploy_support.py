@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ("sidecar", "pool")
+OVERLAYS = ("sidecar", "pool", "pool-object-store")
 SERVER_UID = 10001
 
 _UNITS = {

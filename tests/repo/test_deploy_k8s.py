@@ -237,3 +237,34 @@ def test_the_pool_has_its_services_budget_autoscaler_probes_and_a_separate_migra
     migrate = find("pool", "Job", "batchd-migrate")["spec"]["template"]["spec"]
     assert named(migrate["containers"], "migrate")["args"] == ["migrate"]
     assert find("pool", "ConfigMap", "batchd-config")["data"]["BATCHD_GRACE_S"] == "20"
+
+
+def test_the_object_store_pool_mounts_no_datasets_and_caches_in_an_empty_dir() -> None:
+    """The pool for s3:// datasets: no datasets volume or claim and no --data-root; the
+    node cache on a disk emptyDir whose size limit holds --cache-size, with the ephemeral
+    storage asked for; credentials from an optional Secret (or the pod identity the
+    ServiceAccount names)."""
+    everything = docs("pool-object-store")
+    assert not [d for d in everything if d["kind"] == "PersistentVolumeClaim"]
+    deployment = find("pool-object-store", "Deployment", "batchd-server")
+    spec = deployment["spec"]["template"]["spec"]
+    server = named(spec["containers"], "batchd-server")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert "datasets" not in volumes and "/data" not in mounts(server).values()
+    assert "--data-root" not in server["args"]
+    variables = env(server)
+    cache = volumes[
+        next(n for n, p in mounts(server).items() if p == variables["BATCHD_CACHE_DIR"])
+    ]
+    assert "medium" not in cache["emptyDir"], "the cache is on disk, not in memory"
+    limit = size_bytes(cache["emptyDir"]["sizeLimit"])
+    assert size_bytes(variables["BATCHD_CACHE_SIZE"]) < limit
+    asked = server["resources"]["requests"]["ephemeral-storage"]
+    assert size_bytes(asked) >= limit
+    secret = next(s["secretRef"] for s in server["envFrom"] if "secretRef" in s)
+    assert secret["optional"] is True
+    keys = set(find("pool-object-store", "Secret", secret["name"])["stringData"])
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"} <= keys
+    account = find("pool-object-store", "ServiceAccount", spec["serviceAccountName"])
+    assert "eks.amazonaws.com/role-arn" in account["metadata"]["annotations"]
+    assert spec["automountServiceAccountToken"] is False

@@ -67,8 +67,9 @@ def test_every_dashboard_query_names_a_metric_a_live_server_exports(
 
 def test_the_dashboard_shows_what_an_operator_asks_first() -> None:
     """Throughput, per-stage latency, stall ratio, time to first batch, sample errors, shm,
-    workers and a mix's share per source (served against expected) each have a panel;
-    panel ids and grid positions do not collide."""
+    workers, a mix's share per source (served against expected) and the node cache (hits,
+    bytes fetched, GET latency, prefetch lead) each have a panel; panel ids and grid
+    positions do not collide."""
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     text = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in panels}
@@ -91,6 +92,10 @@ def test_the_dashboard_shows_what_an_operator_asks_first() -> None:
         "batchd_mix_samples_total",
         "batchd_mix_expected_samples_total",
         "batchd_mix_tokens_total",
+        "batchd_cache_hits_total",
+        "batchd_cache_fetched_bytes_total",
+        "batchd_object_get_seconds_bucket",
+        "batchd_cache_prefetch_lead_batches",
     ):
         panel_with(metric)
     cells = set()

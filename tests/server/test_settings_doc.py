@@ -53,6 +53,9 @@ PINNED: dict[str, tuple[str | None, str, Any]] = {
     "object_store_retry_s": ("--object-store-retry-s", "BATCHD_OBJECT_STORE_RETRY_S", 30.0),
     "reflection": ("--reflection", "BATCHD_REFLECTION", False),
     "heartbeat_interval_s": ("--heartbeat-interval-s", "BATCHD_HEARTBEAT_INTERVAL_S", 5.0),
+    "cache_dir": ("--cache-dir", "BATCHD_CACHE_DIR", None),
+    "cache_size_bytes": ("--cache-size", "BATCHD_CACHE_SIZE", 10 << 30),
+    "cache_prefetch_batches": ("--cache-prefetch-batches", "BATCHD_CACHE_PREFETCH_BATCHES", 8),
 }
 """Every setting's flag, variable and default as operators and deployments know them."""
 
@@ -68,6 +71,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "reflection": ("1", True),
     "max_sample_bytes": ("64MiB", 64 << 20),
     "data_roots": ("/data", (Path("/data"),)),
+    "cache_dir": ("/var/cache/batchd", Path("/var/cache/batchd")),
+    "cache_size_bytes": ("20GiB", 20 << 30),
     "workers": ("2..6", WorkerRange(2, 6)),
     "decode_cache_bytes": ("8GiB", 8 << 30),
     "decode_cache_dir_bytes": ("100GiB", 100 << 30),
@@ -84,6 +89,7 @@ BAD: dict[str, Any] = {
     "metrics_listen": "9400",
     "log_format": "xml",
     "data_roots": (Path("relative"),),
+    "cache_dir": Path("relative"),
     "workers": WorkerRange(3, 2),
 }
 """A value each non-numeric check refuses (every numeric one refuses -1)."""

@@ -28,12 +28,17 @@ from batchd_server.delivery.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition
 from batchd_server.health import HealthMonitor, HealthReport
 from batchd_server.sessions import SessionManager
+from batchd_server.sessions.cache_reads import start_cache_manager
 from batchd_server.settings import setting_of
 from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.shm.space import shm_space
+from batchd_server.storage import cache_metrics
+from batchd_server.storage.cache_manager import CacheManager
+from batchd_server.storage.open import make_fetcher
 from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.sizing import Autoscaler
+from batchd_server.workers.task import BatchResult, BatchTask
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
     from batchd_server.catalog.db import Engine
@@ -57,6 +62,8 @@ class Parts:
     monitor: HealthMonitor
     sample_errors: SampleErrorWriter
     metrics_endpoint: metrics.MetricsEndpoint | None = None
+    cache: CacheManager | None = None
+    """The node cache's manager (``--cache-dir``)."""
     autoscaler: Autoscaler | None = None
     """Sizes the pool by demand when ``--workers`` is a range MIN..MAX."""
     decode_cache: DecodeCacheOwner | None = None
@@ -80,6 +87,8 @@ class Parts:
             if self.metrics_endpoint is not None:
                 self.metrics_endpoint.close()
             self.end_sessions(left())
+            if self.cache is not None:
+                self.cache.close()
             self.catalog.close()
             self.sample_errors.close()
         finally:
@@ -98,13 +107,21 @@ class Parts:
                         self.engine.dispose()
 
 
+def _observe_result(
+    task: BatchTask, result: BatchResult, queued_s: float, latency_s: float
+) -> None:
+    """The pool's result hook: a batch's timings, and what its worker read through the cache."""
+    metrics.observe_worker_result(task, result, queued_s, latency_s)
+    cache_metrics.observe_worker_cache(task, result, queued_s, latency_s)
+
+
 def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     pool = WorkerPool(
         config.workers.min,
         task_timeout_s=config.task_timeout_s,
         on_restart=metrics.WORKER_RESTARTS.inc,
         on_timeout=metrics.WORKER_TIMEOUTS.inc,
-        on_result=metrics.observe_worker_result,
+        on_result=_observe_result,
     )
     pool.start()
     metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
@@ -190,6 +207,11 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
     catalog = CatalogCache(engine, registry)
     sample_errors = SampleErrorWriter(engine)
     bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
+    store = StoreOptions(
+        retry_s=config.object_store_retry_s,
+        cache_dir=None if config.cache_dir is None else str(config.cache_dir),
+        cache_size_bytes=config.cache_size_bytes,
+    )
     sessions = SessionManager(
         catalog=catalog,
         pool=pool,
@@ -203,7 +225,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         data_roots=config.data_roots,
         max_sample_bytes=config.max_sample_bytes,
         decode_cache=decode_cache.spec if decode_cache is not None else None,
-        store=StoreOptions(retry_s=config.object_store_retry_s),
+        store=store,
     )
     if decode_cache is not None:
         decode_cache.live_roots = sessions.live_roots
@@ -254,6 +276,12 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
                 on_signals=metrics_scaling.record_scaling_signals,
             )
             parts.autoscaler.start()
+        parts.cache = start_cache_manager(
+            sessions.live,
+            make_fetcher(store),
+            prefetch_batches=config.cache_prefetch_batches,
+            workers=lambda: pool.size,
+        )
         monitor.start()
     except BaseException:
         parts.close()

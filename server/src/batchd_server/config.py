@@ -37,6 +37,7 @@ from batchd_server.settings import (
     within,
 )
 from batchd_server.shm.space import usable_bytes
+from batchd_server.storage.cache_settings import CacheSettings
 from batchd_server.storage.options import DEFAULT_RETRY_S, RETRY_SETTING
 from batchd_server.workers.sizing import WorkerRange, available_cpus, parse_worker_range
 
@@ -123,7 +124,7 @@ class ShmLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig(DecodeCacheSettings):
+class ServerConfig(DecodeCacheSettings, CacheSettings):
     """Everything the server needs to know, validated on construction.
 
     Each field's ``setting(...)`` says what it does, how to set it and what it allows; the

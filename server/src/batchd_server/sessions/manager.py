@@ -321,6 +321,11 @@ class SessionManager:
             )
         return str(resolved)
 
+    def live(self) -> list[Session]:
+        """Every open session, now (the node cache's manager reads their plans)."""
+        with self._lock:
+            return list(self._sessions.values())
+
     def live_roots(self) -> set[str]:
         """The dataset roots the open sessions' workers read (the decode cache keeps their
         entries: NOTE [ Admission and eviction ] in ``decode_cache/owner.py``)."""

@@ -255,6 +255,15 @@ class Session:
     def streaming(self) -> bool:
         return self._stream is not None
 
+    def position(self) -> tuple[Stream, int] | None:
+        """The live stream and its first batch not yet delivered (being read, or the next to
+        hand out); None without a stream. The node cache prefetches and evicts by it."""
+        with self._cond:
+            stream = self._stream
+            if stream is None or stream.closed:
+                return None
+            return stream, min(stream.working, default=stream.next_submit)
+
     def slot_memory(self, slot: int) -> memoryview:
         start = slot_offset(slot, self.slot_bytes)
         return memoryview(self.ring.buf)[start : start + self.slot_bytes]

@@ -13,10 +13,12 @@ settings to the worker processes (on every task's ``SessionSpec``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final
 
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES, SampleFiles
 from batchd_server.storage.base import RangeFetcher
+from batchd_server.storage.cache import CachingFetcher, cached
 from batchd_server.storage.objects import ObjectFiles
 from batchd_server.storage.options import StoreOptions
 from batchd_server.storage.s3 import S3Fetcher, is_object_url
@@ -28,8 +30,11 @@ OPEN_CHECK_RETRY_S: Final = 10.0
 
 
 def make_fetcher(options: StoreOptions) -> RangeFetcher:
-    """The object store's client as a RangeFetcher (a cache wraps it here)."""
-    return S3Fetcher(retry_s=options.retry_s)
+    """The object store's client as a RangeFetcher, read through the node cache when the
+    server has one (``--cache-dir``)."""
+    inner = S3Fetcher(retry_s=options.retry_s)
+    cache_dir = None if options.cache_dir is None else Path(options.cache_dir)
+    return cached(inner, cache_dir, capacity_bytes=options.cache_size_bytes)
 
 
 def open_sample_files(
@@ -46,5 +51,7 @@ def open_sample_files(
     if not is_object_url(root):
         return SampleFiles(root, max_sample_bytes=max_sample_bytes)
     options = store or StoreOptions()
-    sizes = S3Fetcher(retry_s=options.retry_s)
-    return ObjectFiles(root, make_fetcher(options), sizes.size, max_sample_bytes=max_sample_bytes)
+    fetcher = make_fetcher(options)
+    # Through the cache, a cached object's size is known without a request (the store down).
+    sizes = fetcher if isinstance(fetcher, CachingFetcher) else S3Fetcher(retry_s=options.retry_s)
+    return ObjectFiles(root, fetcher, sizes.size, max_sample_bytes=max_sample_bytes)

@@ -36,3 +36,7 @@ class StoreOptions:
 
     retry_s: float = DEFAULT_RETRY_S
     """How long a failing request is retried before its samples are ``transient``."""
+    cache_dir: str | None = None
+    """The node cache's directory (``--cache-dir``); None: no cache."""
+    cache_size_bytes: int = 0
+    """What the node cache's files may take (``--cache-size``)."""

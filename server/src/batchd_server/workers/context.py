@@ -35,6 +35,7 @@ from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
+from batchd_server.storage.cache import STATS as CACHE_STATS
 from batchd_server.storage.objects import ObjectFiles
 from batchd_server.storage.open import open_sample_files
 from batchd_server.workers.packed import run_packed
@@ -301,6 +302,7 @@ class SessionContext:
             read_s=self._read_s,
             decode_s=self._decode_s,
             collate_s=time.perf_counter() - finish_start,
+            node_cache=CACHE_STATS.take() or None,
         )
         counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
         return BatchResult(

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from batchd_server.decode_cache.worker import CacheCounts, DecodeCacheSpec
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.storage.cache import NodeCacheCounts
 from batchd_server.storage.options import StoreOptions
 
 __all__ = [
@@ -150,6 +151,9 @@ class StageTimes:
     fixed-size records: the one vectorised gather)."""
     collate_s: float = 0.0
     """Batch-wide work after the samples: padding to the longest, the pipeline's finish."""
+    node_cache: NodeCacheCounts | None = None
+    """What the worker read through the node cache of object-store bytes since its previous
+    result (None: nothing)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,317 @@
+"""The node cache: a :class:`~batchd_server.storage.base.RangeFetcher` that keeps what it
+fetched on a local disk, shared by every process and session of the server.
+
+A worker's read of some ranges of an object becomes reads of the aligned blocks they fall in
+(NOTE [ Cache files ] in ``blocks.py``): blocks on disk are read and checked, the missing
+ones are fetched from the store in one request of one range per run of neighbouring blocks,
+kept, and the asked ranges cut out of them. Nothing in a worker decides what leaves the
+cache: the cache manager in the server's main process does, from the plans of the live
+sessions (``storage/manager.py``), and prefetches through a fetcher of this class too.
+
+An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
+``size`` if it has one: a HEAD) so that the last block is asked for exactly; with no size
+known, a block is fetched up to the last byte asked of it, and a later read that needs more
+of it fetches it again. Objects are taken to be immutable while cached: a catalog's byte
+offsets are a snapshot of them anyway, and a range past the recorded size is ``unreadable``.
+An object rewritten in place under the same key must be forgotten (``BlockStore.forget``,
+or a new cache directory): see the node cache's page in the docs.
+
+What a process read through its fetchers (hits, misses, bytes, the latency of each request
+to the store) is counted in :data:`STATS`; a worker sends its counts back with each result
+and the server adds them to its metrics (``metrics.record_cache``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Protocol, runtime_checkable
+
+from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.base import RangeFetcher
+from batchd_server.storage.blocks import (
+    BLOCK_BYTES,
+    BlockKey,
+    BlockRead,
+    BlockStore,
+    ObjectMeta,
+    object_hash,
+)
+
+__all__ = [
+    "STATS",
+    "CacheStats",
+    "CachingFetcher",
+    "NodeCacheCounts",
+    "SizesObjects",
+    "cached",
+    "object_url",
+]
+
+_MAX_SIZES: Final = 1 << 16
+"""Object sizes a fetcher remembers in memory (the records on disk keep them all)."""
+_MAX_LATENCIES: Final = 256
+"""Request latencies a process keeps between two :meth:`CacheStats.take`; more are dropped
+(the counts stay exact)."""
+
+
+@runtime_checkable
+class SizesObjects(Protocol):
+    """A fetcher that can also say an object's size (a HEAD request)."""
+
+    def size(self, url: str) -> int:
+        """Raises BadSample (``missing``, ``transient``) as ``RangeFetcher.fetch`` does."""
+        ...
+
+
+def object_url(root: str, path: str) -> str:
+    """The URL of a catalog path under a dataset root (``s3://bucket/prefix`` + ``a/b.tar``)."""
+    return f"{root.rstrip('/')}/{path.lstrip('/')}"
+
+
+@dataclass
+class NodeCacheCounts:
+    """What a process read through the cache since the counts were last taken."""
+
+    hits: int = 0
+    """Blocks found on disk, intact."""
+    misses: int = 0
+    """Blocks fetched from the store by a reader (a worker)."""
+    hit_bytes: int = 0
+    fetched_bytes: int = 0
+    """Bytes received from the store, prefetches included."""
+    prefetched_bytes: int = 0
+    """Of ``fetched_bytes``, those fetched ahead of a session by the cache manager."""
+    corrupt: int = 0
+    """Block files found corrupt or truncated, deleted and fetched again."""
+    get_seconds: list[float] = field(default_factory=list)
+    """The latency of each request to the store (at most ``_MAX_LATENCIES`` of them)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.hits or self.misses or self.fetched_bytes or self.get_seconds)
+
+
+class CacheStats:
+    """A process's :class:`NodeCacheCounts`, safe to add to from many threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = NodeCacheCounts()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self._counts, name, getattr(self._counts, name) + value)
+
+    def latency(self, seconds: float) -> None:
+        with self._lock:
+            if len(self._counts.get_seconds) < _MAX_LATENCIES:
+                self._counts.get_seconds.append(seconds)
+
+    def take(self) -> NodeCacheCounts:
+        """The counts so far; they start again from zero."""
+        with self._lock:
+            counts, self._counts = self._counts, NodeCacheCounts()
+        return counts
+
+
+STATS: Final = CacheStats()
+"""This process's counts (see the module docs)."""
+
+
+class CachingFetcher:
+    """A :class:`RangeFetcher` over ``inner`` that keeps every block it fetches in ``store``.
+
+    Thread-safe (a worker uses it from one thread, the cache manager's prefetch from many).
+
+    Args:
+        inner: The store's fetcher.
+        store: The blocks on disk.
+        stats: Where the counts go (default: this process's :data:`STATS`).
+    """
+
+    def __init__(
+        self, inner: RangeFetcher, store: BlockStore, *, stats: CacheStats | None = None
+    ) -> None:
+        self.inner = inner
+        self.store = store
+        self.stats = STATS if stats is None else stats
+        self._sizes: dict[str, int] = {}
+        store.on_corrupt = lambda: self.stats.add(corrupt=1)
+
+    def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each range, from the disk where cached, else from the store (and kept).
+
+        Raises:
+            BadSample: ``missing``/``transient`` from the store, or ``unreadable`` for a range
+                past the end of the object (by its recorded size) or a short answer.
+        """
+        blocks, _ = self._blocks(url, ranges, prefetch=False)
+        return [self._cut(blocks, offset, length) for offset, length in ranges]
+
+    def prefetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> int:
+        """Cache the blocks that ``ranges`` touch; how many had to be fetched.
+
+        Raises:
+            BadSample: as :meth:`fetch`.
+        """
+        return self._blocks(url, ranges, prefetch=True)[1]
+
+    def size(self, url: str) -> int:
+        """``url``'s size in bytes: as recorded when it was first cached (no request, so a
+        cached object's size is known with the store gone), else the store's answer.
+
+        Raises:
+            BadSample: the store's (``missing``, ``transient``), or ``unreadable`` when the
+                inner fetcher cannot tell sizes.
+        """
+        size = self.known_size(url)
+        if size < 0:
+            raise BadSample(
+                "unreadable", f"{url}: the object store's client cannot say the object's size"
+            )
+        return size
+
+    def known_size(self, url: str) -> int:
+        """As :meth:`size`, but -1 when the inner fetcher cannot tell sizes."""
+        size = self._sizes.get(url)
+        if size is not None:
+            return size
+        meta = self.store.meta(url)
+        if meta is None and isinstance(self.inner, SizesObjects):
+            meta = ObjectMeta(url, self.inner.size(url))
+            self.store.record(meta)
+        if meta is None:
+            return -1
+        if len(self._sizes) >= _MAX_SIZES:
+            self._sizes.clear()
+        self._sizes[url] = meta.size
+        return meta.size
+
+    def _blocks(
+        self, url: str, ranges: Sequence[tuple[int, int]], *, prefetch: bool
+    ) -> tuple[dict[int, BlockRead], int]:
+        """For every block that ``ranges`` touch, the parts of it they need; and how many
+        blocks were fetched."""
+        size = self.known_size(url)
+        b = self.store.block_bytes
+        need: dict[int, list[tuple[int, int]]] = {}
+        """Block -> the spans of it the ranges need, from its first byte."""
+        for offset, length in ranges:
+            if offset < 0 or length < 0:
+                raise BadSample("unreadable", f"{url}: byte range ({offset}, {length}) is invalid")
+            end = offset + length
+            if size >= 0 and end > size:
+                raise BadSample(
+                    "unreadable",
+                    f"{url}: byte range [{offset}, {end}) is past the end of the object "
+                    f"({size} bytes)",
+                )
+            if length == 0:
+                continue
+            for i in range(offset // b, (end - 1) // b + 1):
+                span = (max(offset, i * b) - i * b, min(end, (i + 1) * b) - i * b)
+                need.setdefault(i, []).append(span)
+        h = object_hash(url)
+        have: dict[int, BlockRead] = {}
+        short: set[int] = set()
+        for i in sorted(need):
+            found = self.store.read(BlockKey(h, i), need[i])
+            if found is None:
+                continue
+            if found.parts is not None:
+                have[i] = found
+            else:
+                short.add(i)
+        missing = [i for i in sorted(need) if i not in have]
+        if not prefetch:
+            hit_bytes = sum(len(d) for r in have.values() for _, d in r.parts or ())
+            self.stats.add(hits=len(have), misses=len(missing), hit_bytes=hit_bytes)
+        if missing:
+            have.update(self._fetch_missing(url, size, need, missing, short, prefetch=prefetch))
+        return have, len(missing)
+
+    def _fetch_missing(
+        self,
+        url: str,
+        size: int,
+        need: dict[int, list[tuple[int, int]]],
+        missing: list[int],
+        short: set[int],
+        *,
+        prefetch: bool,
+    ) -> dict[int, BlockRead]:
+        """Fetch ``missing`` blocks, one range per run of neighbours, and keep them."""
+        b = self.store.block_bytes
+        runs: list[list[int]] = []
+        for i in missing:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+
+        def want_end(i: int) -> int:
+            return min((i + 1) * b, size) if size >= 0 else i * b + max(hi for _, hi in need[i])
+
+        spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
+        started = time.perf_counter()
+        datas = self.inner.fetch(url, spans)
+        self.stats.latency(time.perf_counter() - started)
+        fetched = sum(len(d) for d in datas)
+        self.stats.add(fetched_bytes=fetched, prefetched_bytes=fetched if prefetch else 0)
+        got: dict[int, BlockRead] = {}
+        h = object_hash(url)
+        for run, (start, length), data in zip(runs, spans, datas, strict=True):
+            if len(data) != length:
+                raise BadSample(
+                    "unreadable",
+                    f"{url}: the store answered {len(data)} bytes for the {length} at {start}; "
+                    "the object may have changed or been truncated",
+                )
+            view = memoryview(data)
+            for i in run:
+                content = bytes(view[i * b - start : min((i + 1) * b, start + length) - start])
+                got[i] = BlockRead(len(content), [(0, content)])
+                self.store.write(BlockKey(h, i), content, replace=i in short)
+        return got
+
+    def _cut(self, blocks: dict[int, BlockRead], offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        b = self.store.block_bytes
+        parts = []
+        for i in range(offset // b, (offset + length - 1) // b + 1):
+            lo, hi = max(offset, i * b) - i * b, min(offset + length, (i + 1) * b) - i * b
+            parts.append(blocks[i].cut(lo, hi))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+_STORES: dict[tuple[int, Path, int, int], BlockStore] = {}
+"""The block stores this process opened, by (pid, directory, capacity, block size): one
+ledger descriptor each, however many sessions read. The pid keeps a forked child from
+using its parent's descriptor, whose ``flock`` the two would share."""
+_STORES_LOCK = threading.Lock()
+
+
+def cached(
+    inner: RangeFetcher,
+    cache_dir: Path | None,
+    *,
+    capacity_bytes: int,
+    block_bytes: int = BLOCK_BYTES,
+) -> RangeFetcher:
+    """``inner`` read through the node cache in ``cache_dir``; ``inner`` itself when there is
+    none (``--cache-dir`` unset). What the object-store reader calls to get its fetcher."""
+    if cache_dir is None:
+        return inner
+    key = (os.getpid(), cache_dir, capacity_bytes, block_bytes)
+    with _STORES_LOCK:
+        store = _STORES.get(key)
+        if store is None or store.closed:
+            store = BlockStore(cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes)
+            _STORES[key] = store
+    return CachingFetcher(inner, store)

@@ -1,0 +1,103 @@
+"""Which cache blocks a session's plan reads, and when.
+
+batchd's epoch order is a pure function of the plan (``planning/``), and the catalog says
+where each sample's bytes are (path, offset, length), so the server knows exactly which
+blocks (NOTE [ Cache files ] in ``blocks.py``) each session will read, batch by batch. This
+module turns a source's catalog rows into each row's object and block span (once per
+catalog entry: :class:`SourceBlocks`), and a session's upcoming batches into ``(block, when)``
+pairs (:func:`upcoming_uses`), ``when`` counted in batches from the session's cursor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from batchd_server.catalog.types import SampleColumns
+from batchd_server.storage.blocks import object_hash
+from batchd_server.storage.cache import object_url
+
+__all__ = ["SourceBlocks", "Uses", "upcoming_uses"]
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class SourceBlocks:
+    """Each row of one source: its object and the blocks its bytes lie in.
+
+    Attributes:
+        urls: Every object the source reads, by the index ``objects`` holds.
+        hashes: Each URL's :func:`~batchd_server.storage.blocks.object_hash`.
+        objects: Row -> index into ``urls``.
+        first, last: Row -> the first and last block its bytes touch (``last < first``: none).
+        offsets, lengths: Row -> its byte range; length -1 for a whole object of unknown size.
+    """
+
+    urls: list[str]
+    hashes: list[str]
+    objects: npt.NDArray[np.int32]
+    first: Int64Array
+    last: Int64Array
+    offsets: Int64Array
+    lengths: Int64Array
+
+    @classmethod
+    def of(
+        cls,
+        columns: SampleColumns,
+        root: str,
+        block_bytes: int,
+        size_of: Callable[[str], int],
+    ) -> SourceBlocks:
+        """The rows of ``columns`` under ``root``; ``size_of(url)`` gives an object's size
+        (-1: unknown) for the rows that are whole objects."""
+        n = len(columns.ids)
+        index: dict[bytes, int] = {}
+        raw = columns.path_bytes
+        bounds = columns.path_offsets.tolist()
+        paths = (raw[bounds[i] : bounds[i + 1]].tobytes() for i in range(n))
+        objects = np.fromiter((index.setdefault(p, len(index)) for p in paths), np.int32, n)
+        urls = [object_url(root, p.decode("utf-8", "replace")) for p in index]
+        offsets = columns.byte_offsets.astype(np.int64, copy=True)
+        lengths = columns.byte_lengths.astype(np.int64, copy=True)
+        whole = offsets < 0
+        if whole.any():
+            sizes = np.array([size_of(u) for u in urls], np.int64)
+            offsets[whole] = 0
+            lengths[whole] = sizes[objects[whole]]
+        # A row "to the end of the object" reads its first block at least.
+        known = np.where(lengths < 0, 1, lengths)
+        first = offsets // block_bytes
+        last = np.where(known > 0, (offsets + known - 1) // block_bytes, first - 1)
+        return cls(urls, [object_hash(u) for u in urls], objects, first, last, offsets, lengths)
+
+
+@dataclass(frozen=True)
+class Uses:
+    """Reads of blocks ahead of a session: block ``(hashes[objects[i]], blocks[i])`` is read
+    ``when[i]`` batches from now."""
+
+    hashes: Sequence[str]
+    objects: npt.NDArray[np.int32]
+    blocks: Int64Array
+    when: Int64Array
+
+
+def upcoming_uses(source: SourceBlocks, rows: npt.NDArray[np.int64], when: Int64Array) -> Uses:
+    """The blocks read by ``rows`` of ``source`` (read ``when[i]`` batches from now)."""
+    first = source.first[rows]
+    spans = source.last[rows] - first + 1
+    spans = np.maximum(spans, 0)
+    total = int(spans.sum())
+    repeated = np.repeat(np.arange(len(rows)), spans)
+    step = np.arange(total) - np.repeat(np.cumsum(spans) - spans, spans)
+    return Uses(
+        source.hashes,
+        source.objects[rows][repeated],
+        first[repeated] + step,
+        when[repeated],
+    )

@@ -1,0 +1,61 @@
+"""A RangeFetcher over a local directory, for the node cache's tests: it reads real files,
+counts its requests, and can be stopped like a store that went away."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from batchd_server.pipelines.base import BadSample
+
+ROOT_URL = "file+test://bucket"
+"""The root URL of a DirFetcher's objects (as a dataset root ``s3://bucket`` would be)."""
+
+
+class DirFetcher:
+    """Objects are the files under ``root``; ``file+test://bucket/<relative path>`` names one."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.requests: list[tuple[str, list[tuple[int, int]]]] = []
+        self.stats = 0
+        self.stopped = False
+        self._lock = threading.Lock()
+
+    def url(self, relative: str) -> str:
+        return f"{ROOT_URL}/{relative}"
+
+    def _path(self, url: str) -> Path:
+        assert url.startswith(ROOT_URL + "/"), url
+        if self.stopped:
+            raise BadSample("transient", f"{url}: the store is stopped")
+        path = self.root / url[len(ROOT_URL) + 1 :]
+        if not path.is_file():
+            raise BadSample("missing", f"{url}: no such object")
+        return path
+
+    def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        path = self._path(url)
+        with self._lock:
+            self.requests.append((url, list(ranges)))
+        data = path.read_bytes()
+        out = []
+        for offset, length in ranges:
+            if offset + length > len(data):
+                raise BadSample("unreadable", f"{url}: range past the end")
+            out.append(data[offset : offset + length])
+        return out
+
+    def fetched_bytes(self) -> int:
+        return sum(length for _, ranges in self.requests for _, length in ranges)
+
+
+class StatDirFetcher(DirFetcher):
+    """A DirFetcher that can also say an object's size (a HEAD)."""
+
+    def size(self, url: str) -> int:
+        path = self._path(url)
+        with self._lock:
+            self.stats += 1
+        return path.stat().st_size
