@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -185,3 +186,27 @@ def test_an_object_that_is_not_parquet_or_a_pattern_of_nothing_is_a_clear_ingest
         assert done.returncode == 2, (done.stdout, done.stderr)
         assert says in done.stderr
     assert _catalog_rows(catalog, "bad") == before == []
+
+
+def test_s3_parquet_through_the_node_cache_serves_the_same_twice(
+    catalog: Engine, tmp_path: Path
+) -> None:
+    """With the node cache on (its plan prefetches each row's payload chunk, the catalog's
+    byte range), two epochs of the store's images and records equal the uncached ones."""
+    url = catalog.url.render_as_string(hide_password=False)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "cached").mkdir()
+    with serve(url, tmp_path / "plain") as plain:
+        want = {d: _epoch(plain, f"s3{d}", p) for d, p in (("images", IMAGE), ("records", ARRAY))}
+    with serve(
+        url, tmp_path / "cached", cache_dir=tmp_path / "cache", cache_size_bytes=64 << 20,
+        cache_prefetch_batches=4, object_store_retry_s=1.0,
+    ) as cached:  # fmt: skip
+        for dataset, pipeline in (("images", IMAGE), ("records", ARRAY)):
+            for _ in range(2):
+                got = _epoch(cached, f"s3{dataset}", pipeline)
+                assert len(got) == len(want[dataset])
+                for a, b in zip(got, want[dataset], strict=True):
+                    for name in a:
+                        assert np.array_equal(a[name], b[name]), (dataset, name)
+    assert any((tmp_path / "cache").rglob("*")), "the cache holds blocks"
