@@ -335,7 +335,24 @@ def test_token_lists_are_served_as_the_same_sequences_as_token_files(
                     ):
                         got[label] = ids[:n]
             served[dataset] = got
-    assert served["lists"] == served["files"] == {i: s.tolist() for i, s in enumerate(seqs)}
+        assert served["lists"] == served["files"] == {i: s.tolist() for i, s in enumerate(seqs)}
+        packed = {}
+        for dataset in ("lists", "files"):
+            with batchd.Loader(
+                server.address, dataset=dataset, batch_size=4, device="cpu", seed=2,
+                pipeline=batchd.Tokens(max_len=64), pack=batchd.Pack(seq_len=10),
+            ) as loader:  # fmt: skip
+                packed[dataset] = []
+                for batch in loader:
+                    assert loader.last_failed_sample_ids == ()
+                    packed[dataset].append(
+                        {k: np.asarray(batch[k]).copy() for k in ("input_ids", "position_ids")}
+                    )
+        # Packing cuts the Parquet lists into the same pieces as the token files.
+        assert len(packed["lists"]) == len(packed["files"]) > 0
+        for a, b in zip(packed["lists"], packed["files"], strict=True):
+            for key in a:
+                assert np.array_equal(a[key], b[key]), key
 
 
 # --------------------------------------------------------------------------- decode cache
