@@ -103,6 +103,12 @@ class Loader(Closeable):
         pack: A :class:`batchd.Pack` (with a :class:`batchd.Tokens` pipeline): serve the
             documents packed into rows of ``seq_len`` tokens, ``batch_size`` rows a batch
             (see docs/client/packing.md).
+        share: A group name (e.g. ``"sweep-7"``): Loaders on one server that name the
+            same group and ask for the same batches (dataset, snapshot, pipeline, sampling,
+            seed, batch size, rank and world size, on_error) get a batch decoded once and
+            copied to each, instead of decoding it once per Loader. Each still gets its
+            epoch exactly once, in the order a lone Loader would; see the docs' "Sharing
+            batches between jobs". None: share nothing.
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
@@ -156,6 +162,7 @@ class Loader(Closeable):
         tls_ca: str | os.PathLike[str] | None = None,
         decode_cache: bool = True,
         pack: Pack | None = None,
+        share: str | None = None,
     ) -> None:
         self._options = LoaderOptions(
             dataset=dataset,
@@ -180,6 +187,7 @@ class Loader(Closeable):
             sources=sources,
             decode_cache=decode_cache,
             pack=pack,
+            share=share,
         )
         self._device = resolve_device(device)
         self._lanes = Lanes(

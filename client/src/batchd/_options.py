@@ -19,6 +19,7 @@ from batchd._specs import (
     resolve_rank,
     sampling_to_proto,
 )
+from batchd._wire.share import share_key_problem
 from batchd._wire.specs import TRANSPORTS
 from batchd.errors import InvalidArgument
 
@@ -65,6 +66,7 @@ class LoaderOptions:
     sources: Mix | None = None
     decode_cache: bool = True
     pack: Pack | None = None
+    share: str | None = None
 
     def __post_init__(self) -> None:
         if self.sources is not None:
@@ -100,6 +102,7 @@ class LoaderOptions:
         check_choice("transport", self.transport, TRANSPORTS)
         sampling_to_proto(self.sampling)
         on_error_to_proto(self.on_error)
+        self._check_share(self.share)
         self._set("pipeline", pipeline_or_default(self.pipeline))
         check_pack(self.pack, self.pipeline)
         rank, world_size = resolve_rank(self.rank, self.world_size)
@@ -110,6 +113,18 @@ class LoaderOptions:
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
+
+    def _check_share(self, share: object) -> None:
+        if share is None:
+            return
+        if not isinstance(share, str) or not share:
+            raise InvalidArgument(
+                f"share={share!r} must be a non-empty string naming the group (e.g. "
+                "share='sweep-7'), or None to share nothing"
+            )
+        problem = share_key_problem(share)
+        if problem is not None:
+            raise InvalidArgument(problem)
 
     def _check_mix(self, mix: object) -> None:
         if not isinstance(mix, Mix):
@@ -165,6 +180,7 @@ class LoaderOptions:
             on_error=on_error_to_proto(self.on_error),
             max_error_fraction=self.max_error_fraction,
             no_decode_cache=not self.decode_cache,
+            share=self.share or "",
         )
         if mix is not None:
             # A mix's versions are its sources'; a reopen's snapshot token pins them all.

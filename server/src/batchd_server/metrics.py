@@ -563,3 +563,18 @@ def serve(host: str, port: int) -> MetricsEndpoint:
     """
     httpd, _thread = start_http_server(port, addr=host, registry=REGISTRY)
     return MetricsEndpoint(host, int(httpd.server_address[1]), httpd)
+
+
+# Share groups (``sessions/share.py``): batches a member got as a copy of another member's
+# decoded batch, not from a worker of its own.
+SHARED_BATCHES = Counter(
+    "batchd_shared_batches",
+    "Batches a session of a share group copied from another member instead of decoding.",
+    ["dataset"],
+    registry=REGISTRY,
+)
+
+
+def record_shared_batch(dataset: str) -> None:
+    """Count one batch of ``dataset`` copied within a share group."""
+    SHARED_BATCHES.labels(dataset=dataset_label(dataset)).inc()

@@ -122,6 +122,7 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         mix=mix,
         decode_cache=not request.no_decode_cache,
         pack=_pack(request),
+        share=request.share,
     )
 
 

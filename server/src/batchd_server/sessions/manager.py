@@ -23,10 +23,12 @@ from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.session import Session
+from batchd_server.sessions.share import ShareGroups
 from batchd_server.sessions.sources import (
     acquire_sources,
     check_source_pipelines,
     release_sources,
+    snapshot_token,
 )
 from batchd_server.shm import ShmRegistry, format_bytes
 from batchd_server.shm.space import remedy, usable_bytes
@@ -110,6 +112,8 @@ class SessionManager:
         self._data_roots = tuple(r.resolve() for r in data_roots)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.shares = ShareGroups(pool)
+        """The share groups of sessions opened with ``share=`` (``sessions/share.py``)."""
         self._reaper = threading.Thread(target=self._reap, name="batchd-lease", daemon=True)
         self._reaper.start()
 
@@ -271,6 +275,10 @@ class SessionManager:
             self._registry.release(ring)
             release_sources(self._catalog, entries)
             raise
+        if options.share:
+            session.share_group = self.shares.join(
+                session, options, snapshot_token(options, entries)
+            )
         with self._lock:
             self._sessions[session_id] = session
             self._owners[session_id] = (client, ring_bytes)
@@ -400,6 +408,8 @@ class SessionManager:
             wait_futures(busy, timeout=timeout_s)
         for session in sessions:
             self._pool.forget_session(session.id)
+            if session.share_group is not None:
+                self.shares.leave(session, session.share_group)
             self._registry.release(session.ring)
             release_sources(self._catalog, session.catalogs)
             if reason is not None:

@@ -8,6 +8,7 @@ from typing import Any, Final
 import numpy as np
 
 from batchd._wire.ring import pack, slot_size
+from batchd._wire.share import share_key_problem
 from batchd._wire.specs import ON_ERROR_CHOICES
 from batchd_server.errors import InvalidArgument
 from batchd_server.limits import MAX_PREFETCH
@@ -52,6 +53,8 @@ class SessionOptions:
     pack: PackOptions | None = None
     """Sequence packing (``planning/packing.py``): the session serves rows of packed
     documents. None: one sample a row."""
+    share: str = ""
+    """The share group's key (``sessions/share.py``); "" shares nothing."""
 
     def __post_init__(self) -> None:
         if not self.dataset:
@@ -62,6 +65,9 @@ class SessionOptions:
             raise InvalidArgument(
                 f"on_error={self.on_error!r} must be one of {', '.join(ON_ERROR_CHOICES)}"
             )
+        problem = share_key_problem(self.share)
+        if problem is not None:
+            raise InvalidArgument(problem)
         if not 0.0 <= self.max_error_fraction <= 1.0:
             raise InvalidArgument(
                 f"max_error_fraction={self.max_error_fraction} must be between 0 and 1"

@@ -37,6 +37,7 @@ from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.accounting import MixAccount
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
+from batchd_server.sessions.share import ShareGroup
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.shm.segments import Segment
 from batchd_server.storage.options import StoreOptions
@@ -218,7 +219,9 @@ class Session:
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
         """Slots in the ring (``ring_slots`` decided how many when it was reserved)."""
-        self._book = SlotBook(self.slots)
+        self.share_group: ShareGroup | None = None
+        """The session's share group (set by the manager before any stream), if any."""
+        self._book = SlotBook(self.slots, on_free=self._slot_freed)
         self._leases: dict[int, int] = {}
         """Lease -> LEASED slot of every shm batch sent and not yet given back."""
         self._finishing: set[int] = set()
@@ -489,12 +492,18 @@ class Session:
             k, slot = stream.next_submit, self._book.take()
             task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
             try:
-                future = self._pool.submit(task)
+                group = self.share_group
+                future = self._pool.submit(task) if group is None else group.claim(self, task)
             except BaseException:  # the pool refused (shutting down, workers crash-looping)
                 self._book.free(slot, SlotState.WORKING)
                 raise
             stream.working[k] = (slot, future)
             stream.next_submit += stream.stride
+
+    def _slot_freed(self, slot: int) -> None:
+        """The book freed ``slot`` (under the lock): it holds no batch for the group now."""
+        if self.share_group is not None:
+            self.share_group.forget(self, slot)
 
     def _result(
         self, stream: Stream, future: Future[BatchResult], client_active: Callable[[], bool]

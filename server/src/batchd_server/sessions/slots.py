@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, deque
+from collections.abc import Callable
 
 __all__ = ["SlotBook", "SlotState"]
 
@@ -57,9 +58,12 @@ class SlotBook:
     bug in the session, not bad input, and raises AssertionError.
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, on_free: Callable[[int], object] | None = None) -> None:
+        """``on_free(slot)`` is called as each slot becomes FREE, before it can be taken
+        again (a share group forgets the batch the slot held; ``sessions/share.py``)."""
         self._states = [SlotState.FREE] * slots
         self._free: deque[int] = deque(range(slots))
+        self._on_free = on_free
 
     def __len__(self) -> int:
         return len(self._states)
@@ -86,6 +90,8 @@ class SlotBook:
     def free(self, slot: int, was: SlotState) -> None:
         """The slot (in state ``was``) is FREE again."""
         self._move(slot, was, SlotState.FREE)
+        if self._on_free is not None:
+            self._on_free(slot)
         self._free.append(slot)
 
     def _move(self, slot: int, was: SlotState, now: SlotState) -> None:

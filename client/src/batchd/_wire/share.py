@@ -1,0 +1,24 @@
+"""The share key of ``Loader(share=...)``: both sides check it the same way.
+
+A key names a group of co-located sessions that read the same batches (the server's
+``sessions/share.py``). It travels in ``OpenSessionRequest.share``, is logged and shown to
+operators, so it is short printable ASCII.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["MAX_SHARE_KEY", "share_key_problem"]
+
+MAX_SHARE_KEY: Final = 128
+"""Characters a share key may have at most."""
+
+
+def share_key_problem(key: str) -> str | None:
+    """Why ``key`` cannot be a share key, or None when it can ("" means no sharing)."""
+    if len(key) > MAX_SHARE_KEY:
+        return f"share={key[:20]!r}... has {len(key)} characters, more than {MAX_SHARE_KEY}"
+    if not all(" " < c <= "~" for c in key):
+        return f"share={key!r} must be printable ASCII without spaces (a name such as 'sweep-7')"
+    return None

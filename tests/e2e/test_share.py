@@ -1,0 +1,253 @@
+"""Shared batches (``Loader(share=...)``) end to end: a real server, worker processes, shm.
+
+Members are driven from one thread by stepping their iterators (``next``) in the order a
+test wants: two jobs in lockstep, one that joins late, one that stalls while the other
+finishes. That order is the synchronisation; nothing waits on a clock. What a test asserts
+is what a member gets (every sample of its epoch exactly once, the same batches as its
+group) and how often the workers decoded (the server's own count of worker results).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import batchd
+from batchd import errors
+from batchd_server import metrics
+from batchd_server.api import RunningServer
+
+from serving import records_loader
+
+pytestmark = pytest.mark.slow(seconds=20)
+
+BATCH = 4
+"""Records per batch: 203 records make 51 batches, more than a ring's 16 slots (prefetch 2,
+2 for the loop, 12 more for small batches), so a member can fall out of another's window."""
+PREFETCH = 2
+
+
+def _decoded() -> float:
+    """Batches of "records" the workers decoded since the test process started."""
+    value = metrics.REGISTRY.get_sample_value("batchd_batch_seconds_count", {"dataset": "records"})
+    return value or 0.0
+
+
+def _member(server: RunningServer, share: str | None = "sweep-7", **options: Any) -> batchd.Loader:
+    options.setdefault("batch_size", BATCH)
+    options.setdefault("prefetch", PREFETCH)
+    options.setdefault("seed", 7)
+    return records_loader(server, share=share, **options)
+
+
+def _ids(batches: Iterator[dict[str, Any]], n: int | None = None) -> list[list[int]]:
+    """The sample ids of the next ``n`` batches (all that are left when None)."""
+    out = []
+    for batch in batches:
+        out.append(batch["sample_id"].tolist())
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def _lockstep(
+    a: Iterator[dict[str, Any]], b: Iterator[dict[str, Any]], *, same: bool = True
+) -> tuple[list, list]:
+    """Both iterators to their end, one batch of each in turn; with ``same``, the two batches
+    of each step must hold the same bytes in every field (a copy is the decode it replaces)."""
+    got_a, got_b = [], []
+    for batch in a:
+        other = next(b)
+        assert batch.keys() == other.keys()
+        for name in batch if same else ():
+            assert torch.equal(batch[name], other[name]), f"field {name!r} differs"
+        got_a.append(batch["sample_id"].tolist())
+        got_b.append(other["sample_id"].tolist())
+    assert next(b, None) is None, "the members' epochs have different lengths"
+    return got_a, got_b
+
+
+def _flat(batches: list[list[int]]) -> list[int]:
+    return [i for batch in batches for i in batch]
+
+
+def _assert_one_epoch(batches: list[list[int]], records: int) -> None:
+    ids = _flat(batches)
+    assert len(ids) == len(set(ids)) == records, "not every sample exactly once"
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_two_members_get_the_same_epoch_once_each_decoded_once(
+    server: RunningServer, transport: str
+) -> None:
+    """Two Loaders of one group, in lockstep: identical batches in identical order, each
+    sample once per member, and the workers decode each batch once, not twice."""
+    before, shares_before = _decoded(), server.sessions.shares.counts.copied
+    with _member(server, transport=transport) as one, _member(server, transport=transport) as two:
+        a, b = _lockstep(iter(one), iter(two))
+        batches = len(one)
+        assert len(server.sessions.shares) == 1, "the two sessions are one group"
+    assert a == b
+    _assert_one_epoch(a, 203)
+    assert len(a) == batches == 51
+    decoded = _decoded() - before
+    copied = server.sessions.shares.counts.copied - shares_before
+    # Each member's batch is either its own worker's or a copy. An inline client acks a
+    # batch when it arrives, not when the loop is done with it, so now and then a member's
+    # slot is freed before the other asked for its batch, and that batch is decoded twice.
+    assert decoded + copied == 2 * batches
+    assert decoded <= batches + batches // 10, f"{decoded} batches decoded for {batches}"
+    assert len(server.sessions.shares) == 0, "a group with no members is gone"
+
+
+def test_without_share_each_loader_decodes_its_own(server: RunningServer) -> None:
+    """The contrast: the same two Loaders without share= decode every batch twice."""
+    before = _decoded()
+    with _member(server, share=None) as one, _member(server, share=None) as two:
+        a, b = _lockstep(iter(one), iter(two))
+    assert a == b
+    assert _decoded() - before == 2 * len(a)
+
+
+def test_members_with_other_parameters_share_nothing(server: RunningServer) -> None:
+    """The same key with another seed (or batch size) is another group: no copies, each
+    member its own order."""
+    before, copied = _decoded(), server.sessions.shares.counts.copied
+    with _member(server, seed=7) as one, _member(server, seed=8) as two:
+        a, b = _lockstep(iter(one), iter(two), same=False)
+        assert len(server.sessions.shares) == 2
+    assert a != b
+    _assert_one_epoch(a, 203)
+    _assert_one_epoch(b, 203)
+    with _member(server) as one, _member(server, batch_size=5) as two:
+        assert _flat(_ids(iter(two))) and _flat(_ids(iter(one)))
+    assert server.sessions.shares.counts.copied == copied
+    assert _decoded() - before == 2 * len(a) + 51 + 41
+
+
+def test_a_late_member_gets_its_whole_epoch_once(server: RunningServer) -> None:
+    """A member that joins while the other is 30 batches into the epoch starts at the
+    epoch's start like any Loader: it decodes the batches the group no longer holds
+    itself, copies those it still holds, and gets every sample once, in the group's order."""
+    before, copied = _decoded(), server.sessions.shares.counts.copied
+    with _member(server) as one:
+        a_iter = iter(one)
+        a = _ids(a_iter, 30)
+        with _member(server) as two:
+            b_iter = iter(two)
+            b = _ids(b_iter, 30)  # its own decode, while the group holds batches 28..
+            rest_a, rest_b = _lockstep(a_iter, b_iter)
+    a, b = a + rest_a, b + rest_b
+    assert a == b
+    _assert_one_epoch(b, 203)
+    shared = server.sessions.shares.counts.copied - copied
+    assert 0 < shared < 51, "the late member copied the batches it caught up with"
+    assert _decoded() - before == 2 * 51 - shared
+
+
+def test_a_stalled_member_is_split_off_and_the_other_finishes(server: RunningServer) -> None:
+    """One member stops taking batches 10 batches in; the other runs to the end of its epoch
+    (it never waits for the stalled one), then the stalled one finishes: it decodes what
+    it is behind on itself. Both get the same epoch, once each."""
+    before, copied = _decoded(), server.sessions.shares.counts.copied
+    with _member(server) as one, _member(server) as two:
+        a_iter, b_iter = iter(one), iter(two)
+        a, b = _lockstep_n(a_iter, b_iter, 10)
+        a += _ids(a_iter)  # the whole rest of the epoch while the other member stalls
+        assert len(a) == 51
+        b += _ids(b_iter)
+    assert a == b
+    _assert_one_epoch(b, 203)
+    shared = server.sessions.shares.counts.copied - copied
+    decoded = _decoded() - before
+    assert decoded + shared == 2 * 51
+    assert decoded > 51, "the stalled member decoded the batches it fell behind on"
+    assert shared >= 10
+
+
+def _lockstep_n(
+    a: Iterator[dict[str, Any]], b: Iterator[dict[str, Any]], n: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    got_a, got_b = [], []
+    for _ in range(n):
+        got_a += _ids(a, 1)
+        got_b += _ids(b, 1)
+    return got_a, got_b
+
+
+def test_a_resumed_member_rejoins_its_group(server: RunningServer) -> None:
+    """A member saves its state 20 batches in and closes; a new Loader with the same share
+    key resumes from that state beside the other member: the two halves make the group's
+    epoch, each sample once, and the resumed member reads copies again."""
+    with _member(server) as one:
+        a_iter = iter(one)
+        with _member(server) as two:
+            b_iter = iter(two)
+            a, b = _lockstep_n(a_iter, b_iter, 20)
+            state = two.state_dict()
+        copied = server.sessions.shares.counts.copied
+        with _member(server) as again:
+            again.load_state_dict(state)
+            rest_a, rest_b = _lockstep(a_iter, iter(again))
+    assert a + rest_a == b + rest_b
+    _assert_one_epoch(b + rest_b, 203)
+    assert server.sessions.shares.counts.copied > copied, "the resumed member shares again"
+
+
+def test_a_bad_share_key_is_refused_before_anything_opens() -> None:
+    for bad in ("", "two words", "x" * 129, 7):
+        with pytest.raises(errors.InvalidArgument, match="share="):
+            batchd.Loader("unix:///nowhere", dataset="d", batch_size=1, share=bad)  # type: ignore[arg-type]
+
+
+_JOB = """
+import json, sys
+import batchd
+with batchd.Loader(sys.argv[1], dataset="records", batch_size=4, prefetch=2, seed=7,
+                   pipeline=batchd.Array((32,), "float32", raw=True), share="jobs") as loader:
+    print("ready", loader.num_samples, flush=True)
+    assert sys.stdin.readline() == "go\\n"
+    print(json.dumps([b["sample_id"].tolist() for b in loader]), flush=True)
+"""
+
+
+def test_two_job_processes_share_one_epoch(server: RunningServer, tmp_path: Path) -> None:
+    """Two training jobs as processes of their own, released together: the same epoch, each
+    sample once in each, every batch either decoded for one of them or copied to it."""
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    before, copied = _decoded(), server.sessions.shares.counts.copied
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, str(script), server.address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for job in jobs:  # each has its session open
+            assert job.stdout is not None and job.stdout.readline().startswith("ready")
+        for job in jobs:
+            assert job.stdin is not None
+            job.stdin.write("go\n")
+            job.stdin.flush()
+        epochs = [json.loads(job.communicate(timeout=300)[0]) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+            job.wait()
+    assert [job.returncode for job in jobs] == [0, 0]
+    assert epochs[0] == epochs[1]
+    _assert_one_epoch(epochs[0], 203)
+    shared = server.sessions.shares.counts.copied - copied
+    assert _decoded() - before + shared == 2 * 51
+    assert shared > 0, "the second job copied none of the first's batches"

@@ -1,0 +1,190 @@
+"""ShareGroup unit tests with a fake worker pool: who decodes, who copies, and the paths
+where a batch's source goes away (NOTE [ Share groups ] in ``sessions/share.py``).
+
+The pool only records tasks and lets the test decide when each one ends, so the orders
+the end-to-end tests rarely meet (a source cancelled or closed while another member
+waits for it, a waiter whose stream ended first) are reached on purpose.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import CancelledError, Future
+from typing import Any
+
+import pytest
+
+from batchd_server.errors import DataLoss
+from batchd_server.sessions.share import ShareCounts, ShareGroup
+from batchd_server.workers.task import BatchResult, BatchTask, SlotField
+
+SLOT_BYTES = 8
+
+
+class FakePool:
+    def __init__(self) -> None:
+        self.tasks: list[tuple[BatchTask, Future[BatchResult]]] = []
+
+    def submit(self, task: BatchTask) -> Future[BatchResult]:
+        future: Future[BatchResult] = Future()
+        self.tasks.append((task, future))
+        return future
+
+    def finish(self, index: int, member: Member) -> None:
+        """The worker writes task ``index``'s batch (its slot filled with its batch index)."""
+        task, future = self.tasks[index]
+        assert future.set_running_or_notify_cancel()
+        member.slot_memory(task.slot)[:] = bytes([task.batch_index + 1]) * SLOT_BYTES
+        future.set_result(BatchResult(task.batch_index, task.slot, 2, {"x": (2, 4)}))
+
+
+LAYOUT: tuple[SlotField, ...] = (SlotField("x", "|u1", (4,), 0, SLOT_BYTES),)
+"""One field of two rows of 4 bytes: a whole slot."""
+
+
+class Member:
+    def __init__(self, member_id: str, slots: int = 4) -> None:
+        self.id = member_id
+        self.layout = LAYOUT
+        self.ring = bytearray(slots * SLOT_BYTES)
+
+    def slot_memory(self, slot: int) -> memoryview:
+        return memoryview(self.ring)[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
+
+    def slot(self, slot: int) -> bytes:
+        return bytes(self.slot_memory(slot))
+
+
+def _task(k: int, slot: int) -> BatchTask:
+    spec: Any = None  # the group never reads it
+    return BatchTask(spec, 0, k, slot, bytes([k]) * 8)
+
+
+@pytest.fixture
+def parts() -> tuple[FakePool, ShareGroup, Member, Member]:
+    pool = FakePool()
+    group = ShareGroup("key", "sweep", "records", LAYOUT, pool, ShareCounts())
+    return pool, group, Member("a"), Member("b")
+
+
+def test_the_first_member_decodes_and_the_next_copies(parts: Any) -> None:
+    pool, group, a, b = parts
+    fa = group.claim(a, _task(5, slot=1))
+    fb = group.claim(b, _task(5, slot=3))
+    assert len(pool.tasks) == 1, "one decode for two members"
+    assert not fb.done()
+    pool.finish(0, a)
+    assert fb.result().slot == 3 and fa.result().slot == 1
+    assert b.slot(3) == a.slot(1) == bytes([6]) * SLOT_BYTES
+    late = group.claim(Member("c"), _task(5, slot=0))
+    assert late.done() and late.result().slot == 0, "a held batch is copied at once"
+    assert (group.decoded, group.copied) == (1, 2)
+
+
+def test_a_freed_source_is_forgotten_and_the_next_member_decodes(parts: Any) -> None:
+    pool, group, a, b = parts
+    group.claim(a, _task(5, slot=1))
+    pool.finish(0, a)
+    group.forget(a, 1)  # a's loop is done with it: the slot may be reused
+    group.claim(b, _task(5, slot=2))
+    assert len(pool.tasks) == 2 and group.sources() == 1
+
+
+def test_a_copy_serves_a_later_member_once_the_decoding_slot_is_freed(parts: Any) -> None:
+    pool, group, a, b = parts
+    group.claim(a, _task(5, slot=1))
+    group.claim(b, _task(5, slot=2))
+    pool.finish(0, a)
+    group.forget(a, 1)  # a's loop is done with batch 5; b's copy still holds it
+    c = Member("c")
+    late = group.claim(c, _task(5, slot=3))
+    assert late.done() and c.slot(3) == b.slot(2) == bytes([6]) * SLOT_BYTES
+    assert len(pool.tasks) == 1 and (group.decoded, group.copied) == (1, 2)
+    group.forget(b, 2)
+    group.forget(c, 3)
+    assert group.sources() == 0
+
+
+def test_a_source_cancelled_before_a_worker_took_it_passes_to_a_waiter(parts: Any) -> None:
+    pool, group, a, b = parts
+    fa = group.claim(a, _task(5, slot=1))
+    fb = group.claim(b, _task(5, slot=2))
+    assert fa.cancel()  # a's stream ended while the task was queued
+    assert len(pool.tasks) == 2, "b decodes the batch itself"
+    task, _ = pool.tasks[1]
+    assert task.slot == 2
+    pool.finish(1, b)
+    assert fb.result().slot == 2 and b.slot(2) == bytes([6]) * SLOT_BYTES
+
+
+def test_a_member_that_closes_hands_its_waiters_copies_or_their_own_decode(parts: Any) -> None:
+    pool, group, a, b = parts
+    group.claim(a, _task(1, slot=0))
+    group.claim(a, _task(2, slot=1))
+    pool.finish(0, a)  # batch 1 decoded; batch 2 still being written when a closes
+    f1 = group.claim(b, _task(1, slot=0))
+    f2 = group.claim(b, _task(2, slot=1))
+    group.leave(a)
+    assert f1.result().slot == 0 and b.slot(0) == bytes([2]) * SLOT_BYTES
+    assert not f2.done() and pool.tasks[-1][0].slot == 1, "b decodes batch 2 itself"
+    pool.finish(len(pool.tasks) - 1, b)
+    assert f2.result().slot == 1
+    assert group.sources() == 2, "b's slots hold both batches now"
+
+
+def test_a_waiter_whose_stream_ended_gets_nothing_written(parts: Any) -> None:
+    pool, group, a, b = parts
+    group.claim(a, _task(5, slot=1))
+    fb = group.claim(b, _task(5, slot=2))
+    assert fb.cancel()  # b's stream ended; its slot is FREE and may hold another batch
+    b.slot_memory(2)[:] = b"x" * SLOT_BYTES
+    pool.finish(0, a)
+    assert b.slot(2) == b"x" * SLOT_BYTES
+    assert group.copied == 0
+
+
+def test_a_failed_decode_fails_every_waiter_alike(parts: Any) -> None:
+    pool, group, a, b = parts
+    fa = group.claim(a, _task(5, slot=1))
+    fb = group.claim(b, _task(5, slot=2))
+    assert pool.tasks[0][1].set_running_or_notify_cancel()
+    pool.tasks[0][1].set_exception(DataLoss("sample 7 failed"))
+    with pytest.raises(DataLoss):
+        fa.result()
+    with pytest.raises(DataLoss):
+        fb.result()
+    fc = group.claim(Member("c"), _task(5, slot=0))
+    assert len(pool.tasks) == 2, "a later member decodes a batch that failed afresh"
+    assert fc is pool.tasks[1][1]
+
+
+def test_a_cancelled_own_decode_reads_as_cancelled_to_the_waiter(parts: Any) -> None:
+    pool, group, a, b = parts
+    fa = group.claim(a, _task(5, slot=1))
+    fb = group.claim(b, _task(5, slot=2))
+    fa.cancel()
+    pool.tasks[1][1].cancel()  # the pool dropped b's own task (shutting down)
+    with pytest.raises(CancelledError):
+        fb.result(timeout=30)
+
+
+class FastPool(FakePool):
+    """A worker so fast that a task is done before ``submit`` returns."""
+
+    def __init__(self, member: Member) -> None:
+        super().__init__()
+        self.member = member
+
+    def submit(self, task: BatchTask) -> Future[BatchResult]:
+        future = super().submit(task)
+        self.finish(len(self.tasks) - 1, self.member)
+        return future
+
+
+def test_a_task_done_before_submit_returns_does_not_deadlock_the_group() -> None:
+    """The group's done-callback of such a task runs on a thread of its own, not inside the
+    claim that holds the group's lock (where it would wait for that lock forever)."""
+    a, b = Member("a"), Member("b")
+    group = ShareGroup("key", "sweep", "records", LAYOUT, FastPool(a), ShareCounts())
+    assert group.claim(a, _task(5, slot=1)).result(timeout=30).slot == 1
+    assert group.claim(b, _task(5, slot=2)).result(timeout=30).slot == 2
+    assert b.slot(2) == a.slot(1) and (group.decoded, group.copied) == (1, 1)
