@@ -43,6 +43,12 @@ class _Split:
     byte_lengths: np.ndarray
     dataset: _Dataset
     split: str = "train"
+    row_groups: np.ndarray | None = None
+    """-1 (no Parquet rows) unless given."""
+
+    def __post_init__(self) -> None:
+        if self.row_groups is None:
+            self.row_groups = np.full(len(self.lengths), -1, np.int32)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -280,6 +286,10 @@ def test_options_and_lengths_are_validated_with_what_to_do() -> None:
         document_lengths(split, 2, 100)
     with_bytes = replace(split, byte_lengths=np.array([-1, 10, -1], np.int64))
     assert document_lengths(with_bytes, 2, 4).tolist() == [3, 4, 4]
+    # A Parquet row's byte range is its row group's payload chunk: no length comes of it.
+    parquet = replace(with_bytes, row_groups=np.array([-1, 0, -1], np.int32))
+    with pytest.raises(InvalidArgument, match="ingest parquet: --length"):
+        document_lengths(parquet, 2, 4)
     packed = PackedMixing(
         OneSplit(MixSourceOptions(dataset="web", weight=1.0)),
         PackOptions(seq_len=8),

@@ -225,7 +225,7 @@ def test_arrays_take_at_most_64_bytes_per_sample_beyond_paths(engine: Engine) ->
 
     assert len(arrays) == 1000
     assert arrays.bytes_per_sample_beyond_paths() <= 64
-    assert arrays.nbytes == arrays.path_bytes.nbytes + 1000 * 48 + 8
+    assert arrays.nbytes == arrays.path_bytes.nbytes + 1000 * 56 + 8
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 150, 4096])

@@ -1,5 +1,5 @@
 """The catalog commands of ``batchd-server``: migrate, ingest (manifest, image folder, tar
-shards), demo-data and datasets; their arguments and what they do. ``cli.py`` parses the
+shards, Parquet), demo-data and datasets; their arguments and what they do. ``cli.py`` parses the
 command line and calls these."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ __all__ = [
     "cmd_demo_data",
     "cmd_ingest_imagefolder",
     "cmd_ingest_manifest",
+    "cmd_ingest_parquet",
     "cmd_ingest_tar",
     "cmd_migrate",
 ]
@@ -116,6 +118,39 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.set_defaults(func=cmd_ingest_tar)
 
+    p = kinds.add_parser(
+        "parquet",
+        parents=[common],
+        help="Parquet files: one row, one sample (its payload column decoded by the pipeline)",
+    )
+    _dataset_args(p)
+    p.add_argument("--root", required=True, help="directory the files are under")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--split", help="split of every row")
+    where.add_argument("--split-column", metavar="COLUMN", help="string column of each row's split")
+    p.add_argument(
+        "--payload",
+        required=True,
+        metavar="COLUMN",
+        help="the sample: binary (image bytes, .npy, raw), a list of integers (tokens) or a "
+        "fixed-size list of numbers (arrays); a struct's field as image.bytes",
+    )
+    p.add_argument("--label", metavar="COLUMN", help="integer column of labels")
+    p.add_argument("--key", metavar="COLUMN", help="column of unique keys (default FILE#ROW)")
+    p.add_argument(
+        "--length",
+        metavar="COLUMN",
+        help="integer column of sequence lengths (default: a list payload's length)",
+    )
+    p.add_argument("--description")
+    p.add_argument(
+        "files",
+        metavar="FILE",
+        nargs="+",
+        help="Parquet files, globs or brace ranges (part-{0000..0099}.parquet), relative to --root",
+    )
+    p.set_defaults(func=cmd_ingest_parquet)
+
     p = sub.add_parser("demo-data", parents=[common], help="write synthetic JPEGs and ingest them")
     _dataset_args(p, dataset_default="demo")
     p.add_argument("--out", required=True, metavar="DIR", help="where to write the images")
@@ -180,20 +215,24 @@ def cmd_ingest_imagefolder(args: argparse.Namespace, engine: Engine) -> int:
     return 0
 
 
-def cmd_ingest_tar(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.ingest import ingest_tar
-
+def _progress(what: str) -> Callable[[int, int, int], None]:
     def progress(done: int, total: int, samples: int) -> None:
         # A bar on a terminal only: logs and pipes get the summary alone.
         width = 30
         bar = "#" * (width * done // total)
         end = "\n" if done == total else ""
         print(
-            f"\r[{bar:<{width}}] {done}/{total} shards, {samples} samples",
+            f"\r[{bar:<{width}}] {done}/{total} {what}, {samples} samples",
             end=end,
             file=sys.stderr,
             flush=True,
         )
+
+    return progress
+
+
+def cmd_ingest_tar(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog.ingest import ingest_tar
 
     report = ingest_tar(
         engine,
@@ -204,7 +243,30 @@ def cmd_ingest_tar(args: argparse.Namespace, engine: Engine) -> int:
         split=args.split,
         label_key=args.label_key,
         description=args.description,
-        progress=progress if sys.stderr.isatty() else None,
+        progress=_progress("shards") if sys.stderr.isatty() else None,
+        object_store_retry_s=args.config.object_store_retry_s,
+    )
+    print(report.summary())
+    return 0
+
+
+def cmd_ingest_parquet(args: argparse.Namespace, engine: Engine) -> int:
+    from batchd_server.catalog.parquet_ingest import ingest_parquet
+
+    report = ingest_parquet(
+        engine,
+        dataset=args.dataset,
+        version=args.dataset_version,
+        root=args.root,
+        files=args.files,
+        payload=args.payload,
+        split=args.split,
+        split_column=args.split_column,
+        label=args.label,
+        key=args.key,
+        length=args.length,
+        description=args.description,
+        progress=_progress("files") if sys.stderr.isatty() else None,
         object_store_retry_s=args.config.object_store_retry_s,
     )
     print(report.summary())

@@ -31,6 +31,8 @@ class ColumnBuilder:
                 "byte_lengths",
                 "path_bytes",
                 "path_lengths",
+                "row_groups",
+                "row_indexes",
             )
         }
         self.row_count = 0
@@ -47,6 +49,8 @@ class ColumnBuilder:
         byte_lengths: npt.ArrayLike,
         path_bytes: npt.NDArray[np.uint8],
         path_lengths: npt.ArrayLike,
+        row_groups: npt.ArrayLike,
+        row_indexes: npt.ArrayLike,
     ) -> None:
         """One chunk of rows: every argument one entry per row (paths: their UTF-8 bytes
         concatenated, and each one's length)."""
@@ -62,6 +66,8 @@ class ColumnBuilder:
         put["byte_lengths"].append(np.asarray(byte_lengths, np.int64))
         put["path_bytes"].append(path_bytes)
         put["path_lengths"].append(np.asarray(path_lengths, np.int64))
+        put["row_groups"].append(np.asarray(row_groups, np.int32))
+        put["row_indexes"].append(np.asarray(row_indexes, np.int32))
         self.row_count += ids_array.size
         self.last_id = int(ids_array[-1])
 
@@ -86,4 +92,6 @@ class ColumnBuilder:
             byte_lengths=self._join("byte_lengths", np.int64),
             path_bytes=self._join("path_bytes", np.uint8),
             path_offsets=path_offsets,
+            row_groups=self._join("row_groups", np.int32),
+            row_indexes=self._join("row_indexes", np.int32),
         )

@@ -31,6 +31,8 @@ PACKED: Final = np.dtype(
         ("byte_length", ">i8"),
         ("weight", ">f8"),
         ("length", ">i4"),
+        ("row_group", ">i4"),
+        ("row_index", ">i4"),
     ]
 )
 _HEX_WIDTH: Final = 2 * PACKED.itemsize
@@ -92,8 +94,8 @@ class PackedCopyParser:
         assert (path_starts <= line_ends).all(), "every line has the packed prefix"
         assert (buf[starts + _HEX_WIDTH] == ord("\t")).all(), "the prefix is one field"
 
-        # Each row's hex is 88 contiguous bytes: gather them as rows of a sliding window, then
-        # decode two characters at a time through a table of every hex pair.
+        # Each row's hex is _HEX_WIDTH contiguous bytes: gather them as rows of a sliding window,
+        # then decode two characters at a time through a table of every hex pair.
         hex_rows = sliding_window_view(buf, _HEX_WIDTH)[starts]
         records = _HEX_PAIR[hex_rows.view("<u2")].view(PACKED).reshape(-1)
         # The paths are what remains without each row's hex, tab and newline. (The windows do
@@ -112,6 +114,8 @@ class PackedCopyParser:
             byte_lengths=records["byte_length"],
             path_bytes=path_bytes,
             path_lengths=path_lengths,
+            row_groups=records["row_group"],
+            row_indexes=records["row_index"],
         )
 
 

@@ -1,5 +1,5 @@
-"""Fill the catalog from a JSONL/CSV manifest, an image-folder tree or WebDataset tar shards,
-in one transaction.
+"""Fill the catalog from a JSONL/CSV manifest, an image-folder tree or WebDataset tar shards
+(and, through ``parquet_ingest``, Parquet files), in one transaction.
 
 Both ingests stream their rows into a staging table (COPY on Postgres, ``executemany`` on
 SQLite) in chunks, then move them into ``samples`` with one ``INSERT ... SELECT ... ON
@@ -55,7 +55,14 @@ from batchd_server.catalog.tar_shards import TarSamples, expand_shards, local_sh
 from batchd_server.errors import DataError
 from batchd_server.storage.options import DEFAULT_RETRY_S
 
-__all__ = ["IMAGE_SUFFIXES", "IngestReport", "ingest_imagefolder", "ingest_manifest", "ingest_tar"]
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "PARQUET_STAGE_COLUMNS",
+    "IngestReport",
+    "ingest_imagefolder",
+    "ingest_manifest",
+    "ingest_tar",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,8 @@ _STAGE_COLUMNS = (
     "line, key, path, byte_offset, byte_length, label, split, length, weight, attrs, "
     "is_verified, byte_size"
 )
+PARQUET_STAGE_COLUMNS = _STAGE_COLUMNS + ", row_group, row_index"
+"""What a Parquet ingest's rows hold: a staged row and where the sample is in its file."""
 _STAGE = "batchd_ingest_stage"
 
 
@@ -117,18 +126,22 @@ class _Stage:
                 f"CREATE TEMP TABLE {_STAGE} (line bigint NOT NULL, key text NOT NULL, "
                 "path text NOT NULL, byte_offset bigint, byte_length bigint, label bigint, "
                 "split text NOT NULL, length integer, weight double precision NOT NULL, "
-                "attrs jsonb, is_verified boolean NOT NULL, byte_size bigint) ON COMMIT DROP"
+                "attrs jsonb, is_verified boolean NOT NULL, byte_size bigint, row_group integer, "
+                "row_index integer) ON COMMIT DROP"
             )
         else:
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS temp.{_STAGE}")
             conn.exec_driver_sql(
                 f"CREATE TEMP TABLE {_STAGE} (line INTEGER, key TEXT, path TEXT, "
                 "byte_offset INTEGER, byte_length INTEGER, label INTEGER, split TEXT, "
-                "length INTEGER, weight REAL, attrs TEXT, is_verified BOOLEAN, byte_size INTEGER)"
+                "length INTEGER, weight REAL, attrs TEXT, is_verified BOOLEAN, byte_size INTEGER, "
+                "row_group INTEGER, row_index INTEGER)"
             )
 
-    def load(self, rows: Iterable[Row]) -> int:
-        """Stage every row, CHUNK_ROWS at a time; returns how many."""
+    def load(self, rows: Iterable[Row], columns: str = _STAGE_COLUMNS) -> int:
+        """Stage every row, CHUNK_ROWS at a time; returns how many. ``columns`` names the
+        rows' values in order (the columns left out are NULL)."""
+        marks = ", ".join("?" * (columns.count(",") + 1))
         cursor = self.conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         total = 0
         it = iter(rows)
@@ -140,12 +153,11 @@ class _Stage:
                     buf.seek(0)
                     # Text fields are never empty, so an empty CSV field is always NULL.
                     cursor.copy_expert(
-                        f"COPY {_STAGE} ({_STAGE_COLUMNS}) FROM STDIN WITH (FORMAT csv)", buf
+                        f"COPY {_STAGE} ({columns}) FROM STDIN WITH (FORMAT csv)", buf
                     )
                 else:
                     cursor.executemany(
-                        f"INSERT INTO {_STAGE} ({_STAGE_COLUMNS}) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        f"INSERT INTO {_STAGE} ({columns}) VALUES ({marks})",
                         chunk,
                     )
                 total += len(chunk)
@@ -177,9 +189,10 @@ class _Stage:
         result = self.conn.execute(
             sa.text(
                 "INSERT INTO samples (dataset_id, key, path, byte_offset, byte_length, label, "
-                "split, length, weight, attrs, is_verified, byte_size) "
+                "split, length, weight, attrs, is_verified, byte_size, row_group, row_index) "
                 f"SELECT :dataset_id, key, path, byte_offset, byte_length, label, split, "
-                f"length, weight, attrs, is_verified, byte_size FROM {_STAGE} WHERE true "
+                f"length, weight, attrs, is_verified, byte_size, row_group, row_index "
+                f"FROM {_STAGE} WHERE true "
                 "ORDER BY line ON CONFLICT (dataset_id, key) DO NOTHING"
             ),
             {"dataset_id": dataset_id},
@@ -252,8 +265,15 @@ def _run(
     empty: str | None = None,
     classes: list[str] | None = None,
     missing: Verifier | ObjectVerifier | None = None,
+    columns: str = _STAGE_COLUMNS,
+    attrs_update: Callable[[DatasetRef, dict[str, Any]], bool] | None = None,
 ) -> IngestReport:
-    """Load ``rows`` into (name, version) in one transaction and report what happened."""
+    """Load ``rows`` into (name, version) in one transaction and report what happened.
+
+    ``columns``: what each row holds (``_STAGE_COLUMNS`` or ``PARQUET_STAGE_COLUMNS``).
+    ``attrs_update``: checks and updates the dataset's attrs in place before the rows go in
+    (raising DataError to refuse); True when it changed them.
+    """
     check_name("dataset", name, DATASET_NAME_MAX_CHARS)
     check_name("version", version, VERSION_MAX_CHARS)
     started = time.perf_counter()
@@ -267,8 +287,10 @@ def _run(
             if attrs.get("classes") != ordered:
                 attrs["classes"] = ordered
                 conn.execute(sa.update(datasets).where(datasets.c.id == ref.id).values(attrs=attrs))
+        if attrs_update is not None and attrs_update(ref, attrs):
+            conn.execute(sa.update(datasets).where(datasets.c.id == ref.id).values(attrs=attrs))
         stage = _Stage(conn)
-        rows_read = stage.load(rows)
+        rows_read = stage.load(rows, columns)
         if rows_read == 0:
             raise DataError(empty or f"{file}: no rows found; nothing to ingest")
         # A new dataset has no rows of its own, so fewer inserts than rows means a repeated

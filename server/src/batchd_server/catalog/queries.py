@@ -51,9 +51,9 @@ def resolve_dataset(conn: sa.Connection, name: str, version: str | None = None) 
     Raises:
         NotFound: no such dataset or version; the message lists what exists.
     """
-    query = sa.select(datasets.c.id, datasets.c.name, datasets.c.version, datasets.c.root).where(
-        datasets.c.name == name
-    )
+    query = sa.select(
+        datasets.c.id, datasets.c.name, datasets.c.version, datasets.c.root, datasets.c.attrs
+    ).where(datasets.c.name == name)
     if version is not None:
         query = query.where(datasets.c.version == version)
     query = query.order_by(datasets.c.created_at.desc(), datasets.c.id.desc()).limit(1)
@@ -69,7 +69,14 @@ def resolve_dataset(conn: sa.Connection, name: str, version: str | None = None) 
         names = conn.scalars(sa.select(datasets.c.name).distinct().order_by(datasets.c.name)).all()
         known = ", ".join(names) if names else "none yet; ingest one with `batchd-server ingest`"
         raise NotFound(f"dataset {name!r} is not in the catalog; datasets: {known}")
-    return DatasetRef(id=row.id, name=row.name, version=row.version, root=row.root)
+    parquet = (row.attrs or {}).get("parquet") or {}
+    return DatasetRef(
+        id=row.id,
+        name=row.name,
+        version=row.version,
+        root=row.root,
+        parquet_payload=str(parquet.get("payload", "")),
+    )
 
 
 def _summaries(conn: sa.Connection, where: sa.ColumnElement[bool] | None) -> list[DatasetSummary]:

@@ -1,7 +1,7 @@
 """Load one split of a dataset into compact numpy arrays.
 
 A session starts by reading every verified row of each split it serves, in id order, once.
-The rows land in a handful of flat numpy arrays (48 bytes per sample plus the path bytes;
+The rows land in a handful of flat numpy arrays (56 bytes per sample plus the path bytes;
 ``types.SplitArrays``), never in one Python object per sample, so the result can be placed in
 shared memory for the workers without pickling and without copy-on-write growth.
 
@@ -57,13 +57,16 @@ def split_query(
         max_sample_id: Only rows with an id up to this (a snapshot's bound).
         packed: Postgres only. Select two columns, the numeric ones packed into fixed-width
             hex (``copy_parser.PACKED`` is its layout) and then the path, for the vectorised
-            COPY parse. Otherwise select id, label, length, byte_offset, byte_length, weight, path.
+            COPY parse. Otherwise select id, label, length, byte_offset, byte_length, weight,
+            path, row_group, row_index.
     """
     c = samples.c
     label = sa.func.coalesce(c.label, -1)
     length = sa.func.coalesce(c.length, -1)
     byte_offset = sa.func.coalesce(c.byte_offset, -1)
     byte_length = sa.func.coalesce(c.byte_length, -1)
+    row_group = sa.func.coalesce(c.row_group, -1)
+    row_index = sa.func.coalesce(c.row_index, -1)
     columns: list[sa.ColumnElement[Any]]
     if packed:
         parts: list[sa.ColumnElement[Any]] = [
@@ -73,11 +76,23 @@ def split_query(
             sa.func.int8send(byte_length),
             sa.func.float8send(c.weight),
             sa.func.int4send(length),
+            sa.func.int4send(row_group),
+            sa.func.int4send(row_index),
         ]
         record = functools.reduce(lambda left, right: left.op("||")(right), parts)
         columns = [sa.func.encode(record, sa.literal_column("'hex'")), c.path]
     else:
-        columns = [c.id, label, length, byte_offset, byte_length, c.weight, c.path]
+        columns = [
+            c.id,
+            label,
+            length,
+            byte_offset,
+            byte_length,
+            c.weight,
+            c.path,
+            row_group,
+            row_index,
+        ]
     query = sa.select(*columns).where(
         c.dataset_id == dataset_id, c.split == split, c.is_verified == sa.true()
     )
@@ -200,7 +215,9 @@ def _fetch_rows(
 ) -> None:
     """Stream ``split_query`` rows with fetchmany; used where COPY is not available."""
     for rows in conn.execute(query).partitions(chunk_rows):
-        ids, labels, lengths, byte_offsets, byte_lengths, weights, paths = zip(*rows, strict=True)
+        ids, labels, lengths, byte_offsets, byte_lengths, weights, paths, groups, indexes = zip(
+            *rows, strict=True
+        )
         encoded = [p.encode("utf-8") for p in paths]
         columns.add(
             ids=ids,
@@ -211,6 +228,8 @@ def _fetch_rows(
             byte_lengths=byte_lengths,
             path_bytes=np.frombuffer(b"".join(encoded), np.uint8),
             path_lengths=np.fromiter(map(len, encoded), np.int64, count=len(encoded)),
+            row_groups=groups,
+            row_indexes=indexes,
         )
 
 

@@ -67,6 +67,8 @@ samples = sa.Table(
     sa.Column("is_verified", sa.Boolean, nullable=False, server_default=sa.true()),
     sa.Column("byte_size", sa.BigInteger, nullable=True),
     sa.Column("attrs", Json, nullable=True),
+    sa.Column("row_group", sa.Integer, nullable=True, comment="Parquet: the row's row group"),
+    sa.Column("row_index", sa.Integer, nullable=True, comment="Parquet: its row in that group"),
     sa.UniqueConstraint("dataset_id", "key"),
     sa.CheckConstraint("(byte_offset IS NULL) = (byte_length IS NULL)", name="byte_range_complete"),
     sa.CheckConstraint("weight >= 0", name="weight_nonnegative"),

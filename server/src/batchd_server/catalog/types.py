@@ -36,6 +36,9 @@ class DatasetRef:
     name: str
     version: str
     root: str
+    parquet_payload: str = ""
+    """The payload column of its Parquet rows (``datasets.attrs["parquet"]["payload"]``);
+    "" for a dataset without any."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,10 @@ class Snapshot:
 class SampleColumns:
     """What a worker reads of a split's rows to fill a batch, as read-only flat arrays.
 
-    Nullable columns hold -1 for null: ``labels``, ``lengths``, and ``byte_offsets`` /
-    ``byte_lengths`` (-1 there means "the whole file"). Paths, relative to the dataset's
-    root, are UTF-8 concatenated in ``path_bytes``; sample ``i``'s are
+    Nullable columns hold -1 for null: ``labels``, ``lengths``, ``byte_offsets`` /
+    ``byte_lengths`` (-1 there means "the whole file"), and ``row_groups`` / ``row_indexes``
+    (-1 for every sample that is not a row of a Parquet file). Paths, relative to the
+    dataset's root, are UTF-8 concatenated in ``path_bytes``; sample ``i``'s are
     ``path_bytes[path_offsets[i]:path_offsets[i + 1]]``.
     """
 
@@ -94,6 +98,11 @@ class SampleColumns:
     byte_lengths: Int64Array
     path_bytes: npt.NDArray[np.uint8]
     path_offsets: Int64Array
+    row_groups: npt.NDArray[np.int32]
+    """Parquet rows: the row group of the file (``byte_offsets``/``byte_lengths`` are its
+    payload column's chunk); -1 otherwise."""
+    row_indexes: npt.NDArray[np.int32]
+    """Parquet rows: the row's index inside its row group; -1 otherwise."""
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -101,15 +110,30 @@ class SampleColumns:
             array = getattr(self, name)
             assert array.ndim == 1, "column arrays are flat"
             array.setflags(write=False)
-        per_sample = (self.labels, self.lengths, self.byte_offsets, self.byte_lengths)
+        per_sample = (
+            self.labels,
+            self.lengths,
+            self.byte_offsets,
+            self.byte_lengths,
+            self.row_groups,
+            self.row_indexes,
+        )
         assert all(len(a) == n for a in per_sample), "one row per id"
         assert len(self.path_offsets) == n + 1, "path_offsets has n + 1 entries"
         assert self.path_offsets[-1] == len(self.path_bytes), "path_offsets ends at the bytes"
 
     @classmethod
     def of(cls, arrays: Mapping[str, npt.NDArray[Any]]) -> SampleColumns:
-        """The columns among ``arrays`` (a catalog segment's, as ``attach_arrays`` maps it)."""
-        return cls(**{name: arrays[name] for name in _SAMPLE_COLUMNS})
+        """The columns among ``arrays`` (a catalog segment's, as ``attach_arrays`` maps it).
+
+        Arrays packed without ``row_groups`` / ``row_indexes`` (by hand, in tests and
+        benchmarks) have no Parquet rows: both are then all -1.
+        """
+        found = {name: arrays[name] for name in _SAMPLE_COLUMNS if name in arrays}
+        for name in _ROW_COLUMNS:
+            if name not in found:
+                found[name] = np.full(len(arrays["ids"]), -1, np.int32)
+        return cls(**found)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -125,6 +149,7 @@ class SampleColumns:
 
 
 _SAMPLE_COLUMNS: Final = tuple(f.name for f in dataclasses.fields(SampleColumns))
+_ROW_COLUMNS: Final = ("row_groups", "row_indexes")
 
 
 @dataclass(frozen=True, eq=False)

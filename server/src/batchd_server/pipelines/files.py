@@ -310,6 +310,15 @@ class SampleFiles(Closeable):
         self._batch += 1
         self._given_up.clear()
 
+    def size(self, path: str) -> int:
+        """The size in bytes of the file ``path`` names (a Parquet footer is read from its
+        end). Its descriptor is cached like a shard's, and re-checked once per batch.
+
+        Raises:
+            BadSample: As :meth:`read`.
+        """
+        return self._retrying(lambda: self._cached(path).size)
+
     def map_whole(self, path: str) -> npt.NDArray[np.uint8]:
         """A read-only memory map of a whole file, cached (least recently used first out).
 

@@ -172,7 +172,8 @@ def document_lengths(split: SplitArrays, itemsize: int, max_len: int) -> Int64Ar
     lengths = split.lengths.astype(np.int64)
     unknown = lengths < 0
     if unknown.any():
-        from_bytes = split.byte_lengths // itemsize
+        # A Parquet row's byte range is its row group's payload chunk, not its tokens.
+        from_bytes = np.where(split.row_groups >= 0, -1, split.byte_lengths // itemsize)
         lengths = np.where(unknown, from_bytes, lengths)
         missing = int(np.count_nonzero(lengths < 0))
         if missing:
@@ -180,8 +181,9 @@ def document_lengths(split: SplitArrays, itemsize: int, max_len: int) -> Int64Ar
             raise InvalidArgument(
                 f"{missing} of {len(split)} documents of {split.dataset.name}:{split.split} have "
                 f"no length (the first: {split.path(first)!r}), and packing needs every "
-                "document's length before the epoch; give 'length' (tokens) in the manifest, "
-                "or ingest the tokens as byte-range records"
+                "document's length before the epoch; give 'length' (tokens) in the manifest "
+                "(ingest parquet: --length, or a list payload), or ingest the tokens as "
+                "byte-range records"
             )
     np.minimum(lengths, max_len, out=lengths)
     return lengths

@@ -199,6 +199,7 @@ class Session:
                     int(start),
                     source.pipeline_kind or "",
                     source.pipeline_options,
+                    entry.arrays.dataset.parquet_payload,
                 )
                 for entry, root, start, source in zip(
                     sources,

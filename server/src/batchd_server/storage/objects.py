@@ -177,6 +177,15 @@ class ObjectFiles(Closeable):
             base = at
         return data, starts
 
+    def size(self, path: str) -> int:
+        """The size in bytes of the object ``path`` names (a Parquet footer is read from its
+        end); remembered like a whole-object read's.
+
+        Raises:
+            BadSample: ``unsafe_path``, ``missing`` or ``transient``.
+        """
+        return self._size(self._url(path))
+
     def map_whole(self, path: str) -> npt.NDArray[np.uint8]:
         """A whole object as a read-only array, cached (least recently used first out).
 

@@ -5,10 +5,11 @@ global over the sources' rows concatenated in order, and the plan groups each ba
 by source (NOTE [ Mixed order ] in ``planning/mixing.py``), so a batch is a few runs of rows
 of one source each, one run for a session on one split. Each run is filled with its
 source's catalog columns, files and pipeline: byte-range records in one vectorised read and
-decode (``Pipeline.decode_batch``), anything else sample by sample; the session's pipeline
-then finishes the whole batch. A replacement under ``on_error="replace"`` is drawn from the
-bad sample's own source. Where the layout has a ``source`` field (a mix's batches), each
-row's source index goes there.
+decode (``Pipeline.decode_batch``), rows of Parquet files from their decoded row groups
+(``parquet/rows.py``; gathered and decoded in one go where the pipeline can), anything else
+sample by sample; the session's pipeline then finishes the whole batch. A replacement under
+``on_error="replace"`` is drawn from the bad sample's own source. Where the layout has a
+``source`` field (a mix's batches), each row's source index goes there.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import numpy.typing as npt
 from batchd._wire.ring import slot_offset
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.decode_cache.worker import CacheCounts, CachedSource, SampleCache
+from batchd_server.parquet.rows import ParquetRows
+from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
 from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
 from batchd_server.storage.cache import STATS as CACHE_STATS
@@ -66,14 +70,84 @@ class _Source:
     attachment: Attachment
     cached: CachedSource | None = None
     """Its samples through the decode cache; None when they are not cached."""
+    parquet: ParquetRows | None = None
+    """Its Parquet rows' reader, when it has any."""
+    numbers_pipeline: Pipeline | None = None
+    """What decodes a Parquet row whose value is numbers (raw, of the pipeline's dtype)."""
+    numbers_cached: CachedSource | None = None
+    """``numbers_pipeline``'s samples through the decode cache."""
 
     def path(self, position: int) -> str:
         start, end = self.columns.path_offsets[position], self.columns.path_offsets[position + 1]
         return self.columns.path_bytes[start:end].tobytes().decode("utf-8", "replace")
 
+    def describe(self, position: int) -> str:
+        """Sample ``position`` for messages: its path, and a Parquet row's place in it."""
+        row_group = int(self.columns.row_groups[position])
+        if row_group < 0:
+            return self.path(position)
+        row = int(self.columns.row_indexes[position])
+        return f"{self.path(position)} (row group {row_group}, row {row})"
+
+    def read(self, position: int) -> memoryview:
+        """Sample ``position``'s bytes: a file's byte range, or a Parquet row's value.
+
+        Raises:
+            BadSample: As ``SampleFiles.read`` and ``ParquetRows.value``.
+        """
+        columns = self.columns
+        offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
+        row_group = int(columns.row_groups[position])
+        if row_group < 0:
+            return self.files.read(self.path(position), offset, length)
+        row = int(columns.row_indexes[position])
+        return self._parquet().value(self.path(position), row_group, row, offset, length)[0]
+
+    def decoder(self, position: int) -> tuple[Pipeline, CachedSource | None]:
+        """What decodes sample ``position``'s bytes, and through which cache: a Parquet
+        row of numbers goes to ``numbers_pipeline``.
+
+        Raises:
+            BadSample: A Parquet row whose file cannot be read.
+        """
+        if self.columns.row_groups[position] < 0 or self.numbers_pipeline is None:
+            return self.pipeline, self.cached
+        if self._parquet().numeric(self.path(position)):
+            return self.numbers_pipeline, self.numbers_cached
+        return self.pipeline, self.cached
+
+    def _parquet(self) -> ParquetRows:
+        if self.parquet is None:
+            raise BadSample(
+                "corrupt",
+                "a Parquet row of a dataset that names no payload column; re-ingest it with "
+                "batchd-server ingest parquet",
+            )
+        return self.parquet
+
+    def begin_batch(self) -> None:
+        self.files.begin_batch()
+        if self.parquet is not None:
+            self.parquet.begin_batch()
+
     def close(self) -> None:
+        if self.parquet is not None:
+            self.parquet.close()
         self.files.close()
         self.attachment.close()
+
+
+def _parquet_readers(
+    files: SampleFiles | ObjectFiles, column: str, pipeline: Pipeline
+) -> tuple[ParquetRows, Pipeline]:
+    """A Parquet source's row reader and the pipeline of its numeric values: those arrive
+    as raw numbers of the pipeline's own dtype (an array pipeline reads them raw)."""
+    if isinstance(pipeline, ArrayPipeline):
+        raw = pipeline if pipeline.raw else ArrayPipeline(pipeline.shape, pipeline.dtype.str, True)
+        return ParquetRows(files, column, pipeline.dtype), raw
+    if isinstance(pipeline, TokensPipeline):
+        return ParquetRows(files, column, pipeline.dtype), pipeline
+    return ParquetRows(files, column, None), pipeline
 
 
 class SessionContext:
@@ -106,6 +180,8 @@ class SessionContext:
         the whole batch. The worker points this into memory its pool reads when the task
         overruns its deadline (``workers/deadline.py``)."""
         self._hung: frozenset[int] = frozenset()
+        self._one_by_one = False
+        """The current task reads each sample on its own (a redo after a hang)."""
 
     def _open(self, source: SourceSpec) -> _Source:
         arrays, attachment = attach_arrays(source.catalog_segment, shm_dir=Path(self.spec.shm_dir))
@@ -114,18 +190,20 @@ class SessionContext:
             if source.pipeline_kind:
                 pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
             columns = SampleColumns.of(arrays)
-            return _Source(
-                source.start,
-                columns,
-                open_sample_files(
-                    source.root,
-                    max_sample_bytes=self.spec.max_sample_bytes,
-                    store=self.spec.store,
-                ),
-                pipeline,
-                attachment,
-                CachedSource.of(self._cache, pipeline, source.root),
+            files = open_sample_files(
+                source.root, max_sample_bytes=self.spec.max_sample_bytes, store=self.spec.store
             )
+            cached = CachedSource.of(self._cache, pipeline, source.root)
+            opened = _Source(source.start, columns, files, pipeline, attachment, cached)
+            if source.parquet_payload and len(columns) and columns.row_groups.max() >= 0:
+                opened.parquet, numbers = _parquet_readers(files, source.parquet_payload, pipeline)
+                opened.numbers_pipeline = numbers
+                opened.numbers_cached = (
+                    cached
+                    if numbers is pipeline
+                    else CachedSource.of(self._cache, numbers, source.root)
+                )
+            return opened
         except BaseException:
             attachment.close()
             raise
@@ -188,10 +266,11 @@ class SessionContext:
         positions = np.frombuffer(task.positions, np.int64)
         block = self.slot_block(task.slot)
         for source in self._sources:
-            source.files.begin_batch()
+            source.begin_batch()
         self._hung = frozenset(task.hung)  # task positions, as ``where`` reports them
         self.where[0] = -1
         one_by_one = task.one_by_one or bool(task.hung)
+        self._one_by_one = one_by_one
         source_column = block.get(SOURCE_FIELD)
         fill = {name: array for name, array in block.items() if name != SOURCE_FIELD}
         rows = 0
@@ -250,6 +329,8 @@ class SessionContext:
         qualify or a sample in it is not right; then each sample is read on its own, which
         also finds and reports whichever sample is bad."""
         columns = source.columns
+        if source.parquet is not None and columns.row_groups[positions].max() >= 0:
+            return self._read_parquet_rows(source, source.parquet, positions, block)
         offsets = columns.byte_offsets[positions]
         lengths = columns.byte_lengths[positions]
         if offsets.min() < 0 or lengths.min() < 0:  # whole files, or "to the end"
@@ -272,6 +353,70 @@ class SessionContext:
         block["label"][:rows] = columns.labels[positions]
         return rows
 
+    def _read_parquet_rows(
+        self, source: _Source, parquet: ParquetRows, positions: npt.NDArray[np.int64], block: Block
+    ) -> int | None:
+        """A run of Parquet rows, for a pipeline with a batch path: their values gathered
+        from their decoded row groups and decoded in one go. None as ``_read_records``."""
+        columns = source.columns
+        numbers_pipeline = source.numbers_pipeline or source.pipeline
+        if (
+            columns.row_groups[positions].min() < 0
+            or type(numbers_pipeline).decode_batch is Pipeline.decode_batch
+        ):
+            return None
+        read_start = time.perf_counter()
+        paths, files = self._batch_paths(source, positions)
+        parquet.load(
+            paths,
+            files,
+            columns.row_groups[positions],
+            columns.byte_offsets[positions],
+            columns.byte_lengths[positions],
+        )
+        gathered = parquet.gather(
+            paths,
+            files,
+            columns.row_groups[positions],
+            columns.row_indexes[positions],
+            columns.byte_offsets[positions],
+            columns.byte_lengths[positions],
+        )
+        self._read_s += time.perf_counter() - read_start
+        if gathered is None:
+            return None
+        data, starts, lengths, numbers = gathered
+        pipeline = numbers_pipeline if numbers else source.pipeline
+        decode_start = time.perf_counter()
+        decoded = pipeline.decode_batch(data, starts, lengths, block)
+        self._decode_s += time.perf_counter() - decode_start
+        if not decoded:
+            return None
+        rows = len(positions)
+        block["sample_id"][:rows] = columns.ids[positions]
+        block["label"][:rows] = columns.labels[positions]
+        return rows
+
+    def _load_row_groups(
+        self, source: _Source, parquet: ParquetRows, positions: npt.NDArray[np.int64]
+    ) -> None:
+        """The row groups of a run's Parquet rows, read together before the rows are
+        decoded one by one (``ParquetRows.load``)."""
+        rows = positions[source.columns.row_groups[positions] >= 0]
+        if rows.size < 2 or self._one_by_one:  # a redo finds the row that hangs, one by one
+            return
+        read_start = time.perf_counter()
+        paths, files = self._batch_paths(source, rows)
+        columns = source.columns
+        parquet.load(
+            paths,
+            files,
+            columns.row_groups[rows],
+            columns.byte_offsets[rows],
+            columns.byte_lengths[rows],
+        )
+        self._read_s += time.perf_counter() - read_start
+
     @staticmethod
     def _batch_paths(
         source: _Source, positions: npt.NDArray[np.int64]
@@ -281,10 +426,17 @@ class SessionContext:
         starts = source.columns.path_offsets[positions]
         ends = source.columns.path_offsets[positions + 1]
         width = int(ends[0] - starts[0])
-        if (ends - starts == width).all():  # the usual run: one shard for all its samples
+        if width and (ends - starts == width).all():  # the usual run: one shard for all
             names = raw[starts[:, None] + np.arange(width)]
             if (names == names[0]).all():
                 return [source.path(int(positions[0]))], np.zeros(len(positions), np.intp)
+            # Files of one naming pattern (part-0000.parquet, ...): one vectorised unique.
+            distinct, files = np.unique(
+                np.ascontiguousarray(names).view(np.dtype((np.void, width))).reshape(-1),
+                return_inverse=True,
+            )
+            paths = [d.tobytes().decode("utf-8", "replace") for d in distinct]
+            return paths, files.astype(np.intp).reshape(-1)
         seen: dict[bytes, int] = {}
         files = np.fromiter(
             (
@@ -322,16 +474,17 @@ class SessionContext:
             nonlocal read_s
             read_start = time.perf_counter()
             try:
-                return source.files.read(info.path, offset, length)
+                return source.read(position)
             finally:
                 read_s += time.perf_counter() - read_start
 
         start = time.perf_counter()
         try:
-            if source.cached is not None:
-                source.cached.decode(info, offset, length, read, row)
+            pipeline, cached = source.decoder(position)
+            if cached is not None:
+                cached.decode(info, offset, length, read, row)
             else:
-                source.pipeline.decode_into(read(), info, row)
+                pipeline.decode_into(read(), info, row)
             row["sample_id"][...] = sample_id
             row["label"][...] = info.label
         finally:
@@ -344,6 +497,8 @@ class SessionContext:
         policy = self.spec.on_error
         failures: list[SampleFailure] = []
         rows = 0
+        if source.parquet is not None:
+            self._load_row_groups(source, source.parquet, positions)
         if isinstance(source.files, ObjectFiles):
             # Whole objects (image files) are fetched ahead, several at once, while the
             # first ones decode: one round trip per sample would bound the worker's rate.
@@ -357,7 +512,7 @@ class SessionContext:
                 continue
             except BadSample as e:
                 sample_id = int(source.columns.ids[position])
-                failure = SampleFailure(sample_id, source.path(position), e.kind, str(e))
+                failure = SampleFailure(sample_id, source.describe(position), e.kind, str(e))
             if policy == "raise":
                 return rows, [failure], True
             if policy == "replace":
@@ -383,7 +538,7 @@ class SessionContext:
                 self._decode_one(source, position, epoch, row)
             except BadSample as e:
                 failures.append(
-                    SampleFailure(int(ids[position]), source.path(position), e.kind, str(e))
+                    SampleFailure(int(ids[position]), source.describe(position), e.kind, str(e))
                 )
                 continue
             return int(ids[position])

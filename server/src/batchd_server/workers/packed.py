@@ -57,6 +57,8 @@ class _Source(Protocol):
 
     def path(self, position: int) -> str: ...
 
+    def read(self, position: int) -> memoryview: ...
+
 
 class PackedContext(Protocol):
     """What filling packed rows needs of a worker's ``SessionContext``."""
@@ -172,14 +174,20 @@ def _read_pieces(
                 )
             offset, length = int(columns.byte_offsets[local]), int(columns.byte_lengths[local])
             want = (start + count) * itemsize
-            if offset >= 0 and 0 <= length < want:
+            if offset >= 0 and 0 <= length < want and columns.row_groups[local] < 0:
                 raise BadSample(
                     "shape",
                     f"{source.path(local)}: its record has {length // itemsize} tokens, the "
                     f"catalog's length says at least {start + count}; fix the length column",
                 )
-            base = max(offset, 0)
-            data = source.files.read(source.path(local), base + start * itemsize, count * itemsize)
+            if columns.row_groups[local] >= 0:
+                # A row of a Parquet file: its value, as tokens of the pipeline's dtype.
+                data = source.read(local)[start * itemsize : (start + count) * itemsize]
+            else:
+                base = max(offset, 0)
+                data = source.files.read(
+                    source.path(local), base + start * itemsize, count * itemsize
+                )
             if len(data) != count * itemsize:
                 raise BadSample(
                     "shape",
@@ -219,6 +227,8 @@ def _read_together(
         first = pieces[members, 2] * itemsize
         count = pieces[members, 3] * itemsize
         if offsets.min() < 0 or (lengths < first + count).any():
+            return None
+        if source.columns.row_groups[local].max() >= 0:  # Parquet rows: piece by piece
             return None
         seen: dict[str, int] = {}
         files = np.fromiter(

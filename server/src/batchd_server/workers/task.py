@@ -65,6 +65,8 @@ class SourceSpec:
     pipeline_kind: str = ""
     """The source's own pipeline; "" decodes it with the session's."""
     pipeline_options: dict[str, Any] = field(default_factory=dict)
+    parquet_payload: str = ""
+    """The dataset's Parquet payload column (``image.bytes``); "" when it has no Parquet rows."""
 
 
 @dataclass(frozen=True)

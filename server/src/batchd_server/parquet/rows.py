@@ -1,0 +1,473 @@
+"""A worker's side of Parquet: read a row group's payloads once, serve its rows as bytes.
+
+Every byte comes through the source's sample reader (``SampleFiles`` or its object-store
+sibling: ``size(path)`` and ranged ``read(path, offset, length)``), so the node cache and an
+object store see plain ranged reads:
+
+1. **Footer, once per file per worker.** The last 8 bytes give the footer's length, one
+   more ranged read fetches it; the parsed ``FileMetaData`` and the payload column's place
+   in it are kept (:data:`_MAX_FILES` files, least recently used out).
+2. **The payload's column chunk, once per row group.** The catalog row's byte range is that
+   chunk (``payload.chunk_range``): one ranged read fetches it, and pyarrow decodes it,
+   given the cached metadata, from a file object that serves those bytes (anything else
+   it asks for, which pyarrow's own reader never does for these columns, is read through the
+   reader too). The decoded values are kept while the batch lasts and after it, up to
+   :data:`_DECODED_CACHE_BYTES`, so the other rows of a row group in this batch or the next
+   cost a slice, not a read and a decode.
+3. **A row's value** is handed to the pipeline as bytes, as if it were a file: binary
+   values as they are; numbers (a list, a fixed-size list) as raw little-endian numbers of
+   the dtype the pipeline wants (``target``), converted once per row group. A null row, or a
+   number that does not fit the wanted dtype, is a bad sample like any other.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchd_server.errors import DataError
+from batchd_server.parquet.payload import Payload, chunk_range, resolve_payload
+from batchd_server.pipelines.base import BadSample
+from batchd_server.pipelines.ranges import take_ranges
+
+__all__ = ["ParquetRows", "SampleReader"]
+
+_MAGIC: Final = b"PAR1"
+_MAX_FILES: Final = 64
+"""Footers kept per source in a worker."""
+_DECODED_CACHE_BYTES: Final = 256 << 20
+"""Decoded row groups kept beyond the current batch's, per source."""
+
+
+class SampleReader(Protocol):
+    """What Parquet needs of a source's reader (``SampleFiles`` and its siblings)."""
+
+    def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview: ...
+
+    def read_ranges(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]: ...
+
+    def size(self, path: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class _File:
+    size: int
+    metadata: pq.FileMetaData
+    payload: Payload
+    reader: pq.ParquetFile
+    window: _Window
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One row group's payload values: row ``i`` is ``data[starts[i]:starts[i + 1]]``."""
+
+    data: npt.NDArray[np.uint8]
+    starts: npt.NDArray[np.int64]
+    bad: dict[int, tuple[str, str]]
+    """Rows that cannot be served: (BadSample kind, why)."""
+    numeric: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.starts.nbytes)
+
+
+class _Window(io.RawIOBase):
+    """A read-only file of ``size`` bytes whose bytes at ``start`` are ``data``; a read
+    elsewhere goes through the sample reader."""
+
+    def __init__(self, files: SampleReader, path: str, size: int) -> None:
+        super().__init__()
+        self._files, self._path, self._size = files, path, size
+        self._pos = 0
+        self.start = 0
+        self.data = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._pos
+        end = self._size if size < 0 else min(self._size, start + size)
+        self._pos = max(start, end)
+        if end <= start:
+            return b""
+        first = start - self.start
+        if first >= 0 and end - self.start <= len(self.data):
+            if first == 0 and end - start == len(self.data):
+                return self.data
+            return self.data[first : end - self.start]
+        return bytes(self._files.read(self._path, start, end - start))
+
+    def readinto(self, buffer: Any) -> int:
+        got = self.read(len(buffer))
+        buffer[: len(got)] = got
+        return len(got)
+
+
+class ParquetRows:
+    """Serves Parquet rows of one source in a worker (see the module docs).
+
+    Args:
+        files: The source's sample reader.
+        column: The dataset's payload column (``image.bytes``).
+        target: The numpy dtype numeric payloads are handed over in; None keeps the
+            column's own (little-endian).
+    """
+
+    def __init__(self, files: SampleReader, column: str, target: np.dtype[Any] | None) -> None:
+        self.files = files
+        self.column = column
+        self.target = target
+        self._files: OrderedDict[str, _File] = OrderedDict()
+        self._groups: OrderedDict[tuple[str, int], tuple[_Group, int]] = OrderedDict()
+        """(path, row group) -> (decoded values, the batch it was last used in)."""
+        self._bytes = 0
+        self._batch = 0
+
+    def begin_batch(self) -> None:
+        """A new batch begins: row groups of earlier batches may be dropped from now on."""
+        self._batch += 1
+
+    def close(self) -> None:
+        self._files.clear()
+        self._groups.clear()
+        self._bytes = 0
+
+    def value(
+        self, path: str, row_group: int, row: int, offset: int, length: int
+    ) -> tuple[memoryview, bool]:
+        """Row ``row`` of ``row_group`` of ``path`` as bytes, and whether they are numbers
+        (raw, of ``target``'s dtype or the column's own). ``offset``/``length`` are the
+        catalog's byte range of the row group's payload chunk.
+
+        Raises:
+            BadSample: the file is missing or not Parquet, the row is past the file's rows,
+                the file changed since it was cataloged, or the row's value is null or does
+                not fit ``target``.
+        """
+        group = self._group(path, row_group, offset, length)
+        if not 0 <= row < len(group.starts) - 1:
+            raise BadSample(
+                "corrupt",
+                f"{path}: row group {row_group} has {len(group.starts) - 1} rows, not a row "
+                f"{row}: the file changed since it was ingested; re-ingest it",
+            )
+        problem = group.bad.get(row)
+        if problem is not None:
+            raise BadSample(problem[0], f"{path} (row group {row_group}, row {row}): {problem[1]}")
+        start, end = int(group.starts[row]), int(group.starts[row + 1])
+        return group.data[start:end].data, group.numeric
+
+    def numeric(self, path: str) -> bool:
+        """Whether the payload of ``path`` is numbers (a list or fixed-size list), not bytes.
+
+        Raises:
+            BadSample: As :meth:`value`, for the file.
+        """
+        return self._file(path).payload.kind != "binary"
+
+    def load(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        row_groups: npt.NDArray[np.int32],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> None:
+        """Read the payload chunks of a batch's row groups that are not decoded yet in one
+        ``read_ranges`` (on an object store: several objects' GETs in flight at once, not
+        one round trip per row group as the rows ask), and decode each. Arguments as
+        :meth:`gather`. What fails here is left for :meth:`value` and :meth:`gather` to
+        meet again and report, row by row."""
+        keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
+        distinct, first = np.unique(keys, return_index=True)
+        todo = [
+            int(i)
+            for key, i in zip(distinct.tolist(), first.tolist(), strict=True)
+            if (paths[key >> 32], key & 0xFFFFFFFF) not in self._groups
+        ]
+        if len(todo) < 2:
+            return
+        chosen = np.array(todo, np.intp)
+        try:
+            for name in {paths[int(files[i])] for i in todo}:
+                self._file(name)
+            data, starts = self.files.read_ranges(
+                paths, files[chosen], offsets[chosen], lengths[chosen]
+            )
+        except BadSample:
+            return
+        # ``data`` is the reader's buffer until its next read: every chunk is copied first.
+        chunks = [
+            bytes(data[int(a) : int(a) + int(n)])
+            for a, n in zip(starts.tolist(), lengths[chosen].tolist(), strict=True)
+        ]
+        for i, chunk in zip(todo, chunks, strict=True):
+            path, group = paths[int(files[i])], int(row_groups[i])
+            try:
+                self._group(path, group, int(offsets[i]), int(lengths[i]), chunk)
+            except BadSample:
+                continue
+
+    def gather(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        row_groups: npt.NDArray[np.int32],
+        rows: npt.NDArray[np.int32],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64], bool] | None:
+        """The values of many rows at once, for a pipeline's ``decode_batch``: sample ``i``
+        is row ``rows[i]`` of ``row_groups[i]`` of ``paths[files[i]]`` (``offsets`` and
+        ``lengths``: the catalog's byte ranges, as for :meth:`value`).
+
+        Returns:
+            ``(data, starts, lengths, numbers)``: sample ``i``'s bytes are
+            ``data[starts[i]:starts[i] + lengths[i]]``, a copy of the rows' values alone. None
+            when a row group cannot be read or a row is bad: serve them one by one with
+            :meth:`value`, which says what is wrong with which.
+        """
+        n = len(rows)
+        keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
+        distinct, which = np.unique(keys, return_inverse=True)
+        order = np.argsort(which, kind="stable")
+        bounds = np.searchsorted(which[order], np.arange(len(distinct) + 1))
+        begins = np.empty(n, np.int64)
+        sizes = np.empty(n, np.int64)
+        pieces: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.intp]]] = []
+        numbers = False
+        for k, key in enumerate(distinct.tolist()):
+            members = order[bounds[k] : bounds[k + 1]]
+            first = int(members[0])
+            try:
+                group = self._group(
+                    paths[key >> 32], key & 0xFFFFFFFF, int(offsets[first]), int(lengths[first])
+                )
+            except BadSample:
+                return None
+            wanted = rows[members].astype(np.int64)
+            if wanted.min() < 0 or wanted.max() >= len(group.starts) - 1:
+                return None
+            if group.bad and not group.bad.keys().isdisjoint(wanted.tolist()):
+                return None
+            begins[members] = group.starts[wanted]
+            sizes[members] = group.starts[wanted + 1] - begins[members]
+            pieces.append((group.data, members))
+            numbers = group.numeric
+        starts = np.zeros(n, np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        data = np.empty(int(starts[-1] + sizes[-1]) if n else 0, np.uint8)
+        width = int(sizes[0]) if n else 0
+        for source, members in pieces:
+            if width and (sizes[members] == width).all():  # fixed-size values: one gather
+                taken = take_ranges(source, begins[members], width).view(np.uint8)
+                data[(starts[members, None] + np.arange(width)).reshape(-1)] = taken
+                continue
+            for row in members.tolist():
+                a, size = int(begins[row]), int(sizes[row])
+                data[starts[row] : starts[row] + size] = source[a : a + size]
+        return data, starts, sizes, numbers
+
+    def _file(self, path: str) -> _File:
+        found = self._files.get(path)
+        if found is not None:
+            self._files.move_to_end(path)
+            return found
+        size = self.files.size(path)
+        if size < 12:
+            raise BadSample("corrupt", f"{path}: {size} bytes is too short for a Parquet file")
+        tail = bytes(self.files.read(path, size - 8, 8))
+        footer_bytes = int.from_bytes(tail[:4], "little")
+        if tail[4:] != _MAGIC or footer_bytes + 12 > size:
+            raise BadSample("corrupt", f"{path}: not a Parquet file (no PAR1 footer)")
+        footer = bytes(self.files.read(path, size - 8 - footer_bytes, footer_bytes + 8))
+        window = _Window(self.files, path, size)
+        try:
+            metadata = pq.read_metadata(pa.BufferReader(footer))
+            reader = pq.ParquetFile(window, metadata=metadata)
+            payload = resolve_payload(reader, self.column, path)
+        except DataError as e:
+            raise BadSample("corrupt", f"{e}: the file changed since it was ingested") from e
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise BadSample("corrupt", f"{path}: unreadable Parquet footer ({e})") from e
+        found = self._files[path] = _File(size, metadata, payload, reader, window)
+        if len(self._files) > _MAX_FILES:
+            self._files.popitem(last=False)
+        return found
+
+    def _group(
+        self, path: str, row_group: int, offset: int, length: int, data: bytes | None = None
+    ) -> _Group:
+        key = (path, row_group)
+        cached = self._groups.get(key)
+        if cached is not None:
+            self._groups[key] = (cached[0], self._batch)
+            self._groups.move_to_end(key)
+            return cached[0]
+        file = self._file(path)
+        if not 0 <= row_group < file.metadata.num_row_groups:
+            raise BadSample(
+                "corrupt",
+                f"{path}: has {file.metadata.num_row_groups} row groups, not a row group "
+                f"{row_group}: the file changed since it was ingested; re-ingest it",
+            )
+        where = chunk_range(file.metadata.row_group(row_group), file.payload.leaves)
+        if where != (offset, length):
+            raise BadSample(
+                "corrupt",
+                f"{path}: row group {row_group}'s {self.column!r} is at bytes {where}, the "
+                f"catalog says {(offset, length)}: the file changed since it was ingested; "
+                "re-ingest it",
+            )
+        file.window.start = offset
+        file.window.data = bytes(self.files.read(path, offset, length)) if data is None else data
+        try:
+            table = file.reader.read_row_group(
+                row_group, columns=[".".join(file.payload.names)], use_threads=False
+            )
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise BadSample(
+                "corrupt",
+                f"{path}: row group {row_group}'s {self.column!r} cannot be decoded ({e})",
+            ) from e
+        finally:
+            file.window.data = b""
+        group = _decode(table.column(0), file.payload, self.target)
+        self._remember(key, group)
+        return group
+
+    def _remember(self, key: tuple[str, int], group: _Group) -> None:
+        self._groups[key] = (group, self._batch)
+        self._bytes += group.nbytes
+        while self._bytes > _DECODED_CACHE_BYTES:
+            oldest_key, (oldest, used) = next(iter(self._groups.items()))
+            if used == self._batch:  # everything left is this batch's own
+                break
+            del self._groups[oldest_key]
+            self._bytes -= oldest.nbytes
+
+
+def _decode(column: pa.ChunkedArray, payload: Payload, target: np.dtype[Any] | None) -> _Group:
+    """A row group's payload values, its chunks joined, as bytes and row starts."""
+    parts = [_leaf(chunk, payload.names[1:]) for chunk in column.chunks]
+    datas: list[npt.NDArray[np.uint8]] = []
+    starts_list = [np.zeros(1, np.int64)]
+    bad: dict[int, tuple[str, str]] = {}
+    base_row = base_byte = 0
+    numeric = payload.kind != "binary"
+    for array in parts:
+        if numeric:
+            data, starts, problems = _numbers(array, payload, target)
+        else:
+            data, starts, problems = _binary(array)
+        first, last = int(starts[0]), int(starts[-1])
+        datas.append(data[first:last])
+        starts_list.append(starts[1:] - first + base_byte)
+        bad.update((base_row + row, why) for row, why in problems.items())
+        base_row += len(array)
+        base_byte += last - first
+    joined = datas[0] if len(datas) == 1 else np.concatenate([np.zeros(0, np.uint8), *datas])
+    return _Group(joined, np.concatenate(starts_list), bad, numeric)
+
+
+def _leaf(array: pa.Array, names: tuple[str, ...]) -> pa.Array:
+    """The field ``names`` of struct ``array``, with the structs' nulls as its own."""
+    for name in names:
+        array = array.flatten()[array.type.get_field_index(name)]
+    return array
+
+
+def _nulls(array: pa.Array) -> dict[int, tuple[str, str]]:
+    if array.null_count == 0:
+        return {}
+    rows = np.flatnonzero(~array.is_valid().to_numpy(zero_copy_only=False))
+    return {int(r): ("missing", "the payload is null in this row") for r in rows}
+
+
+def _binary(
+    array: pa.Array,
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], dict[int, tuple[str, str]]]:
+    n = len(array)
+    buffers = array.buffers()
+    if pa.types.is_fixed_size_binary(array.type):
+        width = array.type.byte_width
+        data = _bytes_of(buffers[1])
+        starts = (np.arange(n + 1, dtype=np.int64) + array.offset) * width
+    else:
+        dtype = np.int64 if pa.types.is_large_binary(array.type) else np.int32
+        offsets = np.frombuffer(buffers[1], dtype)[array.offset : array.offset + n + 1]
+        starts = offsets.astype(np.int64)
+        data = _bytes_of(buffers[2])
+    return data, starts, _nulls(array)
+
+
+def _bytes_of(buffer: pa.Buffer | None) -> npt.NDArray[np.uint8]:
+    return np.zeros(0, np.uint8) if buffer is None else np.frombuffer(buffer, np.uint8)
+
+
+def _numbers(
+    array: pa.Array, payload: Payload, target: np.dtype[Any] | None
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], dict[int, tuple[str, str]]]:
+    n = len(array)
+    bad = _nulls(array)
+    if payload.kind == "list":
+        offsets = array.offsets.to_numpy().astype(np.int64)
+        values = array.values
+    else:
+        values = array
+        while pa.types.is_fixed_size_list(values.type):
+            values = values.flatten()
+        offsets = np.arange(n + 1, dtype=np.int64) * payload.width
+        if len(values) != n * payload.width:  # flatten() of null rows keeps their slots
+            return (
+                np.zeros(0, np.uint8),
+                np.zeros(n + 1, np.int64),
+                {
+                    r: ("corrupt", "the fixed-size list's values are not where they should be")
+                    for r in range(n)
+                },
+            )
+    numbers = values.to_numpy(zero_copy_only=False)
+    if values.null_count:
+        holes = np.flatnonzero(~values.is_valid().to_numpy(zero_copy_only=False))
+        for r in np.unique(np.searchsorted(offsets, holes, side="right") - 1).tolist():
+            bad.setdefault(int(r), ("corrupt", "a number in this row is null"))
+    dtype = target if target is not None else numbers.dtype.newbyteorder("<")
+    converted = numbers.astype(dtype)
+    if not np.can_cast(numbers.dtype, dtype, "safe") and dtype.kind in "iub":
+        off = np.flatnonzero(converted.astype(numbers.dtype) != numbers)
+        if values.null_count:
+            off = off[values.is_valid().to_numpy(zero_copy_only=False)[off]]
+        for i in off.tolist():
+            r = int(np.searchsorted(offsets, i, side="right") - 1)
+            bad.setdefault(r, ("shape", f"{numbers[i]} does not fit the pipeline's {dtype.name}"))
+    itemsize = dtype.itemsize
+    return converted.view(np.uint8).reshape(-1), offsets * itemsize, bad
