@@ -149,6 +149,8 @@ def columns_of(names: list[str], records: int) -> SampleColumns:
         byte_lengths=np.full(n, RECORD, np.int64),
         path_bytes=np.frombuffer(b"".join(paths), np.uint8),
         path_offsets=np.concatenate([[0], ends]).astype(np.int64),
+        row_groups=np.full(n, -1, np.int32),
+        row_indexes=np.full(n, -1, np.int32),
     )
 
 
@@ -277,6 +279,8 @@ def test_whole_objects_of_unknown_size_are_prefetched_whole(shards: Path, tmp_pa
         byte_lengths=np.full(3, -1, np.int64),
         path_bytes=whole.path_bytes,
         path_offsets=whole.path_offsets,
+        row_groups=whole.row_groups,
+        row_indexes=whole.row_indexes,
     )
     plan = EpochPlan(np.array([2, 0, 1], np.int64), 1, 3)
     reading = Reading("whole", plan, 0, 0, 1, (SourceRef("w", 0, whole, ROOT_URL),), lambda: None)

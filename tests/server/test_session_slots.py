@@ -109,7 +109,7 @@ class _Rows:
 
     def __init__(self, n: int) -> None:
         self._n = n
-        self.dataset = SimpleNamespace(root="/data")
+        self.dataset = SimpleNamespace(root="/data", parquet_payload=None)
         self.weights = self.labels = self.lengths = None
 
     def __len__(self) -> int:
