@@ -288,7 +288,7 @@ class BlockStore:
             parts.append((start, data))
         return BlockRead(length, parts)
 
-    def write(self, key: BlockKey, content: bytes, *, replace: bool = False) -> bool:
+    def write(self, key: BlockKey, content: bytes | memoryview, *, replace: bool = False) -> bool:
         """Keep ``content`` as the block; whether it is now cached (False: no room, or the
         disk refused). ``replace``: an existing file (a shorter prefix) gives way."""
         assert len(content) <= self.block_bytes, "a block's content fits a block"

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.base import RangeFetcher
+from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
 from batchd_server.storage.blocks import (
     BLOCK_BYTES,
     BlockKey,
@@ -160,6 +160,50 @@ class CachingFetcher:
             BadSample: as :meth:`fetch`.
         """
         return self._blocks(url, ranges, prefetch=True)[1]
+
+    def fetch_whole(self, url: str, max_bytes: int) -> bytes:
+        """The whole object: from its cached blocks when its size is recorded, else in one
+        GET without a HEAD first (when the inner fetcher can), its size then recorded and its
+        blocks kept from the bytes in hand.
+
+        Raises:
+            TooLarge: the object has more than ``max_bytes``.
+            BadSample: as :meth:`fetch`.
+        """
+        size = self._sizes.get(url)
+        if size is None:
+            meta = self.store.meta(url)
+            if meta is not None:
+                size = self._remember(url, meta.size)
+        if size is None and isinstance(self.inner, WholeFetcher):
+            return self._get_whole(self.inner, url, max_bytes)
+        if size is None:
+            size = self.size(url)
+        if size > max_bytes:
+            raise TooLarge(url, size)
+        return self.fetch(url, [(0, size)])[0] if size else b""
+
+    def _get_whole(self, inner: WholeFetcher, url: str, max_bytes: int) -> bytes:
+        """A whole object not known here: one GET, then its record and its blocks."""
+        started = time.perf_counter()
+        data = inner.fetch_whole(url, max_bytes)
+        self.stats.latency(time.perf_counter() - started)
+        b = self.store.block_bytes
+        count = -(-len(data) // b)
+        self.stats.add(misses=count, fetched_bytes=len(data))
+        self.store.record(ObjectMeta(url, len(data)))
+        self._remember(url, len(data))
+        h = object_hash(url)
+        view = memoryview(data)
+        for i in range(count):
+            self.store.write(BlockKey(h, i), view[i * b : (i + 1) * b])
+        return data
+
+    def _remember(self, url: str, size: int) -> int:
+        if len(self._sizes) >= _MAX_SIZES:
+            self._sizes.clear()
+        self._sizes[url] = size
+        return size
 
     def size(self, url: str) -> int:
         """``url``'s size in bytes: as recorded when it was first cached (no request, so a
