@@ -269,9 +269,7 @@ class ObjectFiles(Closeable):
         return size
 
     def _fetch_whole(self, url: str) -> bytes:
-        with self._sizes_lock:
-            known = url in self._sizes
-        if not known and isinstance(self._fetcher, WholeFetcher):
+        if isinstance(self._fetcher, WholeFetcher):
             return self._get_whole(self._fetcher, url)
         size = self._size(url)
         self._check_size(url, size)
