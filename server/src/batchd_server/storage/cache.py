@@ -190,6 +190,21 @@ class CachingFetcher:
                 return data
         return self.fetch(url, [(0, size)])[0]
 
+    def has_whole(self, url: str) -> bool:
+        """Whether the whole object looks cached (its size recorded, a small object's block
+        on disk): a reader then reads it where it is, rather than handing it to a prefetch
+        thread, whose handoff costs more than the read. Not a promise: the block may be
+        evicted before it is read, and is then fetched."""
+        size = self._sizes.get(url)
+        if size is None:
+            meta = self.store.meta(url)
+            if meta is None:
+                return False
+            size = self._remember(url, meta.size)
+        if size > self.store.block_bytes:
+            return False
+        return size == 0 or os.path.exists(self.store.path(BlockKey(object_hash(url), 0)))
+
     def _get_whole(self, inner: WholeFetcher, url: str, max_bytes: int) -> bytes:
         """A whole object not known here: one GET, then its record and its blocks."""
         started = time.perf_counter()

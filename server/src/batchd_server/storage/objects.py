@@ -199,6 +199,7 @@ class ObjectFiles(Closeable):
         left for :meth:`read` to report."""
         pool = self._threads()
         budget = PREFETCH_BYTES
+        cached = getattr(self._fetcher, "has_whole", None)
         for path in paths:
             if path in self._ahead:
                 continue
@@ -206,6 +207,8 @@ class ObjectFiles(Closeable):
                 url = self._url(path)
             except BadSample:
                 continue
+            if cached is not None and cached(url):
+                continue  # on the node's disk: read() reads it in this thread, no handoff
             with self._sizes_lock:
                 known = self._sizes.get(url)
             if known is not None:
