@@ -9,7 +9,9 @@ cache: the cache manager in the server's main process does, from the plans of th
 sessions (``storage/manager.py``), and prefetches through a fetcher of this class too.
 
 An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
-``size`` if it has one: a HEAD) so that the last block is asked for exactly; with no size
+``size`` if it has one: a HEAD; a whole-object read, :meth:`CachingFetcher.fetch_whole`,
+needs none: its one GET answers the size, which is then recorded) so that the last block
+is asked for exactly; with no size
 known, a block is fetched up to the last byte asked of it, and a later read that needs more
 of it fetches it again. Objects are taken to be immutable while cached: a catalog's byte
 offsets are a snapshot of them anyway, and a range past the recorded size is ``unreadable``.
