@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["RangeFetcher"]
+__all__ = ["RangeFetcher", "TooLarge", "WholeFetcher"]
+
+
+class TooLarge(Exception):
+    """An object is larger than a whole-object read may take; ``size`` says how large (the
+    reader turns it into a ``too_large`` bad sample with its own advice)."""
+
+    def __init__(self, url: str, size: int) -> None:
+        super().__init__(f"{url}: {size} bytes")
+        self.size = size
 
 
 class RangeFetcher(Protocol):
@@ -21,5 +30,20 @@ class RangeFetcher(Protocol):
         Raises:
             BadSample: kind ``missing`` (no such object, naming the URL) or ``transient``
                 (the store kept failing after the retries).
+        """
+        ...
+
+
+@runtime_checkable
+class WholeFetcher(Protocol):
+    """A fetcher that reads a whole object in one request, without asking its size first
+    (a HEAD before each GET costs a round trip per object: most of a small image's time)."""
+
+    def fetch_whole(self, url: str, max_bytes: int) -> bytes:
+        """The whole object at ``url``.
+
+        Raises:
+            TooLarge: it has more than ``max_bytes`` (found before its body is read).
+            BadSample: as :meth:`RangeFetcher.fetch`.
         """
         ...

@@ -9,7 +9,9 @@ cache: the cache manager in the server's main process does, from the plans of th
 sessions (``storage/manager.py``), and prefetches through a fetcher of this class too.
 
 An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
-``size`` if it has one: a HEAD) so that the last block is asked for exactly; with no size
+``size`` if it has one: a HEAD; a whole-object read, :meth:`CachingFetcher.fetch_whole`,
+needs none: its one GET answers the size, which is then recorded) so that the last block
+is asked for exactly; with no size
 known, a block is fetched up to the last byte asked of it, and a later read that needs more
 of it fetches it again. Objects are taken to be immutable while cached: a catalog's byte
 offsets are a snapshot of them anyway, and a range past the recorded size is ``unreadable``.
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.base import RangeFetcher
+from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
 from batchd_server.storage.blocks import (
     BLOCK_BYTES,
     BlockKey,
@@ -160,6 +162,72 @@ class CachingFetcher:
             BadSample: as :meth:`fetch`.
         """
         return self._blocks(url, ranges, prefetch=True)[1]
+
+    def fetch_whole(self, url: str, max_bytes: int) -> bytes:
+        """The whole object: from its cached blocks when its size is recorded, else in one
+        GET without a HEAD first (when the inner fetcher can), its size then recorded and its
+        blocks kept from the bytes in hand.
+
+        Raises:
+            TooLarge: the object has more than ``max_bytes``.
+            BadSample: as :meth:`fetch`.
+        """
+        size = self._sizes.get(url)
+        if size is None:
+            meta = self.store.meta(url)
+            if meta is not None:
+                size = self._remember(url, meta.size)
+        if size is None and isinstance(self.inner, WholeFetcher):
+            return self._get_whole(self.inner, url, max_bytes)
+        if size is None:
+            size = self.size(url)
+        if size > max_bytes:
+            raise TooLarge(url, size)
+        if not size:
+            return b""
+        if size <= self.store.block_bytes:
+            data = self.store.read_whole(BlockKey(object_hash(url), 0), size)
+            if data is not None:
+                self.stats.add(hits=1, hit_bytes=size)
+                return data
+        return self.fetch(url, [(0, size)])[0]
+
+    def has_whole(self, url: str) -> bool:
+        """Whether the whole object looks cached (its size recorded, a small object's block
+        on disk): a reader then reads it where it is, rather than handing it to a prefetch
+        thread, whose handoff costs more than the read. Not a promise: the block may be
+        evicted before it is read, and is then fetched."""
+        size = self._sizes.get(url)
+        if size is None:
+            meta = self.store.meta(url)
+            if meta is None:
+                return False
+            size = self._remember(url, meta.size)
+        if size > self.store.block_bytes:
+            return False
+        return size == 0 or os.path.exists(self.store.path(BlockKey(object_hash(url), 0)))
+
+    def _get_whole(self, inner: WholeFetcher, url: str, max_bytes: int) -> bytes:
+        """A whole object not known here: one GET, then its record and its blocks."""
+        started = time.perf_counter()
+        data = inner.fetch_whole(url, max_bytes)
+        self.stats.latency(time.perf_counter() - started)
+        b = self.store.block_bytes
+        count = -(-len(data) // b)
+        self.stats.add(misses=count, fetched_bytes=len(data))
+        self.store.record(ObjectMeta(url, len(data)))
+        self._remember(url, len(data))
+        h = object_hash(url)
+        view = memoryview(data)
+        for i in range(count):
+            self.store.write(BlockKey(h, i), view[i * b : (i + 1) * b])
+        return data
+
+    def _remember(self, url: str, size: int) -> int:
+        if len(self._sizes) >= _MAX_SIZES:
+            self._sizes.clear()
+        self._sizes[url] = size
+        return size
 
     def size(self, url: str) -> int:
         """``url``'s size in bytes: as recorded when it was first cached (no request, so a

@@ -41,7 +41,7 @@ from batchd_server.limits import INT64_MAX
 from batchd_server.pipelines.base import BadSample
 from batchd_server.pipelines.ranges import plan_reads
 from batchd_server.shm.space import format_bytes
-from batchd_server.storage.base import RangeFetcher
+from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
 from batchd_server.storage.s3 import join_url
 
 __all__ = ["FETCH_THREADS", "OBJECT_GAP_BYTES", "PREFETCH_BYTES", "ObjectFiles"]
@@ -116,9 +116,9 @@ class ObjectFiles(Closeable):
                 "the catalog row is wrong: fix its byte_offset and byte_length and re-ingest",
             )
         whole = offset <= 0 and length == -1
-        ahead = self._ahead.pop(path, None) if whole else None
-        if ahead is not None:
-            return memoryview(ahead.result())
+        if whole:
+            ahead = self._ahead.pop(path, None)
+            return memoryview(ahead.result() if ahead is not None else self._fetch_whole(url))
         start = max(offset, 0)
         if length == -1:
             length = self._size(url) - start
@@ -208,6 +208,7 @@ class ObjectFiles(Closeable):
         left for :meth:`read` to report."""
         pool = self._threads()
         budget = PREFETCH_BYTES
+        cached = getattr(self._fetcher, "has_whole", None)
         for path in paths:
             if path in self._ahead:
                 continue
@@ -215,6 +216,8 @@ class ObjectFiles(Closeable):
                 url = self._url(path)
             except BadSample:
                 continue
+            if cached is not None and cached(url):
+                continue  # on the node's disk: read() reads it in this thread, no handoff
             with self._sizes_lock:
                 known = self._sizes.get(url)
             if known is not None:
@@ -278,9 +281,31 @@ class ObjectFiles(Closeable):
         return size
 
     def _fetch_whole(self, url: str) -> bytes:
+        if isinstance(self._fetcher, WholeFetcher):
+            return self._get_whole(self._fetcher, url)
         size = self._size(url)
         self._check_size(url, size)
         return self._fetch(url, [(0, size)])[0] if size else b""
+
+    def _get_whole(self, fetcher: WholeFetcher, url: str) -> bytes:
+        """One GET of the whole object, no HEAD first; the size comes with the answer."""
+        down = self._down
+        if down is not None:
+            raise BadSample(down.kind, str(down))
+        try:
+            data = fetcher.fetch_whole(url, self.max_sample_bytes)
+        except TooLarge as e:
+            self._check_size(url, e.size)
+            raise AssertionError("unreachable: the size was over the bound") from e
+        except BadSample as e:
+            if e.kind == "transient":
+                self._down = e
+            raise
+        with self._sizes_lock:
+            self._sizes[url] = len(data)
+            if len(self._sizes) > _MAX_SIZES:
+                self._sizes.popitem(last=False)
+        return data
 
     def _fetch(self, url: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         down = self._down

@@ -42,6 +42,7 @@ from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 
 from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.base import TooLarge
 from batchd_server.storage.options import DEFAULT_RETRY_S
 
 __all__ = [
@@ -282,6 +283,33 @@ class S3Fetcher:
         except Exception as e:
             raise classify(url, e) from None
         return [bytes(b) for b in got]
+
+    def fetch_whole(self, url: str, max_bytes: int) -> bytes:
+        """The whole object, in one GET: its size comes with the answer's headers, so no HEAD
+        goes first, and an object over ``max_bytes`` is refused before its body is read.
+
+        Raises:
+            TooLarge: the object has more than ``max_bytes``.
+            BadSample: as :meth:`fetch`.
+        """
+        bucket, key = split_url(url)
+        try:
+            result = obstore.get(store_for(bucket, retry_s=self.retry_s), key)
+            size = int(result.meta["size"])
+            if size > max_bytes:
+                raise TooLarge(url, size)  # the body is dropped unread with the result
+            data = bytes(result.bytes())
+        except TooLarge:
+            raise
+        except Exception as e:
+            raise classify(url, e) from None
+        if len(data) != size:
+            raise BadSample(
+                "unreadable",
+                f"{url}: the store answered {len(data)} bytes of an object of {size}; the "
+                "object may have changed while it was read",
+            )
+        return data
 
     def size(self, url: str) -> int:
         """The object's size in bytes (a HEAD).
