@@ -88,8 +88,8 @@ def test_an_unneeded_worker_is_let_go_but_never_below_min() -> None:
     # Busy beyond 3/4 of one fewer worker: the rest would be at their limit; stay.
     busy = dataclasses.replace(QUIET, busy=1.8)
     assert decide(busy, RANGE, POLICY, window="shrink") is None
-    # Anything queued in the window: still needed.
-    queued = dataclasses.replace(QUIET, queued_share=0.05)
+    # Work waiting for a worker in more than a tenth of the window: still needed.
+    queued = dataclasses.replace(QUIET, queued_share=0.3)
     assert decide(queued, RANGE, POLICY, window="shrink") is None
 
 

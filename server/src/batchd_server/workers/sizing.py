@@ -12,9 +12,9 @@ the CPUs the server may use and what memory affords:
   workers' fault (the network, the trainer's own input), and queued work with no idle core
   would only be shared out more thinly.
 - **Down** when, over the last :attr:`ScalingPolicy.shrink_window_s` (longer, so a pause
-  between epochs does not cost the next epoch a ramp), nothing waited for a worker and the
-  workers together were busy at most 3/4 of one fewer worker's time: one of them was not
-  needed. A ready worker with no task is asked to exit; it abandons nothing, holding none.
+  between epochs does not cost the next epoch a ramp), work hardly ever waited for a
+  worker and the workers together were busy at most 3/4 of one fewer worker's time: one of
+  them was not needed. A ready worker with no task is asked to exit; it abandons nothing, holding none.
 
 Each decision is pure (:func:`decide`: signals in, a target and a reason out), so the rules
 are tested without processes or clocks; :class:`Autoscaler` only samples the signals.
@@ -117,6 +117,10 @@ class ScalingPolicy:
     """Work must have waited for a worker in at least this share of the samples."""
     idle_cores: float = 0.5
     """A new worker needs at least this many idle cores."""
+    shrink_queued_share: float = 0.1
+    """Shrink only when work waited for a worker in at most this share of the samples (a
+    task handed over between two dispatcher rounds is sometimes caught in the queue even
+    when the workers idle most of the time)."""
     shrink_busy_share: float = 0.75
     """Shrink when the workers were busy at most this share of one fewer worker's time (so
     the remaining ones are not left just at their limit, which would grow the pool again)."""
@@ -160,7 +164,7 @@ def decide(
     if size > signals.ceiling and size > bounds.min:
         return size - 1, "limits"
     spare = signals.busy <= (size - 1) * policy.shrink_busy_share
-    if size > bounds.min and spare and signals.queued_share == 0.0:
+    if size > bounds.min and spare and signals.queued_share <= policy.shrink_queued_share:
         return size - 1, "idle"
     return None
 
