@@ -14,7 +14,8 @@ the CPUs the server may use and what memory affords:
 - **Down** when, over the last :attr:`ScalingPolicy.shrink_window_s` (longer, so a pause
   between epochs does not cost the next epoch a ramp), work hardly ever waited for a
   worker and the workers together were busy at most 3/4 of one fewer worker's time: one of
-  them was not needed. A ready worker with no task is asked to exit; it abandons nothing, holding none.
+  them was not needed. A ready worker with no task is asked to exit; it abandons nothing,
+  holding none.
 
 Each decision is pure (:func:`decide`: signals in, a target and a reason out), so the rules
 are tested without processes or clocks; :class:`Autoscaler` only samples the signals.
