@@ -169,7 +169,10 @@ def test_throttling_is_retried_and_a_store_that_keeps_throttling_is_transient(
     assert bytes(files.read("b.bin", 10, 20)) == BLOB[10:30]
     assert proxy.throttled == 3
     files.close()
-    files = _files(Counting(S3Fetcher(retry_s=0.5)))
+    # A window of several seconds, so that even on a loaded machine (CI runs two test files
+    # at once) the store has answered 503 before the window closes: a window shorter than
+    # one slow round trip ends the read with the client's timeout, not the store's answer.
+    files = _files(Counting(S3Fetcher(retry_s=3.0)))
     proxy.throttle = 1 << 30
     with pytest.raises(BadSample, match="503") as caught:
         files.read("c.bin", 0, 4)
