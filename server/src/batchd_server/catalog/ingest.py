@@ -51,7 +51,7 @@ from batchd_server.catalog.object_roots import (
 )
 from batchd_server.catalog.queries import DatasetRef
 from batchd_server.catalog.schema import datasets
-from batchd_server.catalog.tar_shards import TarSamples, expand_shards, local_shards
+from batchd_server.catalog.tar_shards import Shard, TarSamples, expand_shards, local_shards
 from batchd_server.errors import DataError
 from batchd_server.storage.options import DEFAULT_RETRY_S
 
@@ -251,6 +251,18 @@ def _resolve_root(root: str | Path, *, must_exist: bool) -> tuple[str, Path | No
         )
     resolved = path.resolve()
     return str(resolved), resolved
+
+
+def _find_shards(
+    root: str | Path, patterns: list[str], *, object_store_retry_s: float
+) -> tuple[str, list[Shard]]:
+    """The root as stored, and the files ``patterns`` (globs, brace ranges) match under it:
+    listed in the object store for an ``s3://`` root, else found on the local disk."""
+    stored_root, local = _resolve_root(root, must_exist=True)
+    if local is None:
+        listing = ObjectListing(stored_root, retry_s=object_store_retry_s)
+        return stored_root, object_shards(listing, patterns)
+    return stored_root, local_shards(local, expand_shards(patterns, local))
 
 
 def _run(
@@ -539,11 +551,7 @@ def ingest_tar(
     """
     if split is not None:
         check_name("split", split, SPLIT_MAX_CHARS)
-    stored_root, local = _resolve_root(root, must_exist=True)
-    if local is None:
-        found = object_shards(ObjectListing(stored_root, retry_s=object_store_retry_s), shards)
-    else:
-        found = local_shards(local, expand_shards(shards, local))
+    stored_root, found = _find_shards(root, shards, object_store_retry_s=object_store_retry_s)
     samples = TarSamples(
         found,
         split,

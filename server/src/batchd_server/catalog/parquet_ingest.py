@@ -12,12 +12,10 @@ from sqlalchemy.engine import Engine
 from batchd_server.catalog.ingest import (
     PARQUET_STAGE_COLUMNS,
     IngestReport,
-    _resolve_root,
+    _find_shards,
     _run,
 )
 from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, check_name
-from batchd_server.catalog.object_roots import ObjectListing, object_shards
-from batchd_server.catalog.tar_shards import expand_shards, local_shards
 from batchd_server.catalog.types import DatasetRef
 from batchd_server.errors import DataError
 from batchd_server.parquet.samples import ParquetSamples
@@ -65,11 +63,7 @@ def ingest_parquet(
     """
     if split is not None:
         check_name("split", split, SPLIT_MAX_CHARS)
-    stored_root, local = _resolve_root(root, must_exist=True)
-    if local is None:
-        found = object_shards(ObjectListing(stored_root, retry_s=object_store_retry_s), files)
-    else:
-        found = local_shards(local, expand_shards(files, local))
+    stored_root, found = _find_shards(root, files, object_store_retry_s=object_store_retry_s)
     opens = {shard.rel: shard.open for shard in found}
     rels = list(opens)
     samples = ParquetSamples(
