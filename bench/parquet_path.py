@@ -46,27 +46,14 @@ from torch.utils.data import default_collate
 
 from batchd_server.parquet.payload import chunk_range, resolve_payload
 from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.sessions.options import slot_layout
 from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
 from batchd_server.workers.context import SessionContext
-from batchd_server.workers.task import BatchTask, SessionSpec, SlotField, SourceSpec
+from batchd_server.workers.task import BatchTask, SessionSpec, SourceSpec
 
-_FIELD_ALIGN = 64
-_SLOT_ALIGN = 4096
 _HEADER_BYTES = 4096
 _FILES = 4
-
-
-def _layout(fields: list[Any], batch_size: int) -> tuple[tuple[SlotField, ...], int]:
-    # The server's slot layout (sessions.slot_layout), rebuilt as bench/worker_path.py does.
-    every = [(f.name, f.dtype, f.shape) for f in fields]
-    every += [("sample_id", np.dtype("<i8"), ()), ("label", np.dtype("<i8"), ())]
-    placed, offset = [], 0
-    for name, dtype, shape in every:
-        capacity = batch_size * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        placed.append(SlotField(name, dtype.newbyteorder("<").str, tuple(shape), offset, capacity))
-        offset += -(-capacity // _FIELD_ALIGN) * _FIELD_ALIGN
-    return tuple(placed), max(_SLOT_ALIGN, -(-offset // _SLOT_ALIGN) * _SLOT_ALIGN)
 
 
 Row = tuple[str, int, int, int, int]
@@ -91,7 +78,7 @@ def session(
         "row_groups": np.array([r[3] for r in rows], np.int32),
         "row_indexes": np.array([r[4] for r in rows], np.int32),
     }
-    fields, slot_bytes = _layout(build_pipeline(kind, options).fields(), batch_size)
+    fields, slot_bytes = slot_layout(build_pipeline(kind, options).fields(), batch_size)
     with ShmRegistry(budget_bytes=1 << 32) as registry:
         catalog = pack_arrays(registry, arrays, purpose="bench catalog")
         ring = registry.create("ring", _HEADER_BYTES + slot_bytes, purpose="bench ring")

@@ -45,28 +45,14 @@ from _common import machine_lines, markdown_table, spread
 from torch.utils.data import default_collate
 
 from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.sessions.options import slot_layout
 from batchd_server.shm import ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
 from batchd_server.workers.context import SessionContext
-from batchd_server.workers.task import BatchTask, SessionSpec, SlotField, SourceSpec
+from batchd_server.workers.task import BatchTask, SessionSpec, SourceSpec
 
-_FIELD_ALIGN = 64
-_SLOT_ALIGN = 4096
 _HEADER_BYTES = 4096
 _SLOTS = 2
-
-
-def _layout(fields: list[Any], batch_size: int) -> tuple[tuple[SlotField, ...], int]:
-    # The server's slot layout (sessions.slot_layout), rebuilt here so that this script does
-    # not depend on how the session module is split.
-    every = [(f.name, f.dtype, f.shape) for f in fields]
-    every += [("sample_id", np.dtype("<i8"), ()), ("label", np.dtype("<i8"), ())]
-    placed, offset = [], 0
-    for name, dtype, shape in every:
-        capacity = batch_size * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        placed.append(SlotField(name, dtype.newbyteorder("<").str, tuple(shape), offset, capacity))
-        offset += -(-capacity // _FIELD_ALIGN) * _FIELD_ALIGN
-    return tuple(placed), max(_SLOT_ALIGN, -(-offset // _SLOT_ALIGN) * _SLOT_ALIGN)
 
 
 @contextmanager
@@ -89,7 +75,7 @@ def session(
         "path_bytes": np.frombuffer(b"".join(paths), np.uint8),
         "path_offsets": np.concatenate([[0], np.cumsum([len(p) for p in paths])]).astype(np.int64),
     }
-    fields, slot_bytes = _layout(build_pipeline(kind, options).fields(), batch_size)
+    fields, slot_bytes = slot_layout(build_pipeline(kind, options).fields(), batch_size)
     with ShmRegistry(budget_bytes=1 << 32) as registry:
         catalog = pack_arrays(registry, arrays, purpose="bench catalog")
         ring = registry.create("ring", _HEADER_BYTES + _SLOTS * slot_bytes, purpose="bench ring")
