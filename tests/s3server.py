@@ -261,6 +261,15 @@ def store_env(server: ThrowawayS3) -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def bucket_in_env(bucket: str) -> Iterator[ThrowawayS3]:
+    """A throwaway store holding an empty ``bucket``, with this process's environment
+    pointing at it (the server's workers inherit it): what end-to-end tests start with."""
+    with throwaway_s3() as server, store_env(server):
+        server.create_bucket(bucket)
+        yield server
+
+
 def reachable(url: str) -> bool:
     """Whether anything answers HTTP at ``url`` (for tests of an endpoint that is down)."""
     try:

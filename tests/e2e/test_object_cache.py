@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from s3server import ThrowawayS3, store_env, throwaway_s3
+from s3server import ThrowawayS3, bucket_in_env
 from sqlalchemy.engine import Engine
 
 import batchd
@@ -49,8 +49,7 @@ def _ingest(url: str, env: dict[str, str], *args: str) -> None:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[ThrowawayS3]:
-    with throwaway_s3() as server, store_env(server):
-        server.create_bucket(BUCKET)
+    with bucket_in_env(BUCKET) as server:
         yield server
 
 

@@ -25,7 +25,7 @@ import obstore
 import pytest
 import sqlalchemy as sa
 from PIL import Image
-from s3server import ThrowawayS3, store_env, throwaway_s3
+from s3server import ThrowawayS3, bucket_in_env
 from sqlalchemy.engine import Engine
 
 import batchd
@@ -88,8 +88,7 @@ def _write_shards(root: Path) -> None:
 def s3() -> Iterator[ThrowawayS3]:
     """One store for the module, its keys in this process's environment (the server's
     workers inherit it)."""
-    with throwaway_s3() as server, store_env(server):
-        server.create_bucket(BUCKET)
+    with bucket_in_env(BUCKET) as server:
         yield server
 
 

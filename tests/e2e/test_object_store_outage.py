@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import obstore
 import pytest
-from s3server import ThrowawayS3, store_env, throwaway_s3
+from s3server import ThrowawayS3, bucket_in_env
 from sqlalchemy.engine import Engine
 
 import batchd
@@ -38,8 +38,7 @@ RAW = batchd.Array((RECORD_FLOATS,), "float32", raw=True)
 
 @pytest.fixture
 def s3() -> Iterator[ThrowawayS3]:
-    with throwaway_s3() as server, store_env(server):
-        server.create_bucket(BUCKET)
+    with bucket_in_env(BUCKET) as server:
         yield server
 
 

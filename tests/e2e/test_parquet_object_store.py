@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 from parquet_data import N_IMAGES, N_RECORDS, records_parquet, write_images
-from s3server import ThrowawayS3, store_env, throwaway_s3
+from s3server import ThrowawayS3, bucket_in_env
 from sqlalchemy.engine import Engine
 
 import batchd
@@ -51,8 +51,7 @@ def batchd_server(*args: str, url: str, env: dict[str, str]) -> subprocess.Compl
 def s3() -> Iterator[ThrowawayS3]:
     """One store for the module, its keys in this process's environment (the server's
     workers inherit it)."""
-    with throwaway_s3() as server, store_env(server):
-        server.create_bucket(BUCKET)
+    with bucket_in_env(BUCKET) as server:
         yield server
 
 
