@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,7 +176,8 @@ def _read_all(cache: str, objects: str, seed: int) -> list[bytes]:
     out = []
     for _ in range(30):
         shard = f"shard{int(rng.integers(4))}.bin"
-        out += fetcher.fetch(f"{ROOT_URL}/{shard}", random_ranges(rng, 10 * BLOCK + 123, 5))
+        got = fetcher.fetch(f"{ROOT_URL}/{shard}", random_ranges(rng, 10 * BLOCK + 123, 5))
+        out += [bytes(b) for b in got]
     return out
 
 
@@ -242,3 +246,112 @@ def test_a_hit_reads_and_checks_only_the_chunks_it_needs(objects: Path, tmp_path
     assert inner.requests == [], "the first chunk is intact: no request"
     assert fetcher.fetch(url, [(BLOCK - 5, 5)]) == [data[BLOCK - 5 : BLOCK]]
     assert inner.requests == [(url, [(0, BLOCK)])], "the bad chunk sent the block back"
+
+
+class _HeldFetcher(StatDirFetcher):
+    """A store whose first request waits until the test lets it go."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.inside = threading.Event()
+        self.go = threading.Event()
+        self._first = True
+
+    def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        with self._lock:
+            first, self._first = self._first, False
+        if first:
+            self.inside.set()
+            assert self.go.wait(30), "the test never let the first fetch go"
+        return super().fetch(url, ranges)
+
+
+def test_a_reader_waits_for_a_block_another_is_fetching_and_reads_its_file(
+    objects: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one reader fetches blocks 0-2 of an object (its request held), a second reader
+    of a few bytes of block 1 waits for that fetch and reads the block from the disk: the
+    store answers one request in all."""
+    inner = _HeldFetcher(objects)
+    store = BlockStore(tmp_path / "c", capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    fetcher = CachingFetcher(inner, store, stats=CacheStats())
+    url = inner.url("shard0.bin")
+    data = (objects / "shard0.bin").read_bytes()
+    asking = threading.Event()
+    real = BlockStore.fetching
+
+    def fetching(self: BlockStore, keys: Sequence[BlockKey], *, wait: bool = True) -> Any:
+        if threading.current_thread().name == "second":
+            asking.set()
+        return real(self, keys, wait=wait)
+
+    monkeypatch.setattr(BlockStore, "fetching", fetching)
+    first: list[bytes] = []
+    second: list[bytes] = []
+    a = threading.Thread(
+        target=lambda: first.extend(bytes(b) for b in fetcher.fetch(url, [(0, 3 * BLOCK)]))
+    )
+    b = threading.Thread(
+        target=lambda: second.extend(bytes(x) for x in fetcher.fetch(url, [(BLOCK + 10, 100)])),
+        name="second",
+    )
+    a.start()
+    assert inner.inside.wait(30)
+    b.start()
+    try:
+        assert asking.wait(30)  # the second reader missed block 1 and asks for its lock
+    finally:
+        inner.go.set()
+        a.join(30)
+        b.join(30)
+    assert first == [data[: 3 * BLOCK]]
+    assert second == [data[BLOCK + 10 : BLOCK + 110]]
+    assert inner.requests == [(url, [(0, 3 * BLOCK)])]
+    assert sorted(k.index for k in store.blocks()) == [0, 1, 2]
+
+
+def test_a_prefetch_leaves_a_block_being_fetched_to_its_fetcher(
+    objects: Path, tmp_path: Path
+) -> None:
+    inner = _HeldFetcher(objects)
+    store = BlockStore(tmp_path / "c", capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    fetcher = CachingFetcher(inner, store, stats=CacheStats())
+    url = inner.url("shard0.bin")
+    reader = threading.Thread(target=lambda: fetcher.fetch(url, [(0, 2 * BLOCK)]))
+    reader.start()
+    assert inner.inside.wait(30)
+    try:
+        # Blocks 0 and 1 are being fetched: only block 2 is the prefetch's to fetch.
+        assert fetcher.prefetch(url, [(0, 3 * BLOCK)]) == 1
+        assert inner.requests == [(url, [(2 * BLOCK, BLOCK)])]  # the held one is not in yet
+    finally:
+        inner.go.set()
+        reader.join(30)
+    assert sorted(k.index for k in store.blocks()) == [0, 1, 2]
+
+
+def _hold_stripe(cache: str, key: tuple[str, int], held: Any, release: Any) -> bool:
+    store = BlockStore(Path(cache), capacity_bytes=1 << 20, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    with store.fetching([BlockKey(*key)]) as mine:
+        held.set()
+        release.wait(30)
+        return BlockKey(*key) in mine
+
+
+def test_fetch_locks_exclude_other_processes_and_go_with_them(tmp_path: Path) -> None:
+    """A block's fetch lock held by another process is refused to a taker that will not
+    wait, and given once that process lets go."""
+    ctx = multiprocessing.get_context("spawn")
+    key = (object_hash("s3://b/k"), 3)
+    other = BlockKey(object_hash("s3://b/other"), 0)
+    store = BlockStore(tmp_path / "c", capacity_bytes=1 << 20, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    with ctx.Manager() as manager, ctx.Pool(1) as pool:
+        held, release = manager.Event(), manager.Event()
+        result = pool.apply_async(_hold_stripe, (str(tmp_path / "c"), key, held, release))
+        assert held.wait(60)
+        with store.fetching([BlockKey(*key), other], wait=False) as mine:
+            assert mine == {other}
+        release.set()
+        assert result.get(60) is True
+    with store.fetching([BlockKey(*key)], wait=False) as mine:
+        assert mine == {BlockKey(*key)}

@@ -24,7 +24,7 @@ class RangeFetcher(Protocol):
     worker's reads go through the cache without knowing whether there is one.
     """
 
-    def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
         """The bytes of each ``(offset, length)`` range of the object at ``url``, in order.
 
         Raises:

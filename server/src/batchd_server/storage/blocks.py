@@ -8,6 +8,7 @@ covers bytes ``[i * block_bytes, (i + 1) * block_bytes)``. Each cached block is 
     <cache-dir>/objects/<h>.json          {"url", "size"}: the object's size when first cached
     <cache-dir>/tmp/                      files being written
     <cache-dir>/usage                     8 bytes: what every file together takes
+    <cache-dir>/fetching                  empty: its bytes are the fetch locks' stripes
 
 A block file is a 32-byte header (magic, the block's first byte in the object, the content's
 length, the chunk size, the CRC-32 of the chunk table), the chunk table (a CRC-32 of each
@@ -29,6 +30,15 @@ without being kept. What is deleted is given back. So the files never take more 
 ``capacity_bytes``, whoever writes. A crash between a reservation and the link can leave the
 ledger high; :meth:`BlockStore.scan` (at start, and now and then from the cache manager)
 sets it to what the files really take.
+
+Fetches are not repeated: a process about to fetch some missing blocks first takes their
+*fetch locks* (:meth:`BlockStore.fetching`: a byte-range lock on ``fetching`` per stripe of
+blocks, plus a thread lock per stripe, since a process's byte-range locks do not exclude its
+own threads), reads again what another process cached meanwhile, and fetches only what is
+still missing. Two workers and the prefetcher that need the same row group at the start of
+a cold epoch then fetch it once, not three times: the later ones wait for the first's GET
+and read its blocks from the disk. The kernel drops a dead process's locks, so a worker
+killed mid-fetch holds no one up.
 
 The directory is meant for one server at a time (``--cache-dir`` of one pod); it survives a
 restart of that server: nothing in it depends on the process that wrote it.
@@ -56,6 +66,7 @@ from typing import Final
 __all__ = [
     "BLOCK_BYTES",
     "CHUNK_BYTES",
+    "FETCH_STRIPES",
     "HEADER_BYTES",
     "BlockKey",
     "BlockRead",
@@ -77,6 +88,10 @@ whole blocks (one run on the development machine, page cache warm; noisy)."""
 HEADER_BYTES: Final = 32
 _HEADER: Final = struct.Struct("<8sQQII")
 _MAGIC: Final = b"batchdB2"
+FETCH_STRIPES: Final = 4096
+"""Fetch locks per cache directory (:meth:`BlockStore.fetching`): the blocks of one object
+take consecutive stripes, so two blocks share a lock only 4,096 blocks (16 GiB) apart or
+across objects by chance, and a shared lock costs a wait, never a wrong answer."""
 _STALE_TMP_S: Final = 600.0
 """A file under tmp/ older than this was left by a crashed writer."""
 
@@ -113,9 +128,9 @@ class BlockRead:
     first ``length``)."""
 
     length: int
-    parts: list[tuple[int, bytes]] | None
+    parts: Sequence[tuple[int, bytes | memoryview]] | None
 
-    def cut(self, lo: int, hi: int) -> bytes:
+    def cut(self, lo: int, hi: int) -> bytes | memoryview:
         """Bytes ``[lo, hi)`` of the block, from the part that holds them."""
         assert self.parts is not None, "a short block has no parts"
         for start, data in self.parts:
@@ -168,6 +183,8 @@ class BlockStore:
         self._ledger_fd = os.open(root / "usage", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # flock excludes other processes; threads of this one share the descriptor.
         self._lock = threading.Lock()
+        self._fetch_fd = os.open(root / "fetching", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._stripes = [threading.Lock() for _ in range(FETCH_STRIPES)]
         self.on_corrupt: Callable[[], object] | None = None
         """Called after a corrupt or truncated block file was found (and deleted)."""
 
@@ -180,7 +197,8 @@ class BlockStore:
         with self._lock:
             if self._ledger_fd >= 0:
                 os.close(self._ledger_fd)
-                self._ledger_fd = -1
+                os.close(self._fetch_fd)
+                self._ledger_fd = self._fetch_fd = -1
 
     # -- the ledger -------------------------------------------------------------------------
 
@@ -214,6 +232,43 @@ class BlockStore:
     def _give_back(self, nbytes: int) -> None:
         with self._ledger() as used:
             used[0] -= nbytes
+
+    # -- fetch locks ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def fetching(self, keys: Sequence[BlockKey], *, wait: bool = True) -> Iterator[set[BlockKey]]:
+        """Hold the fetch locks of ``keys`` (NOTE [ Cache files ]): another process or thread
+        that asks for any of them waits until this one has fetched and written them. Yields
+        the keys whose locks are held: all of them, or with ``wait=False`` those no one else
+        held (the others are being fetched by someone: read them where they will be).
+
+        Every taker takes its stripes in ascending order and holds a stripe's thread lock
+        before its byte-range lock, so no two takers wait on each other. The byte-range
+        locks are open-file-description locks, which the kernel does not check for
+        deadlocks: a process's classic locks are one owner for all its threads, so two
+        processes whose threads wait on each other's stripes would be refused as a
+        "deadlock" that is not one.
+        """
+        by_stripe: dict[int, list[BlockKey]] = {}
+        for k in keys:
+            by_stripe.setdefault((int(k.object[:12], 16) + k.index) % FETCH_STRIPES, []).append(k)
+        held: list[int] = []
+        got: set[BlockKey] = set()
+        try:
+            for stripe in sorted(by_stripe):
+                if not self._stripes[stripe].acquire(blocking=wait):
+                    continue
+                if not _range_lock(self._fetch_fd, stripe, fcntl.F_WRLCK, wait=wait):
+                    self._stripes[stripe].release()
+                    continue
+                held.append(stripe)
+                got.update(by_stripe[stripe])
+            yield got
+        finally:
+            for stripe in reversed(held):
+                with contextlib.suppress(OSError):
+                    _range_lock(self._fetch_fd, stripe, fcntl.F_UNLCK, wait=False)
+                self._stripes[stripe].release()
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -460,6 +515,23 @@ class BlockStore:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._objects / f"{h}.json")
         return deleted
+
+
+_FLOCK: Final = struct.Struct("hhqqi4x")
+"""``struct flock`` on 64-bit Linux: type, whence, start, len, pid (0 for an OFD lock)."""
+
+
+def _range_lock(fd: int, byte: int, kind: int, *, wait: bool) -> bool:
+    """Take (``F_WRLCK``) or drop (``F_UNLCK``) the open-file-description lock of one byte of
+    ``fd``; False when ``wait`` is False and someone else holds it."""
+    request = _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, request)
+    except BlockingIOError:
+        return False
+    except PermissionError:  # EACCES: what some systems answer instead of EAGAIN
+        return False
+    return True
 
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:

@@ -136,6 +136,10 @@ class CachingFetcher:
         stats: Where the counts go (default: this process's :data:`STATS`).
     """
 
+    coalesces = True
+    """Misses are fetched as runs of neighbouring blocks, so a reader need not merge nearby
+    ranges into one (``ObjectFiles``)."""
+
     def __init__(
         self, inner: RangeFetcher, store: BlockStore, *, stats: CacheStats | None = None
     ) -> None:
@@ -145,7 +149,7 @@ class CachingFetcher:
         self._sizes: dict[str, int] = {}
         store.on_corrupt = lambda: self.stats.add(corrupt=1)
 
-    def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
         """The bytes of each range, from the disk where cached, else from the store (and kept).
 
         Raises:
@@ -190,7 +194,7 @@ class CachingFetcher:
             if data is not None:
                 self.stats.add(hits=1, hit_bytes=size)
                 return data
-        return self.fetch(url, [(0, size)])[0]
+        return bytes(self.fetch(url, [(0, size)])[0])
 
     def has_whole(self, url: str) -> bool:
         """Whether the whole object looks cached (its size recorded, a small object's block
@@ -296,12 +300,30 @@ class CachingFetcher:
             else:
                 short.add(i)
         missing = [i for i in sorted(need) if i not in have]
-        if not prefetch:
-            hit_bytes = sum(len(d) for r in have.values() for _, d in r.parts or ())
-            self.stats.add(hits=len(have), misses=len(missing), hit_bytes=hit_bytes)
-        if missing:
-            have.update(self._fetch_missing(url, size, need, missing, short, prefetch=prefetch))
-        return have, len(missing)
+        if not missing:
+            if not prefetch:
+                hit_bytes = sum(len(d) for r in have.values() for _, d in r.parts or ())
+                self.stats.add(hits=len(have), hit_bytes=hit_bytes)
+            return have, 0
+        keys = {i: BlockKey(h, i) for i in missing}
+        # A reader waits for the blocks another reader is fetching, then reads them from the
+        # disk: at the start of a cold epoch, the workers and the prefetch all want most
+        # blocks of a shuffled dataset at once, and each block comes from the store once. The
+        # prefetch does not wait: a block being fetched is its fetcher's.
+        with self.store.fetching(list(keys.values()), wait=not prefetch) as mine:
+            for i in missing:  # whoever held a lock before may have cached its blocks
+                if keys[i] in mine:
+                    found = self.store.read(keys[i], need[i])
+                    if found is not None and found.parts is not None:
+                        have[i] = found
+                        short.discard(i)
+            fetch = [i for i in missing if i not in have and keys[i] in mine]
+            if not prefetch:
+                hit_bytes = sum(len(d) for r in have.values() for _, d in r.parts or ())
+                self.stats.add(hits=len(have), misses=len(fetch), hit_bytes=hit_bytes)
+            if fetch:
+                have.update(self._fetch_missing(url, size, need, fetch, short, prefetch=prefetch))
+        return have, len(fetch)
 
     def _fetch_missing(
         self,
@@ -342,12 +364,13 @@ class CachingFetcher:
                 )
             view = memoryview(data)
             for i in run:
-                content = bytes(view[i * b - start : min((i + 1) * b, start + length) - start])
+                # A view, not a copy: the block's file and the reader take it from here.
+                content = view[i * b - start : min((i + 1) * b, start + length) - start]
                 got[i] = BlockRead(len(content), [(0, content)])
                 self.store.write(BlockKey(h, i), content, replace=i in short)
         return got
 
-    def _cut(self, blocks: dict[int, BlockRead], offset: int, length: int) -> bytes:
+    def _cut(self, blocks: dict[int, BlockRead], offset: int, length: int) -> bytes | memoryview:
         if length == 0:
             return b""
         b = self.store.block_bytes

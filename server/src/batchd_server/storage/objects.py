@@ -13,7 +13,9 @@ around it), so this class knows nothing of HTTP.
 - **Coalescing.** A batch's byte ranges of one object are sorted and neighbours within
   :data:`OBJECT_GAP_BYTES` merged into runs (``pipelines/ranges.plan_reads``): a request
   costs a round trip of a millisecond or more, so fetching up to 1 MiB of gap is cheaper
-  than another request.
+  than another request. Through the node cache only touching ranges are merged: the cache
+  fetches its misses as runs of whole blocks anyway, and a gap read from its disk would
+  be read and checked for nothing.
 - **Several requests in flight.** The objects of a batch are fetched at once, from a small
   thread pool (:data:`FETCH_THREADS`; the store's calls release the GIL), and a run of whole
   objects (image files) is fetched ahead by :meth:`prefetch` while the worker decodes the
@@ -81,11 +83,14 @@ class ObjectFiles(Closeable):
         self.max_sample_bytes = max_sample_bytes
         self._fetcher = fetcher
         self._size_of = size_of
+        # Through the node cache, a gap between two ranges would be read from the disk and
+        # checked for nothing: the cache itself fetches what it misses in runs of blocks.
+        self._gap = 0 if getattr(fetcher, "coalesces", False) else OBJECT_GAP_BYTES
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._sizes_lock = threading.Lock()
         self._maps: OrderedDict[str, npt.NDArray[np.uint8]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: dict[str, Future[bytes]] = {}
+        self._ahead: dict[str, Future[bytes | memoryview]] = {}
         self._down: BadSample | None = None
         """The batch's first transient failure: later fetches in the batch fail with it."""
 
@@ -152,7 +157,7 @@ class ObjectFiles(Closeable):
         else:
             groups = [np.flatnonzero(files == k) for k in range(len(paths))]
         try:
-            plans = [plan_reads(offsets[g], lengths[g], OBJECT_GAP_BYTES) for g in groups]
+            plans = [plan_reads(offsets[g], lengths[g], self._gap) for g in groups]
         except ValueError as e:
             raise BadSample("bad_range", f"{urls[0]}: {e}") from e
         runs = [
@@ -280,7 +285,7 @@ class ObjectFiles(Closeable):
                     self._sizes.popitem(last=False)
         return size
 
-    def _fetch_whole(self, url: str) -> bytes:
+    def _fetch_whole(self, url: str) -> bytes | memoryview:
         if isinstance(self._fetcher, WholeFetcher):
             return self._get_whole(self._fetcher, url)
         size = self._size(url)
@@ -307,7 +312,7 @@ class ObjectFiles(Closeable):
                 self._sizes.popitem(last=False)
         return data
 
-    def _fetch(self, url: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+    def _fetch(self, url: str, ranges: list[tuple[int, int]]) -> list[bytes | memoryview]:
         down = self._down
         if down is not None:
             raise BadSample(down.kind, str(down))

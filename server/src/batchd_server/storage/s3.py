@@ -271,7 +271,7 @@ class S3Fetcher:
     def __init__(self, *, retry_s: float = DEFAULT_RETRY_S) -> None:
         self.retry_s = retry_s
 
-    def fetch(self, url: str, ranges: Any) -> list[bytes]:
+    def fetch(self, url: str, ranges: Any) -> list[bytes | memoryview]:
         bucket, key = split_url(url)
         store = store_for(bucket, retry_s=self.retry_s)
         starts = [int(o) for o, _ in ranges]
