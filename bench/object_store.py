@@ -1,8 +1,10 @@
 """batchd reading an S3 object store against local files, Mosaic Streaming and LitData, one run.
 
-The same photo-like JPEGs (``loader_vs_dataloader.write_images``) are kept five ways: files
-on the local disk; one S3 object per image; a Parquet export (``image`` as a binary column,
-``label``); Mosaic Streaming MDS shards; LitData ``optimize`` chunks. All objects live in one
+The same photo-like JPEGs (``loader_vs_dataloader.write_images``) are kept six ways: files
+on the local disk; one S3 object per image; WebDataset tar shards (``NNNNNN.jpg`` +
+``NNNNNN.cls``, at most ``--shard-mib`` each, like the peers' shards); a Parquet export
+(``image`` as a binary column, ``label``); Mosaic Streaming MDS shards; LitData
+``optimize`` chunks. All objects live in one
 bucket of a SeaweedFS S3 server on loopback, and every loader reads it through a proxy that
 adds ``D`` ms to each request (``_delay_proxy.py``: D = 0, 20, 50 by default; the first
 request of a new connection pays 2 D, as a TCP handshake would). Every sample is decoded by
@@ -15,6 +17,8 @@ Configurations (one epoch each, timed whole from ``iter()``, the loop counts row
 - ``batchd, S3 cold`` / ``warm`` at each D: objects ``s3://bucket/images/...``. Cold: a
   server started on an empty ``--cache-dir`` (started before the timing, its workers idle);
   warm: a long-lived server whose node cache the warm-up epoch filled.
+- ``batchd, tar cold`` / ``warm``: the tar shards (``ingest tar --root s3://... '*.tar'``),
+  cold and warm as above.
 - ``batchd, Parquet, local files`` and ``batchd, Parquet cold`` / ``warm``: the Parquet
   export (``ingest parquet --payload image --label label``) from the local disk and from the
   store. A batchd source the code under test cannot ingest (an ``s3://`` root before object
@@ -30,7 +34,10 @@ Columns: samples/s; MB fetched from the store per epoch (response bytes the prox
 headers included); S3 requests per epoch (SeaweedFS's own counter); the training process's
 CPU per batch (getrusage, every thread); the loader processes' CPU per batch (batchd's server
 and workers, or the DataLoader's workers); the store's and proxy's CPU per batch (they share
-the cores with everything else). Every configuration warms up once, then ``--reps`` rounds
+the cores with everything else). Beside each cold target the report gives this machine's
+ceiling for it: the store and the proxy share the two cores, so a cold epoch can be at most
+``cores * local wall / (cores * local wall + store CPU)`` of local files even if fetching
+cost the loader nothing. Every configuration warms up once, then ``--reps`` rounds
 run each once, the order rotating. Ratios are medians over medians, in this run.
 
 Run: ``python bench/object_store.py`` (~10 minutes on 2 cores: 1,000 images, 3 reps);
@@ -101,6 +108,8 @@ SIZE = 224
 DECODER = "auto"
 LEASE_TIMEOUT_S = 3600
 RESULTS = Path(__file__).with_name("results") / "object_store.json"
+DATASETS = {"S3": "bench-s3-images", "tar": "bench-s3-tars", "Parquet": "bench-s3-parquet"}
+"""batchd's datasets in the store: one object per image, WebDataset tars, the Parquet export."""
 
 
 # ---------------------------------------------------------------------------------- data
@@ -113,6 +122,7 @@ class Data:
     files: list[tuple[str, int]]
     image_bytes: int
     parquet_files: int = 0
+    tar_shards: int = 0
     mds_shards: int = 0
     litdata_chunks: int = 0
     notes: list[str] = field(default_factory=list)
@@ -134,11 +144,40 @@ def prepare_data(args: argparse.Namespace, root: Path, store: Store) -> Data:
     data.parquet_files = write_parquet(files, root / "parquet", args.parquet_rows)
     upload_tree(client, root / "parquet", BUCKET, "parquet")
     shard_bytes = args.shard_mib << 20
+    data.tar_shards = write_tars(files, root / "tars", shard_bytes)
+    upload_tree(client, root / "tars", BUCKET, "tars")
     data.mds_shards = write_mds(files, root / "mds", shard_bytes)
     upload_tree(client, root / "mds", BUCKET, "mds")
     data.litdata_chunks = write_litdata(files, root / "litdata", shard_bytes, cores())
     upload_tree(client, root / "litdata", BUCKET, "litdata")
     return data
+
+
+def write_tars(files: list[tuple[str, int]], out: Path, shard_bytes: int) -> int:
+    """The images as WebDataset tar shards of at most ``shard_bytes`` (the peers' shard
+    size): sample ``i`` is ``{i:06d}.jpg`` (the JPEG's bytes) and ``{i:06d}.cls`` (its
+    label), in the images' order. Returns the number of shards."""
+    import io
+    import tarfile
+
+    out.mkdir(parents=True)
+    shards: list[list[tuple[int, bytes, int]]] = [[]]
+    size = 0
+    for i, (path, label) in enumerate(files):
+        data = Path(path).read_bytes()
+        if shards[-1] and size + len(data) > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((i, data, label))
+        size += len(data) + 1536  # two headers and padding
+    for count, members in enumerate(shards):
+        with tarfile.open(out / f"shard-{count:05d}.tar", "w", format=tarfile.USTAR_FORMAT) as t:
+            for i, data, label in members:
+                for name, payload in ((f"{i:06d}.jpg", data), (f"{i:06d}.cls", b"%d" % label)):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(payload)
+                    t.addfile(info, io.BytesIO(payload))
+    return len(shards)
 
 
 def write_parquet(files: list[tuple[str, int]], out: Path, rows_per_file: int) -> int:
@@ -183,6 +222,8 @@ def ingest(url: str, dataset: str, kind: str, root: str, parquet_files: int = 0)
     env = {**os.environ, "BATCHD_DATABASE_URL": url}
     if kind == "images":
         command = ["imagefolder", "--dataset", dataset, "--split", "train", "--root", root]
+    elif kind == "tar":
+        command = ["tar", "--dataset", dataset, "--root", root, "--split", "train", "*.tar"]
     else:
         names = [f"part-{i:05d}.parquet" for i in range(parquet_files)]
         command = ["parquet", "--dataset", dataset, "--root", root, "--split", "train"]
@@ -388,7 +429,8 @@ def main() -> None:
     for latency in args.latencies:
         rows += targets(configs, local, latency)
     print("\n### Targets at every latency (the issue's are at 20 ms)\n")
-    print(markdown_table(["target", "measured", "goal", "met"], rows))
+    header = ["target", "measured", "goal", "met", "ceiling here (store CPU)"]
+    print(markdown_table(header, rows))
     write_json(args.json, settings, configs, rows)
     print(f"\nresults: {args.json}")
     print(closing_line(started, busy0, own0))
@@ -398,9 +440,10 @@ def data_lines(args: argparse.Namespace, data: Data) -> list[str]:
     return [
         f"data: {len(data.files):,} JPEGs {IMAGE_W}x{IMAGE_H} quality 90 ({CLASSES} classes), "
         f"{data.image_bytes / 1e6:,.1f} MB; in the store as one object per image, "
-        f"{data.parquet_files} Parquet files ({args.parquet_rows} rows, row groups of 64, "
-        f"uncompressed), {data.mds_shards} MDS shards and {data.litdata_chunks} LitData chunks "
-        f"(<= {args.shard_mib} MiB each)",
+        f"{data.tar_shards} tar shards, {data.parquet_files} Parquet files "
+        f"({args.parquet_rows} rows, row groups of 64, uncompressed), {data.mds_shards} MDS "
+        f"shards and {data.litdata_chunks} LitData chunks (tars, shards and chunks <= "
+        f"{args.shard_mib} MiB each)",
         f"decode: batchd ImagePipeline(size={SIZE}, decoder={DECODER!r}) for every loader; "
         f"batch {args.batch_size}, shuffle, whole epochs timed from iter(); 1 warm-up epoch "
         f"+ {args.reps} timed per config, order rotating",
@@ -440,8 +483,9 @@ def build_configs(
     settle(warm.cpu_s)
     sources = {  # name: (kind, root, dataset)
         "Parquet local": ("parquet", str(root / "parquet"), "bench-parquet"),
-        "S3": ("images", f"s3://{BUCKET}/images", "bench-s3-images"),
-        "Parquet": ("parquet", f"s3://{BUCKET}/parquet", "bench-s3-parquet"),
+        "S3": ("images", f"s3://{BUCKET}/images", DATASETS["S3"]),
+        "tar": ("tar", f"s3://{BUCKET}/tars", DATASETS["tar"]),
+        "Parquet": ("parquet", f"s3://{BUCKET}/parquet", DATASETS["Parquet"]),
     }
     available = {}
     for name, (kind, where, dataset) in sources.items():
@@ -471,7 +515,7 @@ def build_configs(
         configs.append(Config(label, "batchd Parquet", "local", 0.0, parquet))
     for latency in args.latencies:
         for state in ("cold", "warm"):
-            for name in ("S3", "Parquet"):
+            for name in ("S3", "tar", "Parquet"):
                 if not available[name] or (state == "warm" and not has_cache):
                     continue
                 configs.append(batchd_config(name, state, latency, args, warm, cold))
@@ -491,7 +535,7 @@ def batchd_config(
     cold: ColdServer | None,
 ) -> Config:
     """batchd on the store's images or Parquet; cold: a new server on an empty cache."""
-    dataset = f"bench-s3-{'images' if name == 'S3' else 'parquet'}"
+    dataset = DATASETS[name]
     suffix = state if cold is not None else "no node cache"
     label = f"batchd, {name} {suffix}, {latency:g} ms"
     if state == "warm" or cold is None:
