@@ -91,6 +91,8 @@ class ObjectFiles(Closeable):
         self._maps: OrderedDict[str, npt.NDArray[np.uint8]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: dict[str, Future[bytes | memoryview]] = {}
+        self._staged: dict[tuple[str, int, int], memoryview] = {}
+        """A batch's byte ranges fetched together (:meth:`stage`), by (path, offset, length)."""
         self._down: BadSample | None = None
         """The batch's first transient failure: later fetches in the batch fail with it."""
 
@@ -100,6 +102,35 @@ class ObjectFiles(Closeable):
         """A new batch: fetches are tried again, and what was fetched ahead is dropped."""
         self._down = None
         self._drop_ahead()
+        self._staged = {}
+
+    def stage(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> None:
+        """Fetch a batch's byte ranges at once (as :meth:`read_ranges`: several objects in
+        flight, through the node cache each block once) for :meth:`read` to serve until the
+        next :meth:`begin_batch`. At most :data:`PREFETCH_BYTES`; a failure is left for
+        :meth:`read` to meet again, sample by sample, and report."""
+        self._staged = {}
+        if not len(offsets) or int(lengths.sum()) > PREFETCH_BYTES:
+            return
+        try:
+            data, starts = self.read_ranges(paths, files, offsets, lengths)
+        except BadSample:
+            return
+        view = data.data
+        for path, offset, length, start in zip(
+            [paths[int(f)] for f in files.tolist()],
+            offsets.tolist(),
+            lengths.tolist(),
+            starts.tolist(),
+            strict=True,
+        ):
+            self._staged[(path, offset, length)] = view[start : start + length]
 
     def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview:
         """The bytes of one sample (``offset``/``length`` -1: the whole object, or to its
@@ -120,6 +151,9 @@ class ObjectFiles(Closeable):
                 f"{url}: byte range offset={offset}, length={length} ends past 2**63 - 1; "
                 "the catalog row is wrong: fix its byte_offset and byte_length and re-ingest",
             )
+        staged = self._staged.get((path, offset, length))
+        if staged is not None:
+            return staged
         whole = offset <= 0 and length == -1
         if whole:
             ahead = self._ahead.pop(path, None)

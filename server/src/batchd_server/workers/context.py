@@ -417,6 +417,27 @@ class SessionContext:
         )
         self._read_s += time.perf_counter() - read_start
 
+    def _stage_ranges(
+        self, source: _Source, files: ObjectFiles, positions: npt.NDArray[np.int64]
+    ) -> None:
+        """The byte ranges of a run's samples inside objects (tar members), fetched together
+        before the samples are decoded one by one (``ObjectFiles.stage``): several objects at
+        once and each block once, not one round trip per sample. Not when decoded samples
+        may come from the decode cache (their bytes would be read for nothing), nor in a
+        redo that looks for the sample that hangs."""
+        columns = source.columns
+        rows = positions[
+            (columns.byte_offsets[positions] >= 0)
+            & (columns.byte_lengths[positions] >= 0)
+            & (columns.row_groups[positions] < 0)
+        ]
+        if rows.size < 2 or self._one_by_one or source.cached is not None:
+            return
+        read_start = time.perf_counter()
+        paths, which = self._batch_paths(source, rows)
+        files.stage(paths, which, columns.byte_offsets[rows], columns.byte_lengths[rows])
+        self._read_s += time.perf_counter() - read_start
+
     @staticmethod
     def _batch_paths(
         source: _Source, positions: npt.NDArray[np.int64]
@@ -504,6 +525,7 @@ class SessionContext:
             # first ones decode: one round trip per sample would bound the worker's rate.
             whole = positions[source.columns.byte_offsets[positions] < 0]
             source.files.prefetch([source.path(int(p)) for p in whole.tolist()])
+            self._stage_ranges(source, source.files, positions)
         for position in positions.tolist():
             row = {name: array[rows, ...] for name, array in block.items()}
             try:
