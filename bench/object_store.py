@@ -451,6 +451,9 @@ def data_lines(args: argparse.Namespace, data: Data) -> list[str]:
         "each request D ms (a new connection's first 2 D); D in "
         + ", ".join(f"{d:g}" for d in args.latencies)
         + " ms; bytes = responses through the proxy; requests = SeaweedFS_s3_request_total",
+        f"batchd: batchd-server serve --workers {args.server_workers} --cache-size "
+        f"{args.cache_size} (warm: one server, --shm-budget 4GiB --client-shm-quota 4GiB for "
+        "its open Loaders; cold: a new server on an empty --cache-dir each epoch)",
         f"peers: DataLoader / StreamingDataLoader with {cores()} workers (fork), prefetch 4, "
         "persistent workers; Mosaic via boto3 at S3_ENDPOINT_URL, LitData via obstore/boto3 "
         "with storage_options endpoint",
@@ -470,6 +473,9 @@ def build_configs(
     has_cache = "--cache-dir" in serve_help()
     cache_args = ["--cache-size", args.cache_size] if has_cache else []
     warm_args = ["--cache-dir", str(root / "warm-cache"), *cache_args] if has_cache else []
+    # One Loader per warm configuration stays open on this server (three ways of keeping the
+    # data at each latency): their rings pass the default client quota of half a 1 GiB budget.
+    warm_args += ["--shm-budget", "4GiB", "--client-shm-quota", "4GiB"]
     (root / "warm-socket").mkdir()
     warm = stack.enter_context(
         batchd_server(
