@@ -58,6 +58,7 @@ import numpy as np
 
 from batchd_server import metrics
 from batchd_server.logs import session_log_id
+from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
@@ -158,6 +159,22 @@ class ShareGroup:
         self.copied = 0
         """Batches a member got as a copy of another's slot."""
         self._totals = totals
+
+    def position(self, epoch: int, plan: EpochPlan) -> int:
+        """Where a member that starts ``epoch`` afresh (its whole ``plan``) would join the
+        group: the plan index of the first of its batches some member's slot holds (decoded,
+        being decoded, or copied), 0 when none does."""
+        with self._lock:
+            held = sorted(
+                (index, positions)
+                for (e, index, positions) in self._sources.keys() | self._copies.keys()
+                if e == epoch and index < plan.num_batches
+            )
+        for index, positions in held:
+            # Members of one group plan the same batches; an elastic resume's are others.
+            if plan.batch(index).tobytes() == positions:
+                return index
+        return 0
 
     def claim(self, member: ShareMember, task: BatchTask) -> Future[BatchResult]:
         """The future of ``task`` (batch ``task.batch_index`` into ``member``'s slot
