@@ -27,10 +27,24 @@ or released the batch, or its stream ended. A member that asks once no slot hold
 batch decodes it itself. So no member ever waits for another's client: a member that
 stalls simply stops producing, the others decode what they need themselves (the stalled
 one is "split off" as soon as it is more than a ring behind them: the rings' windows are
-the bound), and a member that falls behind, or joins late, decodes its own batches until
-it is within the window of another member, then reads copies again. Every member gets
-every batch of its epoch exactly once, in its own plan's order: the group only decides
-who decodes.
+the bound), and a member that falls behind decodes its own batches until it is within the
+window of another member, then reads copies again. Every member gets every batch of its
+epoch exactly once, in its own plan's order (rotated, for one that joined late): the group
+only decides who decodes.
+
+A member that starts an epoch afresh and asks to join (``StreamStart.join_share``; the
+client does so at every fresh epoch of a ``share=`` Loader on one server) starts at the
+group's position (:meth:`ShareGroup.position`): the first batch ``k`` of its plan that some
+member's slot holds (source or copy, decoded or being decoded). Its stream serves the plan's
+batches ``k .. n-1`` then ``0 .. k-1`` (``streams.Stream.rotation``), each under its own
+batch index, so the first ``n - k`` are the group's batches, claimed as any member's, and
+the rest come after the group moved on: decoded for itself (or copied from anyone at them).
+That is how it catches up: level with the group from its first batch, the batches it
+missed served last. When ``k`` is less than its ring's slots it starts at 0 instead, as a
+lone Loader: its prefetch reaches the group's batches anyway, and members started a moment
+apart get identical epochs. The client learns ``k`` from the first batch's index and saves
+the rotation with its state (``batchd._state``), so resume is exact; an elastic resume of a
+rotated epoch deals the rest of the rotated global order (``planning.sampling``).
 
 A source whose task was cancelled (its stream ended before a worker took it) hands the
 batch to the first member waiting for it, which decodes it into its own slot; a source's
