@@ -46,6 +46,18 @@ apart get identical epochs. The client learns ``k`` from the first batch's index
 the rotation with its state (``batchd._state``), so resume is exact; an elastic resume of a
 rotated epoch deals the rest of the rotated global order (``planning.sampling``).
 
+Why a copy, not one slot that every member's client reads: a copy costs about 1 ms of
+server CPU per 9.6 MB batch, about 1% of the decode it replaces (``bench/share_copy.py``),
+while a slot read by several clients would need (1) the wire to name another session's
+segment in a doorbell notice, and the client to map it and check its token as it does its own
+ring at OpenSession (and on CUDA register it too, or copy it through the pinned pool: the
+copy would move to the client, not go away); (2) a slot state for "released by its owner,
+still read by others", and a session's close that keeps its ring and its share of the shm
+budget while another client reads it; (3) a bound on the source's slots a stalled reader
+may pin, past which readers decode their own, or the stalled one holds up the source. A
+copy needs none of this: the source's slot is read only under the group's lock, within the
+claim, and no member ever holds another's slot.
+
 A source whose task was cancelled (its stream ended before a worker took it) hands the
 batch to the first member waiting for it, which decodes it into its own slot; a source's
 task that failed (a hung batch, a sample under on_error="raise") fails the waiters' copies
