@@ -34,8 +34,9 @@ only decides who decodes.
 
 A member that starts an epoch afresh and asks to join (``StreamStart.join_share``; the
 client does so at every fresh epoch of a ``share=`` Loader on one server) starts at the
-group's position (:meth:`ShareGroup.position`): the first batch ``k`` of its plan that some
-member's slot holds (source or copy, decoded or being decoded). Its stream serves the plan's
+group's position (:meth:`ShareGroup.position`): the first batch ``k`` of the run of
+consecutive batches of its plan that members' slots hold (source or copy, decoded or being
+decoded) up to the furthest one. Its stream serves the plan's
 batches ``k .. n-1`` then ``0 .. k-1`` (``streams.Stream.rotation``), each under its own
 batch index, so the first ``n - k`` are the group's batches, claimed as any member's, and
 the rest come after the group moved on: decoded for itself (or copied from anyone at them).
@@ -188,19 +189,25 @@ class ShareGroup:
 
     def position(self, epoch: int, plan: EpochPlan) -> int:
         """Where a member that starts ``epoch`` afresh (its whole ``plan``) would join the
-        group: the plan index of the first of its batches some member's slot holds (decoded,
-        being decoded, or copied), 0 when none does."""
+        group: the first batch of the run of consecutive batches that members' slots hold
+        (decoded, being decoded, or copied) up to the furthest one held; 0 when none is.
+
+        A run, not simply the first batch held: a batch a member's loop keeps long after
+        (or whose release is still on its way) must not pull a joiner back to it."""
         with self._lock:
-            held = sorted(
+            keys = [
                 (index, positions)
                 for (e, index, positions) in self._sources.keys() | self._copies.keys()
                 if e == epoch and index < plan.num_batches
-            )
-        for index, positions in held:
-            # Members of one group plan the same batches; an elastic resume's are others.
-            if plan.batch(index).tobytes() == positions:
-                return index
-        return 0
+            ]
+        # Members of one group plan the same batches; an elastic resume's are others.
+        held = {index for index, positions in keys if plan.batch(index).tobytes() == positions}
+        if not held:
+            return 0
+        first = max(held)
+        while first - 1 in held:
+            first -= 1
+        return first
 
     def claim(self, member: ShareMember, task: BatchTask) -> Future[BatchResult]:
         """The future of ``task`` (batch ``task.batch_index`` into ``member``'s slot
