@@ -260,6 +260,23 @@ def test_a_member_within_a_ring_of_the_start_is_not_rotated(server: RunningServe
     assert server.sessions.shares.counts.copied - copied >= 10
 
 
+def test_a_rank_of_a_larger_job_is_not_rotated(server: RunningServer) -> None:
+    """Rank 0 of a two-rank job that joins its group 20 batches in starts at the epoch's
+    first batch: its ranks are each in their own group, at their own position, and must
+    serve one order (their states are one global cursor), so none rotates."""
+    ranks = {"rank": 0, "world_size": 2}
+    with _member(server, share=None, **ranks) as lone:
+        whole = _ids(iter(lone))
+    assert len(whole) == 26
+    with _member(server, **ranks) as one:
+        a_iter = iter(one)
+        _ids(a_iter, 20)
+        with _member(server, **ranks) as two:
+            b = _ids(iter(two))
+            assert two.state_dict()["format"] == 2
+    assert b == whole
+
+
 def test_a_stalled_member_is_split_off_and_the_other_finishes(server: RunningServer) -> None:
     """One member stops taking batches 10 batches in; the other runs to the end of its epoch
     (it never waits for the stalled one), then the stalled one finishes: it decodes what

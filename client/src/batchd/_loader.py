@@ -274,9 +274,12 @@ class Loader(Closeable):
             return
         clock.iteration_started()
         # A fresh epoch in a share group starts at the group's position; the first batch's
-        # index says where (see NOTE [ Share groups ] on the server).
+        # index says where (see NOTE [ Share groups ] on the server). Not for a job of
+        # several ranks: each rank's group has its own position, and its ranks must serve
+        # one order (their states are one global cursor).
         join = (
             self._options.share is not None
+            and self._options.world_size == 1
             and reply.rotations
             and cursor.next_batch == 0
             and cursor.start == 0

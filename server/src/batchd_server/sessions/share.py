@@ -33,7 +33,9 @@ epoch exactly once, in its own plan's order (rotated, for one that joined late):
 only decides who decodes.
 
 A member that starts an epoch afresh and asks to join (``StreamStart.join_share``; the
-client does so at every fresh epoch of a ``share=`` Loader on one server) starts at the
+client does so at every fresh epoch of a ``share=`` Loader of world size 1 on one server:
+the ranks of a larger job are each in their own group, at its own position, and must serve
+one order) starts at the
 group's position (:meth:`ShareGroup.position`): the first batch ``k`` of the run of
 consecutive batches of its plan that members' slots hold (source or copy, decoded or being
 decoded) up to the furthest one. Its stream serves the plan's

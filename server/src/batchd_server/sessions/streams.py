@@ -102,6 +102,8 @@ def stream_plan(
         whole = plan(epoch, start, order_world_size, rotation)  # checks them
         if join is None or rotation != 0 or start != 0 or not own_order:
             return whole, 0
+        if sampler.world_size != 1:  # ranks' groups are at their own positions
+            return whole, 0
         k = join.position(epoch, whole)
         return whole, k if slots <= k < whole.num_batches else 0
     # A rotation by whole global batches of the session's own order: the plan's own batches,
