@@ -115,7 +115,7 @@ def test_a_new_iterator_supersedes_the_old_one(double: Any) -> None:
         ({"batch_size": 4}, "batch_size=4"),
         ({"seed": 1}, "seed=1"),
         ({"shuffle": False}, "shuffle=False"),
-        ({"format": 3, "batchd_version": "9.0"}, "format=3 \\(written by batchd 9.0\\)"),
+        ({"format": 4, "batchd_version": "9.0"}, "format=4 \\(written by batchd 9.0\\)"),
         ({"consumed": 297}, "consumed=297"),
         ({"epoch": -1}, "epoch=-1"),
     ],

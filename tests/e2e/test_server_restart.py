@@ -58,12 +58,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _loader(sock: Path, transport: str, **kwargs: object) -> batchd.Loader:
+    kwargs.setdefault("prefetch", 4)
     return batchd.Loader(
         f"unix://{sock}",
         dataset="records",
         batch_size=10,
         seed=3,
-        prefetch=4,
         transport=transport,
         device="cpu",
         pipeline=batchd.Array((RECORD_FLOATS,), "float32", raw=True),
@@ -226,3 +226,48 @@ def test_a_reopen_refused_by_a_client_limit_is_retried_until_the_place_frees(
         if second is not None:
             stop(second)
     assert second is not None and second.returncode == 0, (tmp_path / "second.log").read_text()
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_rotated_epoch_survives_a_server_restart(
+    engine: Engine, tmp_path: Path, transport: str
+) -> None:
+    """A share= Loader that joined its group 22 batches into the epoch (so it serves the
+    epoch rotated) loses its server part way through: the new server, which knows no group,
+    serves the rest of the same rotated epoch, every sample once."""
+    record_dataset(engine, tmp_path / "r", n=300)
+    url = engine.url.render_as_string(hide_password=False)
+    sock = tmp_path / "grpc.sock"
+    first = start_server(url, sock, tmp_path / "first.log")
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        first_instance = wait_ready(first, tmp_path / "first.log")
+        with _loader(sock, transport) as reference:
+            want = [b["sample_id"].tolist() for b in reference]
+        got = []
+        with _loader(sock, transport, share="g", prefetch=2) as leader:
+            ahead = iter(leader)
+            for _ in range(22):
+                next(ahead)
+            joiner = _loader(sock, transport, share="g", prefetch=2, reconnect_timeout_s=60)
+            with joiner:
+                for i, batch in enumerate(joiner):
+                    got.append(batch["sample_id"].tolist())
+                    if i == 0:
+                        leader.close()
+                    if i == 12:  # past the wrap: the epoch's first batches now
+                        first.kill()
+                        first.wait(30)
+                        second = start_server(url, sock, tmp_path / "second.log")
+        assert second is not None
+        second_instance = wait_ready(second, tmp_path / "second.log")
+        assert batchd_segments(first_instance) == [], "the new server sweeps the old segments"
+        k = want.index(got[0])
+        assert k >= 16, f"joined at batch {k}: not rotated, the test means a rotated epoch"
+        assert got == want[k:] + want[:k]
+    finally:
+        first.kill()
+        first.wait(30)
+        if second is not None:
+            stop(second)
+    assert batchd_segments(second_instance) == []

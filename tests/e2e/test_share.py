@@ -58,10 +58,16 @@ def _ids(batches: Iterator[dict[str, Any]], n: int | None = None) -> list[list[i
 
 
 def _lockstep(
-    a: Iterator[dict[str, Any]], b: Iterator[dict[str, Any]], *, same: bool = True
+    a: Iterator[dict[str, Any]],
+    b: Iterator[dict[str, Any]],
+    *,
+    same: bool = True,
+    until_a_ends: bool = False,
+    steps: int | None = None,
 ) -> tuple[list, list]:
-    """Both iterators to their end, one batch of each in turn; with ``same``, the two batches
-    of each step must hold the same bytes in every field (a copy is the decode it replaces)."""
+    """Both iterators to their end (``until_a_ends``: to ``a``'s, or ``steps`` steps), one
+    batch of each in turn; with ``same``, the two batches of each step must hold the same
+    bytes in every field (a copy is the decode it replaces)."""
     got_a, got_b = [], []
     for batch in a:
         other = next(b)
@@ -70,7 +76,10 @@ def _lockstep(
             assert torch.equal(batch[name], other[name]), f"field {name!r} differs"
         got_a.append(batch["sample_id"].tolist())
         got_b.append(other["sample_id"].tolist())
-    assert next(b, None) is None, "the members' epochs have different lengths"
+        if len(got_a) == steps:
+            return got_a, got_b
+    if not until_a_ends:
+        assert next(b, None) is None, "the members' epochs have different lengths"
     return got_a, got_b
 
 
@@ -132,24 +141,140 @@ def test_members_with_other_parameters_share_nothing(server: RunningServer) -> N
     assert _decoded() - before == 2 * len(a) + 51 + 41
 
 
-def test_a_late_member_gets_its_whole_epoch_once(server: RunningServer) -> None:
-    """A member that joins while the other is 30 batches into the epoch starts at the
-    epoch's start like any Loader: it decodes the batches the group no longer holds
-    itself, copies those it still holds, and gets every sample once, in the group's order."""
-    before, copied = _decoded(), server.sessions.shares.counts.copied
+def _lone_epoch(server: RunningServer) -> list[list[int]]:
+    """The epoch a lone Loader with the members' options gets (decoded by itself)."""
+    with _member(server, share=None) as lone:
+        return _ids(iter(lone))
+
+
+def _join_late(
+    server: RunningServer, lead: int = 30, together: int | None = None, **options: Any
+) -> tuple[list[list[int]], batchd.Loader, Iterator[dict[str, Any]]]:
+    """Member one takes ``lead`` batches, then member two (``options``) joins and both take
+    batches in lockstep, ``together`` times or until member one's epoch ends, then member
+    one closes: two's batches so far, two (left open), and its iteration."""
     with _member(server) as one:
         a_iter = iter(one)
-        a = _ids(a_iter, 30)
-        with _member(server) as two:
-            b_iter = iter(two)
-            b = _ids(b_iter, 30)  # its own decode, while the group holds batches 28..
-            rest_a, rest_b = _lockstep(a_iter, b_iter)
-    a, b = a + rest_a, b + rest_b
-    assert a == b
+        _ids(a_iter, lead)
+        two = _member(server, **options)
+        b_iter = iter(two)
+        _, b = _lockstep(a_iter, b_iter, same=False, until_a_ends=True, steps=together)
+    return b, two, b_iter
+
+
+def _rotated(a: list[list[int]], k: int) -> list[list[int]]:
+    return a[k:] + a[:k]
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_late_member_starts_at_the_groups_position(server: RunningServer, transport: str) -> None:
+    """A member that joins while the other is 30 batches into the epoch starts at the
+    group's position (the first batch a member still holds): it shares every batch from
+    there to the end of the epoch, then wraps around to the epoch's first batches, decoded
+    for itself. Its epoch is the lone Loader's rotated: every sample once."""
+    whole = _lone_epoch(server)
+    before, copied = _decoded(), server.sessions.shares.counts.copied
+    b, two, b_iter = _join_late(server, transport=transport)
+    with two:
+        k = whole.index(b[0])
+        # Where the group was: the batches member one's loop still holds (shm), or the
+        # first its ring had not sent yet (inline acks free a slot as its batch arrives).
+        assert 25 <= k <= 30 + 16, f"joined at batch {k}, not where the group was"
+        b += _ids(b_iter)
+        assert two.state_dict()["format"] == 2, "the next epoch is not rotated"
+    assert b == _rotated(whole, k)
     _assert_one_epoch(b, 203)
     shared = server.sessions.shares.counts.copied - copied
-    assert 0 < shared < 51, "the late member copied the batches it caught up with"
-    assert _decoded() - before == 2 * 51 - shared
+    assert _decoded() - before + shared == 2 * 51
+    # From where it joined to the end of the epoch, each batch decoded once (inline acks
+    # free a slot as a batch arrives, so now and then a batch is decoded twice).
+    assert shared >= (51 - k) * 3 // 4, f"{shared} of {51 - k} batches shared"
+
+
+@pytest.mark.parametrize(
+    ("together", "alone"), [(5, 0), (None, 15)], ids=["before-the-wrap", "after-the-wrap"]
+)
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_late_member_resumes_its_rotated_epoch(
+    server: RunningServer, transport: str, together: int | None, alone: int
+) -> None:
+    """The late member's state records its rotation: a Loader resumed from it (in the group
+    or alone) serves exactly the rest of the rotated epoch, before or after the wrap."""
+    whole = _lone_epoch(server)
+    b, two, b_iter = _join_late(server, together=together, transport=transport)
+    with two:
+        b += _ids(b_iter, alone) if alone else []
+        state = two.state_dict()
+        b_rest = _ids(b_iter)
+    k = whole.index(b[0])
+    assert b + b_rest == _rotated(whole, k)
+    assert (len(b) < 51 - k) == (together is not None), "the case the test means"
+    assert state["format"] == 3 and state["rotation"] == k * BATCH
+    wrapped = len(b) - (51 - k)
+    consumed = len(b) * BATCH if wrapped < 0 else 203 - k * BATCH + wrapped * BATCH
+    assert state["consumed"] == consumed
+    for share in ("sweep-7", None):
+        with _member(server, share=share, transport=transport) as again:
+            again.load_state_dict(state)
+            assert _ids(iter(again)) == b_rest
+            assert again.state_dict()["format"] == 2, "the next epoch starts unrotated"
+
+
+@pytest.mark.parametrize(("together", "alone"), [(5, 0), (None, 15)])
+def test_a_rotated_epoch_resumes_at_another_world_size(
+    server: RunningServer, together: int | None, alone: int
+) -> None:
+    """An elastic resume of a rotated epoch: two ranks take the rest of its rotated order
+    between them, every sample not yet served once (padding aside), none served again."""
+    b, two, b_iter = _join_late(server, together=together)
+    with two:
+        b += _ids(b_iter, alone) if alone else []
+        state = two.state_dict()
+        b_rest = _ids(b_iter)
+    assert state["format"] == 3
+    rest = set(_flat(b_rest))
+    got: list[int] = []
+    for rank in range(2):
+        with _member(server, share=None, rank=rank, world_size=2) as again:
+            again.load_state_dict(state)
+            got += _flat(_ids(iter(again)))
+    assert rest <= set(got), "a sample of the rest was not served"
+    extra = len(got) - len(rest)
+    assert 0 <= extra < 2 * BATCH, "more than the padding of the last global batch"
+    assert len(set(got) - rest) == extra, "padding is served once more at most"
+
+
+def test_a_member_within_a_ring_of_the_start_is_not_rotated(server: RunningServer) -> None:
+    """A member that joins while the other is 3 batches in (members started together, one a
+    little late) still has the group's batches in reach of its ring: it starts at the
+    epoch's first batch, as a lone Loader does, so the two get identical epochs, and it
+    copies the batches the other holds."""
+    copied = server.sessions.shares.counts.copied
+    with _member(server) as one, _member(server) as two:
+        a_iter = iter(one)
+        a = _ids(a_iter, 3)
+        b = _ids(iter(two))  # the whole epoch while the other waits
+        a += _ids(a_iter)
+    assert b == a
+    _assert_one_epoch(b, 203)
+    assert server.sessions.shares.counts.copied - copied >= 10
+
+
+def test_a_rank_of_a_larger_job_is_not_rotated(server: RunningServer) -> None:
+    """Rank 0 of a two-rank job that joins its group 20 batches in starts at the epoch's
+    first batch: its ranks are each in their own group, at their own position, and must
+    serve one order (their states are one global cursor), so none rotates."""
+    ranks = {"rank": 0, "world_size": 2}
+    with _member(server, share=None, **ranks) as lone:
+        whole = _ids(iter(lone))
+    assert len(whole) == 26
+    with _member(server, **ranks) as one:
+        a_iter = iter(one)
+        _ids(a_iter, 20)
+        with _member(server, **ranks) as two:
+            b = _ids(iter(two))
+            assert two.state_dict()["format"] == 2
+    assert b == whole
 
 
 def test_a_stalled_member_is_split_off_and_the_other_finishes(server: RunningServer) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
+import numpy as np
 import pytest
 
 from batchd_server.errors import DataLoss
+from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.share import ShareCounts, ShareGroup
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
@@ -188,3 +190,31 @@ def test_a_task_done_before_submit_returns_does_not_deadlock_the_group() -> None
     assert group.claim(a, _task(5, slot=1)).result(timeout=30).slot == 1
     assert group.claim(b, _task(5, slot=2)).result(timeout=30).slot == 2
     assert b.slot(2) == a.slot(1) and (group.decoded, group.copied) == (1, 1)
+
+
+def _planned(k: int, slot: int, *, epoch: int = 0, sample: int | None = None) -> BatchTask:
+    """Batch ``k`` of ``_PLAN`` (8 times sample ``k``, or ``sample``: another plan's)."""
+    spec: Any = None
+    positions = np.full(8, k if sample is None else sample, dtype=np.int64).tobytes()
+    return BatchTask(spec, epoch, k, slot, positions)
+
+
+_PLAN = EpochPlan(np.repeat(np.arange(32, dtype=np.int64), 8), 8, 32)
+
+
+def test_a_joiner_starts_at_the_run_of_batches_the_group_holds(parts: Any) -> None:
+    """The group's position is the first batch of the run of consecutive batches held up to
+    the furthest one: a stray early batch a loop keeps does not pull a joiner back, another
+    epoch's batches and batches of another plan do not count."""
+    _, group, a, b = parts
+    assert group.position(0, _PLAN) == 0, "nothing held: the epoch's start"
+    for slot, k in enumerate([3, 20, 21, 23]):
+        group.claim(a, _planned(k, slot))
+    group.claim(b, _planned(22, 0))
+    group.claim(b, _planned(25, 1, epoch=1))
+    group.claim(b, _planned(24, 2, sample=99))
+    assert group.position(0, _PLAN) == 20
+    group.forget(a, 1)  # batch 20 released
+    assert group.position(0, _PLAN) == 21
+    group.forget(b, 0)  # batch 22: the run is 23 alone now
+    assert group.position(0, _PLAN) == 23

@@ -183,13 +183,16 @@ class Connection:
         if previous is not None and previous is not session:
             previous.close(self.stub, self.target)
 
-    def start_stream(self, cursor: Cursor, *, stride: int, timeout_s: float) -> BatchStream:
+    def start_stream(
+        self, cursor: Cursor, *, stride: int, timeout_s: float, join_share: bool = False
+    ) -> BatchStream:
         """Start the session's stream of every ``stride``-th batch of ``cursor``'s epoch from
         its ``next_batch`` on (stride 1: every batch), without waiting for a batch (the
         replicas a Loader stripes over start decoding together); it becomes :attr:`stream`.
 
         A stream cancelled moments ago may not have ended on the server yet; the server ends
-        it when this one starts (one stream per session).
+        it when this one starts (one stream per session). ``join_share``: a fresh epoch of a
+        session in a share group starts at the group's position (``StreamStart.join_share``).
 
         Raises:
             NotFound: the server forgot the session (shm says so here; inline at the first
@@ -208,6 +211,8 @@ class Connection:
             order_world_size=cursor.order_world_size,
             transport=session.transport,
             stride=stride,
+            rotation=cursor.rotation,
+            join_share=join_share,
         )
         stream: BatchStream
         if session.ring is not None:

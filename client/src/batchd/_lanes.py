@@ -349,6 +349,7 @@ class Lanes:
         *,
         cause: BaseException | None = None,
         lost_at: float | None = None,
+        join_share: bool = False,
     ) -> list[Connection]:
         """Start a stream on every live lane, striped from batch ``cursor.next_batch`` of
         ``num_batches``; the lanes, lane ``i`` serving that batch ``+ i``, ``+ i + R``, ...
@@ -362,6 +363,8 @@ class Lanes:
             num_batches: The batches of the epoch's plan on this rank.
             cause: What failed, when striping again after a failure.
             lost_at: When it failed (monotonic).
+            join_share: Ask a fresh epoch to start at the share group's position; only on
+                one lane (replicas' groups are at their own positions).
 
         Raises:
             Unavailable, ResourceExhausted: no replica took a session in time, or the last
@@ -390,6 +393,7 @@ class Lanes:
                                 replace(cursor, next_batch=first),
                                 stride=len(lanes),
                                 timeout_s=self._options.timeout_s,
+                                join_share=join_share and len(lanes) == 1,
                             )
                     return [lane.conn for lane in lanes]
                 except (NotFound, Unavailable) as e:

@@ -107,8 +107,10 @@ class Loader(Closeable):
             same group and ask for the same batches (dataset, snapshot, pipeline, sampling,
             seed, batch size, rank and world size, on_error) get a batch decoded once and
             copied to each, instead of decoding it once per Loader. Each still gets its
-            epoch exactly once, in the order a lone Loader would; see the docs' "Sharing
-            batches between jobs". None: share nothing.
+            epoch exactly once; one that starts an epoch while its group is more than a ring
+            into it serves that epoch from the group's position, then wraps around to the
+            batches before it (its ``state_dict`` records that order); see the docs'
+            "Sharing batches between jobs". None: share nothing.
 
     Raises:
         InvalidArgument: a bad argument, named with its valid range.
@@ -271,7 +273,20 @@ class Loader(Closeable):
             position.move_to(Cursor(epoch + 1))
             return
         clock.iteration_started()
-        stripes = lanes.stripe(cursor, num_batches)
+        # A fresh epoch in a share group starts at the group's position; the first batch's
+        # index says where (see NOTE [ Share groups ] on the server). Not for a job of
+        # several ranks: each rank's group has its own position, and its ranks must serve
+        # one order (their states are one global cursor).
+        join = (
+            self._options.share is not None
+            and self._options.world_size == 1
+            and reply.rotations
+            and cursor.next_batch == 0
+            and cursor.start == 0
+            and cursor.rotation == 0
+        )
+        stripes = lanes.stripe(cursor, num_batches, join_share=join)
+        join = join and len(stripes) == 1
         mine = _streams(stripes)
         """This iteration's streams: only those are its to cancel."""
         first, stride = cursor.next_batch, len(stripes)
@@ -285,7 +300,7 @@ class Loader(Closeable):
                 conn = stripes[(index - first) % stride]
                 session, stream = conn.session, conn.stream
                 assert session is not None and stream is not None, "a lane has a stream"
-                plan = (conn.target, index, num_batches, epoch)
+                plan = (conn.target, position.plan_index(index, reply), num_batches, epoch)
                 try:
                     if previous is not conn and previous is not None:
                         # Zero-copy slots of the batch the loop just let go of go back now.
@@ -298,9 +313,16 @@ class Loader(Closeable):
                     at = replace(cursor, next_batch=index)
                     stripes = lanes.lost(conn, e, at, num_batches, lost_at)
                     mine, first, stride, previous = _streams(stripes), index, len(stripes), None
+                    join = False
                     continue
+                if join:
+                    join = False
+                    if 0 < batch.index < num_batches:  # joined its group there
+                        position.joined(batch.index)
+                        cursor = position.cursor(reply)
+                        plan = (conn.target, position.plan_index(index, reply), num_batches, epoch)
                 expect_batch(batch, plan)
-                self._count(batch.arrays, reply, cursor, index)
+                self._count(batch.arrays, reply, cursor, plan[1])
                 out, acks = session.delivery.deliver(batch)
                 clock.handed(batch.rows)
                 stream.ack(acks, clock.take_pending())

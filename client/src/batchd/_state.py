@@ -17,9 +17,25 @@ its schedule and interpolation when it has one; they must match to resume (a sch
 steps count global batches from the run's start, so another schedule would replay other
 batches). Its ``snapshot`` is the mix's token, pinning every source.
 
-Formats: 2 (this one); 1 (batchd before elastic resume: a per-rank ``next_batch``, read as
-``consumed = next_batch * batch_size * world_size``). Others are refused with a message that
-names them and the batchd that wrote them.
+A Loader that joined its share group part way through an epoch serves that epoch in a
+rotated order (NOTE [ Share groups ] in the server's ``sessions/share.py``): the epoch's
+global order from entry ``rotation`` on, then its first ``rotation`` entries, every sample
+once. Its state says so: ``rotation`` (entries of the global order; a whole number of global
+batches at the world size that joined), and ``consumed`` counts entries of that rotated
+order. Served at that world size the rotated epoch is the plan's batches ``r = rotation /
+G``, ..., last, then 0, ..., r - 1 (G = batch_size * world_size); batch ``n - 1`` is the
+one that holds the order's last entry (and, without drop_last, padding), so after it
+``consumed`` is ``rows - rotation`` (drop_last's dropped tail counts as consumed, as it is
+for a lone Loader), then grows by G per batch again. Resumed at another world size, the rest
+of the rotated order is dealt to the new ranks as for any elastic resume. The next epoch is
+not rotated (unless it joins its group again).
+
+Formats: 3 (a rotated epoch: format 2 plus ``rotation``); 2 (every other state, written as
+before rotations existed, so a batchd that reads format 2 resumes it); 1 (batchd before
+elastic resume: a per-rank ``next_batch``, read as ``consumed = next_batch * batch_size *
+world_size``). Others are refused with a message that names them and the batchd that wrote
+them; a batchd from before rotations refuses a format 3 state rather than resume it in the
+wrong order.
 """
 
 from __future__ import annotations
@@ -38,7 +54,8 @@ from batchd.errors import FailedPrecondition, InvalidArgument
 __all__ = ["STATE_FORMAT", "Cursor", "Position", "SavedPosition"]
 
 STATE_FORMAT: Final = 2
-_READS: Final = (1, 2)
+ROTATED_STATE_FORMAT: Final = 3
+_READS: Final = (1, 2, 3)
 # What must match for a saved state to mean the same sequence of samples. Not the rank (the
 # cursor is the same on every rank) nor the world size (the cursor is global).
 _COMPATIBLE_KEYS: Final = (
@@ -54,6 +71,7 @@ _COMMON_KEYS: Final = (*_COMPATIBLE_KEYS, "version", "world_size", "epoch", "sna
 _REQUIRED: Final = {
     1: (*_COMMON_KEYS, "next_batch"),
     2: (*_COMMON_KEYS, "consumed", "order_world_size", "rows"),
+    3: (*_COMMON_KEYS, "consumed", "order_world_size", "rows", "rotation"),
 }
 _MAX: Final = (1 << 63) - 1
 
@@ -68,12 +86,15 @@ class Cursor:
         start: The plan begins after this many entries of the epoch's global order (an
             elastic resume); 0 is the whole epoch.
         order_world_size: The world size the epoch's order was built for; 0: the Loader's.
+        rotation: A rotated epoch: its order begins at this entry of the global order and
+            wraps around (``start`` counts entries of the rotated order); 0: not rotated.
     """
 
     epoch: int
     next_batch: int = 0
     start: int = 0
     order_world_size: int = 0
+    rotation: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +114,8 @@ class SavedPosition:
     reopen_on: tuple[str, str] | None = None
     """(version, snapshot) of the saved rows when the Loader's session serves others: the
     state resumes on a session opened on them ("" for the options' own)."""
+    rotation: int = 0
+    """A rotated epoch's first entry of the global order (format 3); 0: not rotated."""
 
 
 class Position:
@@ -116,6 +139,38 @@ class Position:
         """After an elastic resume, the epoch's plan is the rest of the epoch after this many
         entries of its global order, built for ``order_world_size`` (0: the Loader's)."""
         self.order_world_size = 0
+        self.rotation = 0
+        """A rotated epoch (see the module's docstring): entries of the global order before
+        its first; 0: not rotated."""
+
+    @property
+    def global_batch(self) -> int:
+        return self._options.batch_size * self._world_size
+
+    def rotated_batches(
+        self, reply: loader_pb2.OpenSessionResponse, cursor: Cursor | None = None
+    ) -> int:
+        """The plan index of the epoch's first batch when it is served as the whole plan
+        rotated by whole batches (``StreamStart.rotation``, as the server decides it); 0
+        otherwise. Of ``cursor``'s epoch, or this position's."""
+        at = cursor or Cursor(0, self.next_batch, self.start, self.order_world_size, self.rotation)
+        if at.rotation == 0 or at.start != 0:
+            return 0
+        if at.order_world_size not in (0, self._world_size):
+            return 0
+        batches, rest = divmod(at.rotation, self.global_batch)
+        return batches if rest == 0 and batches < int(reply.num_batches) else 0
+
+    def plan_index(self, index: int, reply: loader_pb2.OpenSessionResponse) -> int:
+        """The ``batch_index`` the server sends for the epoch's ``index``-th batch."""
+        r = self.rotated_batches(reply)
+        return index if r == 0 else (r + index) % int(reply.num_batches)
+
+    def joined(self, rotated_batches: int) -> None:
+        """The server started this fresh epoch at plan batch ``rotated_batches`` (its
+        share group's position): the epoch is rotated from there."""
+        assert self.next_batch == 0 and self.start == 0 and self.rotation == 0
+        self.rotation = rotated_batches * self.global_batch
 
     def epoch_batches(self, reply: loader_pb2.OpenSessionResponse) -> int:
         """Batches of the current epoch's plan on this rank: ``len(loader)``, or fewer for
@@ -136,11 +191,23 @@ class Position:
         n = self.epoch_batches(reply)
         if self.next_batch >= n and (n > 0 or self.start > 0):
             return Cursor(self.epoch + 1)
-        return Cursor(self.epoch, self.next_batch, self.start, self.order_world_size)
+        return Cursor(self.epoch, self.next_batch, self.start, self.order_world_size, self.rotation)
 
     def move_to(self, cursor: Cursor) -> None:
         self.epoch, self.next_batch = cursor.epoch, cursor.next_batch
         self.start, self.order_world_size = cursor.start, cursor.order_world_size
+        self.rotation = cursor.rotation
+
+    def _consumed(self, cursor: Cursor, reply: loader_pb2.OpenSessionResponse) -> int:
+        """Entries of the epoch's (rotated) global order ``cursor`` has consumed."""
+        global_batch = self.global_batch
+        r = self.rotated_batches(reply, cursor)
+        if r == 0:
+            return cursor.start + cursor.next_batch * global_batch
+        n, i = int(reply.num_batches), cursor.next_batch
+        if r + i < n:
+            return i * global_batch
+        return int(reply.num_rows) - cursor.rotation + (r + i - n) * global_batch
 
     def is_inside(self, epoch: int, reply: loader_pb2.OpenSessionResponse) -> bool:
         """Whether ``epoch`` is the epoch this position is part way through."""
@@ -154,8 +221,7 @@ class Position:
         ``torch.save``-friendly); see ``Loader.state_dict`` for what they mean."""
         cursor = self.cursor(reply)
         options = self._options
-        global_batch = options.batch_size * self._world_size
-        return {
+        state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "batchd_version": __version__,
             "dataset": options.dataset,
@@ -171,13 +237,17 @@ class Position:
             "mix": options.mix_state(),
             "pack": options.pack_state(),
             "epoch": cursor.epoch,
-            "consumed": cursor.start + cursor.next_batch * global_batch,
+            "consumed": self._consumed(cursor, reply),
             "order_world_size": cursor.order_world_size or self._world_size,
             "next_batch": cursor.next_batch,
             "num_batches": int(reply.num_batches),
             "rows": int(reply.num_rows),
             "snapshot": reply.snapshot,
         }
+        if cursor.rotation:
+            state["format"] = ROTATED_STATE_FORMAT
+            state["rotation"] = cursor.rotation
+        return state
 
     # -- the saved state: read -------------------------------------------------------------
 
@@ -222,6 +292,9 @@ class Position:
                 f"this session has {rows} rows, {num_batches} batches per epoch: the state is "
                 "from another plan"
             )
+        if saved.rotation:
+            self._reset_rotated(saved, reply, target=target)
+            return
         if saved.order_world_size == world_size and saved.consumed % global_batch == 0:
             next_batch = saved.consumed // global_batch
             if next_batch > num_batches:
@@ -239,6 +312,37 @@ class Position:
                 f"world_size={saved.world_size}"
             )
         self.move_to(Cursor(saved.epoch, 0, saved.consumed, saved.order_world_size))
+
+    def _reset_rotated(
+        self, saved: SavedPosition, reply: loader_pb2.OpenSessionResponse, *, target: str
+    ) -> None:
+        """:meth:`reset` to a rotated epoch: at this world size, the same rotated batches
+        from the next one on; at another, the rest of the rotated order (module docstring)."""
+        rows, num_batches = int(reply.num_rows), int(reply.num_batches)
+        s, consumed, global_batch = saved.rotation, saved.consumed, self.global_batch
+        if not reply.rotations or not rows:
+            raise FailedPrecondition(
+                f"the server at {target!r} cannot resume a rotated epoch (a Loader that joined "
+                "its share group part way through it); upgrade batchd-server, or start the "
+                "epoch afresh without load_state_dict"
+            )
+        if s >= rows or consumed > rows:
+            raise InvalidArgument(
+                f"state rotation={s}, consumed={consumed} do not fit this session's {rows} "
+                "rows; the state is from another plan"
+            )
+        r, rest = divmod(s, global_batch)
+        if saved.order_world_size == self._world_size and rest == 0 and r < num_batches:
+            after_last = consumed - (rows - s)
+            next_batch: int | None = None
+            if after_last < 0 and consumed % global_batch == 0:
+                next_batch = consumed // global_batch
+            elif after_last >= 0 and after_last % global_batch == 0:
+                next_batch = num_batches - r + after_last // global_batch
+            if next_batch is not None and next_batch <= num_batches:
+                self.move_to(Cursor(saved.epoch, next_batch, rotation=s))
+                return
+        self.move_to(Cursor(saved.epoch, 0, consumed, saved.order_world_size, s))
 
 
 def _check_state(
@@ -305,4 +409,5 @@ def _check_state(
         order_world_size=check_int("order_world_size", state["order_world_size"], 1, 1 << 16),
         rows=check_int("state rows", state["rows"], 0, _MAX),
         num_batches=None,
+        rotation=check_int("state rotation", state["rotation"], 1, _MAX) if fmt == 3 else 0,
     )

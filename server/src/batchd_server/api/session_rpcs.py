@@ -236,6 +236,7 @@ def open_session(
         prefetch=options.prefetch,
         sources=sources,
         schedule_points=0 if mix_schedule is None else len(mix_schedule.points),
+        rotations=True,
     )
 
 

@@ -35,6 +35,8 @@ def start_stream(session: Session, start: pb.StreamStart, *, shm: bool) -> Strea
         order_world_size=start.order_world_size,
         held_leases=start.held_leases if shm else None,
         stride=start.stride,
+        rotation=start.rotation,
+        join_share=start.join_share,
     )
 
 

@@ -131,11 +131,13 @@ class MixSourceOptions:
 class EpochStart:
     """Where a plan of an epoch starts: ``epoch`` from entry ``start`` of its global order on
     (an elastic resume), the order built for ``order_world_size`` ranks where it depends on
-    them (a session's plans are cached by it)."""
+    them (a session's plans are cached by it); the order rotated to begin at its entry
+    ``rotation`` (a rotated epoch, ``start`` counting from there; 0: the epoch's own)."""
 
     epoch: int
     start: int
     order_world_size: int
+    rotation: int = 0
 
 
 class Mixing(Protocol):
@@ -274,6 +276,7 @@ class MixOptions:
             at.epoch,
             start=at.start,
             order_world_size=at.order_world_size,
+            rotation=at.rotation,
         )
 
     def pins(self, token: str | None) -> Sequence[tuple[str | None, str | None]]:
@@ -349,6 +352,7 @@ def plan_mix_epoch(
     *,
     start: int = 0,
     order_world_size: int | None = None,
+    rotation: int = 0,
 ) -> EpochPlan:
     """This rank's batches of one epoch of the mix from global entry ``start`` on, each
     batch's rows grouped by source; under a schedule, the epoch's order built for
@@ -384,7 +388,7 @@ def plan_mix_epoch(
             order_world_size=order_world_size,
             resolution=SHARE_RESOLUTION,
         )
-    rest = rest_of_order(order, options, start=start)
+    rest = rest_of_order(order, options, start=start, rotation=rotation)
     plan = deal_blocks(rest, options, num_batches(order.size, options, start=start))
     return group_by_source(plan, source_starts(sizes))
 

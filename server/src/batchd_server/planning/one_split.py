@@ -55,6 +55,7 @@ class OneSplit:
             weights=split.weights,
             labels=split.labels,
             lengths=split.lengths,
+            rotation=at.rotation,
         )
 
     def pins(self, token: str | None) -> Sequence[tuple[str | None, str | None]]:

@@ -411,10 +411,11 @@ class PackedMixing:
                 at.epoch,
                 start=at.start,
                 order_world_size=at.order_world_size,
+                rotation=at.rotation,
             )
             return PackedPlan(rows_plan, table)
         order = np.arange(table.rows, dtype=np.int64)
-        rest = rest_of_global_order(order, options, start=at.start)
+        rest = rest_of_global_order(order, options, start=at.start, rotation=at.rotation)
         plan = deal_blocks(rest, options, num_batches(order.size, options, start=at.start))
         return PackedPlan(plan, table)
 

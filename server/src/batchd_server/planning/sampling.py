@@ -24,6 +24,12 @@ tail of the plan from 0 when ``start`` is a whole number of global batches. Only
 ``bucketed`` orders depend on the world size (pools of global batches): the rest of such an
 epoch keeps the world size it began with (``order_world_size``).
 
+**Rotated epochs.** A Loader that joins its share group part way through an epoch serves
+it in a rotated order: the global order from entry ``rotation`` on, then its first
+``rotation`` entries (``sessions/share.py``). Every function here that takes ``rotation``
+plans the rest of that rotated order, so an elastic resume of a rotated epoch is the same
+arithmetic as any other; ``rotation = 0`` is the epoch's own order.
+
 Randomness comes from ``Generator(PCG64(SeedSequence([seed, epoch, purpose tag])))``, so an
 order depends on numpy's PCG64 stream and its ``permutation`` and ``random`` algorithms.
 ``tests/test_sampling.py`` pins some orders: a numpy upgrade that changed them would reorder
@@ -187,6 +193,7 @@ def epoch_order(
     weights: npt.ArrayLike | None = None,
     labels: npt.ArrayLike | None = None,
     lengths: npt.ArrayLike | None = None,
+    rotation: int = 0,
 ) -> Int64Array:
     """The global order of one epoch from entry ``start`` on, the same for every rank,
     truncated or padded for ``options.world_size``.
@@ -205,6 +212,8 @@ def epoch_order(
         weights: mode "weighted": one finite weight >= 0 per sample (float32 or float64).
         labels: mode "class_balanced": one label per sample (int64; -1, no label, is a class).
         lengths: mode "bucketed": one length >= 0 per sample (int32; -1 means unknown).
+        rotation: The epoch's order begins at this entry and wraps around (a rotated epoch;
+            ``start`` counts entries of the rotated order).
 
     Raises:
         FailedPrecondition: ``n`` is 0.
@@ -227,15 +236,25 @@ def epoch_order(
         assert options.mode == "bucketed", "SamplerOptions checks the mode"
         lengths_column = _lengths_column(lengths, n)
         order = _bucketed_order(lengths_column, options, epoch, order_world_size)
-    return _rest_of_order(order, total, start)
+    return _rest_of_order(_rotated(order, rotation), total, start)
 
 
-def rest_of_order(order: Int64Array, options: SamplerOptions, *, start: int = 0) -> Int64Array:
+def rest_of_order(
+    order: Int64Array, options: SamplerOptions, *, start: int = 0, rotation: int = 0
+) -> Int64Array:
     """A whole epoch's global ``order`` (of any length >= 1, e.g. a weighted mix's) from
     entry ``start`` on, truncated or padded for ``options.world_size`` as ``epoch_order``
-    does to the orders it builds."""
+    does to the orders it builds (rotated by ``rotation`` entries first)."""
     total = samples_per_rank(order.size, options, start=start) * options.world_size
-    return _rest_of_order(order, total, start)
+    return _rest_of_order(_rotated(order, rotation), total, start)
+
+
+def _rotated(order: Int64Array, rotation: int) -> Int64Array:
+    """``order`` from entry ``rotation`` on, then its first ``rotation`` entries."""
+    _require_int("rotation", rotation, 0, max(order.size - 1, 0))
+    if rotation == 0:
+        return order
+    return np.concatenate([order[rotation:], order[:rotation]])
 
 
 def _rest_of_order(order: Int64Array, total: int, start: int) -> Int64Array:
@@ -258,6 +277,7 @@ def plan_epoch(
     weights: npt.ArrayLike | None = None,
     labels: npt.ArrayLike | None = None,
     lengths: npt.ArrayLike | None = None,
+    rotation: int = 0,
 ) -> EpochPlan:
     """This rank's batches of one epoch (from global entry ``start`` on); arguments and
     errors as for ``epoch_order``."""
@@ -270,6 +290,7 @@ def plan_epoch(
         weights=weights,
         labels=labels,
         lengths=lengths,
+        rotation=rotation,
     )
     return deal(order, options, num_batches(n, options, start=start))
 

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 import numpy as np
@@ -39,6 +39,7 @@ from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.share import ShareGroup
 from batchd_server.sessions.slots import SlotBook, SlotState
+from batchd_server.sessions.streams import Stream, StreamAt, stream_plan
 from batchd_server.shm.segments import Segment
 from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
@@ -92,30 +93,6 @@ class ReadyBatch:
     failed_sample_ids: list[int]
     lease: int = 0
     """shm streams: what the client acks to give the slot back (NOTE [ Slot lifecycle ])."""
-
-
-@dataclass(eq=False)
-class Stream:
-    """One StreamBatches call: an epoch from ``start`` to the session's last batch."""
-
-    epoch: int
-    start: int
-    plan: EpochPlan
-    next_submit: int
-    """The next batch to hand to a worker once a slot is free."""
-    leased: bool = False
-    """An shm stream: its slots go out under session leases, not per batch index."""
-    working: dict[int, tuple[int, Future[BatchResult]]] = field(default_factory=dict)
-    """Batch index -> (WORKING slot, its task), until the batch goes out."""
-    delivered: dict[int, int] = field(default_factory=dict)
-    """Inline streams: batch index -> DELIVERED slot, until acked."""
-    closed: bool = False
-    stride: int = 1
-    """Every ``stride``-th batch from ``start``: a client striping over replicas."""
-    start_sample: int = 0
-    order_world_size: int = 0
-    """The plan is the rest of the epoch's order (built for this world size, 0: the
-    session's) from this entry on: an elastic resume."""
 
 
 class Session:
@@ -239,11 +216,15 @@ class Session:
         splits = [entry.arrays for entry in self.catalogs]
         return self._mixing.plan(splits, self.options.sampler, at)
 
-    def plan(self, epoch: int, start: int = 0, order_world_size: int = 0) -> EpochPlan:
+    def plan(
+        self, epoch: int, start: int = 0, order_world_size: int = 0, rotation: int = 0
+    ) -> EpochPlan:
         """This rank's plan of ``epoch`` from global entry ``start`` on (an elastic resume;
         see ``planning.sampling``), the order built for ``order_world_size`` (0: the
-        session's)."""
-        key = EpochStart(epoch, start, order_world_size or self.options.sampler.world_size)
+        session's) and rotated to begin at its entry ``rotation``."""
+        key = EpochStart(
+            epoch, start, order_world_size or self.options.sampler.world_size, rotation
+        )
         with self._cond:
             plan = self._plans.get(key)
         if plan is None:
@@ -265,7 +246,8 @@ class Session:
             stream = self._stream
             if stream is None or stream.closed:
                 return None
-            return stream, min(stream.working, default=stream.next_submit)
+            due = stream.first_due()
+            return stream, stream.index(due) if due < stream.plan.num_batches else due
 
     def slot_memory(self, slot: int) -> memoryview:
         start = slot_offset(slot, self.slot_bytes)
@@ -331,6 +313,8 @@ class Session:
         order_world_size: int = 0,
         held_leases: Collection[int] | None = None,
         stride: int = 1,
+        rotation: int = 0,
+        join_share: bool = False,
     ) -> Stream:
         """Start streaming ``epoch`` at ``start_batch``, ending any previous stream.
 
@@ -344,12 +328,23 @@ class Session:
                 delivered slot becomes free. None for an inline stream.
             stride: Serve batches ``start_batch``, ``start_batch + stride``, ... only (a
                 client striping one session's batches over replicas); 0 means 1.
+            rotation: A rotated epoch: its global order from this entry on, then its first
+                entries (``StreamStart.rotation``).
+            join_share: Start a fresh epoch at the share group's position (a rotation by
+                whole batches; ``StreamStart.join_share``).
         """
         if epoch < 0:
             raise InvalidArgument(f"epoch={epoch} must be >= 0")
         if not 0 <= stride <= _MAX_STRIDE:
             raise InvalidArgument(f"stride={stride} must be between 0 and {_MAX_STRIDE}")
-        plan = self.plan(epoch, start_sample, order_world_size)  # checks both
+        fresh = start_batch == 0 and start_sample == 0 and rotation == 0 and stride <= 1
+        plan, batch_rotation = stream_plan(
+            self.plan,
+            self.options.sampler,
+            StreamAt(epoch, start_sample, order_world_size, rotation),
+            join=self.share_group if join_share and fresh else None,
+            slots=self.slots,
+        )
         if not 0 <= start_batch <= plan.num_batches:
             raise InvalidArgument(
                 f"start_batch={start_batch} must be between 0 and num_batches={plan.num_batches}"
@@ -390,6 +385,7 @@ class Session:
                 stride=max(stride, 1),
                 start_sample=start_sample,
                 order_world_size=order_world_size,
+                rotation=batch_rotation,
             )
             self._stream = stream
             self.last_used = time.monotonic()
@@ -456,7 +452,8 @@ class Session:
             DataLoss: a sample failed under on_error="raise", the epoch's errors passed
                 max_error_fraction, or a batch kept killing workers.
         """
-        for k in range(stream.start, stream.plan.num_batches, stream.stride):
+        for i in range(stream.start, stream.plan.num_batches, stream.stride):
+            k = stream.index(i)
             with self._cond:
                 while True:
                     if stream.closed or self.closed or not client_active():
@@ -489,7 +486,7 @@ class Session:
             and stream.next_submit < stream.plan.num_batches
             and self._book.has_free()
         ):
-            k, slot = stream.next_submit, self._book.take()
+            k, slot = stream.index(stream.next_submit), self._book.take()
             task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
             try:
                 group = self.share_group

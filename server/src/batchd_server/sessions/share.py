@@ -27,10 +27,39 @@ or released the batch, or its stream ended. A member that asks once no slot hold
 batch decodes it itself. So no member ever waits for another's client: a member that
 stalls simply stops producing, the others decode what they need themselves (the stalled
 one is "split off" as soon as it is more than a ring behind them: the rings' windows are
-the bound), and a member that falls behind, or joins late, decodes its own batches until
-it is within the window of another member, then reads copies again. Every member gets
-every batch of its epoch exactly once, in its own plan's order: the group only decides
-who decodes.
+the bound), and a member that falls behind decodes its own batches until it is within the
+window of another member, then reads copies again. Every member gets every batch of its
+epoch exactly once, in its own plan's order (rotated, for one that joined late): the group
+only decides who decodes.
+
+A member that starts an epoch afresh and asks to join (``StreamStart.join_share``; the
+client does so at every fresh epoch of a ``share=`` Loader of world size 1 on one server:
+the ranks of a larger job are each in their own group, at its own position, and must serve
+one order) starts at the
+group's position (:meth:`ShareGroup.position`): the first batch ``k`` of the run of
+consecutive batches of its plan that members' slots hold (source or copy, decoded or being
+decoded) up to the furthest one. Its stream serves the plan's
+batches ``k .. n-1`` then ``0 .. k-1`` (``streams.Stream.rotation``), each under its own
+batch index, so the first ``n - k`` are the group's batches, claimed as any member's, and
+the rest come after the group moved on: decoded for itself (or copied from anyone at them).
+That is how it catches up: level with the group from its first batch, the batches it
+missed served last. When ``k`` is less than its ring's slots it starts at 0 instead, as a
+lone Loader: its prefetch reaches the group's batches anyway, and members started a moment
+apart get identical epochs. The client learns ``k`` from the first batch's index and saves
+the rotation with its state (``batchd._state``), so resume is exact; an elastic resume of a
+rotated epoch deals the rest of the rotated global order (``planning.sampling``).
+
+Why a copy, not one slot that every member's client reads: a copy costs about 1 ms of
+server CPU per 9.6 MB batch, about 1% of the decode it replaces (``bench/share_copy.py``),
+while a slot read by several clients would need (1) the wire to name another session's
+segment in a doorbell notice, and the client to map it and check its token as it does its own
+ring at OpenSession (and on CUDA register it too, or copy it through the pinned pool: the
+copy would move to the client, not go away); (2) a slot state for "released by its owner,
+still read by others", and a session's close that keeps its ring and its share of the shm
+budget while another client reads it; (3) a bound on the source's slots a stalled reader
+may pin, past which readers decode their own, or the stalled one holds up the source. A
+copy needs none of this: the source's slot is read only under the group's lock, within the
+claim, and no member ever holds another's slot.
 
 A source whose task was cancelled (its stream ended before a worker took it) hands the
 batch to the first member waiting for it, which decodes it into its own slot; a source's
@@ -58,6 +87,7 @@ import numpy as np
 
 from batchd_server import metrics
 from batchd_server.logs import session_log_id
+from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
@@ -158,6 +188,28 @@ class ShareGroup:
         self.copied = 0
         """Batches a member got as a copy of another's slot."""
         self._totals = totals
+
+    def position(self, epoch: int, plan: EpochPlan) -> int:
+        """Where a member that starts ``epoch`` afresh (its whole ``plan``) would join the
+        group: the first batch of the run of consecutive batches that members' slots hold
+        (decoded, being decoded, or copied) up to the furthest one held; 0 when none is.
+
+        A run, not simply the first batch held: a batch a member's loop keeps long after
+        (or whose release is still on its way) must not pull a joiner back to it."""
+        with self._lock:
+            keys = [
+                (index, positions)
+                for (e, index, positions) in self._sources.keys() | self._copies.keys()
+                if e == epoch and index < plan.num_batches
+            ]
+        # Members of one group plan the same batches; an elastic resume's are others.
+        held = {index for index, positions in keys if plan.batch(index).tobytes() == positions}
+        if not held:
+            return 0
+        first = max(held)
+        while first - 1 in held:
+            first -= 1
+        return first
 
     def claim(self, member: ShareMember, task: BatchTask) -> Future[BatchResult]:
         """The future of ``task`` (batch ``task.batch_index`` into ``member``'s slot

@@ -293,7 +293,7 @@ class DoorbellHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows", "sources", "schedule_points")
+    __slots__ = ("session_id", "num_batches", "num_samples", "fields", "snapshot", "ring", "lease_timeout_s", "version", "split", "prefetch", "num_rows", "sources", "schedule_points", "rotations")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class OpenSessionResponse(_message.Message):
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_POINTS_FIELD_NUMBER: _ClassVar[int]
+    ROTATIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_batches: int
     num_samples: int
@@ -320,10 +321,11 @@ class OpenSessionResponse(_message.Message):
     num_rows: int
     sources: _containers.RepeatedCompositeFieldContainer[MixSource]
     schedule_points: int
-    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., schedule_points: _Optional[int] = ...) -> None: ...
+    rotations: bool
+    def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., schedule_points: _Optional[int] = ..., rotations: _Optional[bool] = ...) -> None: ...
 
 class StreamStart(_message.Message):
-    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size", "stride", "heartbeat", "accept_first")
+    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size", "stride", "heartbeat", "accept_first", "rotation", "join_share")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +337,8 @@ class StreamStart(_message.Message):
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIRST_FIELD_NUMBER: _ClassVar[int]
+    ROTATION_FIELD_NUMBER: _ClassVar[int]
+    JOIN_SHARE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     start_batch: int
@@ -346,7 +350,9 @@ class StreamStart(_message.Message):
     stride: int
     heartbeat: bool
     accept_first: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ..., start_sample: _Optional[int] = ..., order_world_size: _Optional[int] = ..., stride: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., accept_first: _Optional[bool] = ...) -> None: ...
+    rotation: int
+    join_share: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ..., start_sample: _Optional[int] = ..., order_world_size: _Optional[int] = ..., stride: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., accept_first: _Optional[bool] = ..., rotation: _Optional[int] = ..., join_share: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batch_indices", "wait_s", "leases", "batch_wait_s", "batch_step_s")
