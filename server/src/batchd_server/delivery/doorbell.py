@@ -341,8 +341,8 @@ class DoorbellServer:
                     )
                     self._threads.add(thread)
             if full:
+                self._log_refusal()  # before the close: whoever sees it closed can read why
                 conn.close()
-                self._log_refusal()
             else:
                 thread.start()
 
