@@ -397,45 +397,39 @@ class SessionContext:
         block["label"][:rows] = columns.labels[positions]
         return rows
 
-    def _load_row_groups(
-        self, source: _Source, parquet: ParquetRows, positions: npt.NDArray[np.int64]
-    ) -> None:
-        """The row groups of a run's Parquet rows, read together before the rows are
-        decoded one by one (``ParquetRows.load``)."""
-        rows = positions[source.columns.row_groups[positions] >= 0]
-        if rows.size < 2 or self._one_by_one:  # a redo finds the row that hangs, one by one
+    def _read_together(self, source: _Source, positions: npt.NDArray[np.int64]) -> None:
+        """What a run's samples read, fetched together before they are decoded one by one:
+        the row groups of Parquet rows (``ParquetRows.load``), and the byte ranges of samples
+        inside objects, such as tar members (``ObjectFiles.stage``: several objects at once
+        and each block once, not one round trip per sample). Neither in a redo, which looks
+        for the sample that hangs one by one; ranges not when decoded samples may come from
+        the decode cache (their bytes would be read for nothing)."""
+        if positions.size < 2 or self._one_by_one:
             return
-        read_start = time.perf_counter()
-        paths, files = self._batch_paths(source, rows)
         columns = source.columns
-        parquet.load(
-            paths,
-            files,
-            columns.row_groups[rows],
-            columns.byte_offsets[rows],
-            columns.byte_lengths[rows],
-        )
-        self._read_s += time.perf_counter() - read_start
-
-    def _stage_ranges(
-        self, source: _Source, files: ObjectFiles, positions: npt.NDArray[np.int64]
-    ) -> None:
-        """The byte ranges of a run's samples inside objects (tar members), fetched together
-        before the samples are decoded one by one (``ObjectFiles.stage``): several objects at
-        once and each block once, not one round trip per sample. Not when decoded samples
-        may come from the decode cache (their bytes would be read for nothing), nor in a
-        redo that looks for the sample that hangs."""
-        columns = source.columns
-        rows = positions[
-            (columns.byte_offsets[positions] >= 0)
-            & (columns.byte_lengths[positions] >= 0)
-            & (columns.row_groups[positions] < 0)
-        ]
-        if rows.size < 2 or self._one_by_one or source.cached is not None:
-            return
         read_start = time.perf_counter()
-        paths, which = self._batch_paths(source, rows)
-        files.stage(paths, which, columns.byte_offsets[rows], columns.byte_lengths[rows])
+        in_parquet = columns.row_groups[positions] >= 0
+        rows = positions[in_parquet]
+        if source.parquet is not None and rows.size >= 2:
+            paths, files = self._batch_paths(source, rows)
+            source.parquet.load(
+                paths,
+                files,
+                columns.row_groups[rows],
+                columns.byte_offsets[rows],
+                columns.byte_lengths[rows],
+            )
+        if isinstance(source.files, ObjectFiles) and source.cached is None:
+            rows = positions[
+                ~in_parquet
+                & (columns.byte_offsets[positions] >= 0)
+                & (columns.byte_lengths[positions] >= 0)
+            ]
+            if rows.size >= 2:
+                paths, files = self._batch_paths(source, rows)
+                source.files.stage(
+                    paths, files, columns.byte_offsets[rows], columns.byte_lengths[rows]
+                )
         self._read_s += time.perf_counter() - read_start
 
     @staticmethod
@@ -518,14 +512,12 @@ class SessionContext:
         policy = self.spec.on_error
         failures: list[SampleFailure] = []
         rows = 0
-        if source.parquet is not None:
-            self._load_row_groups(source, source.parquet, positions)
         if isinstance(source.files, ObjectFiles):
             # Whole objects (image files) are fetched ahead, several at once, while the
             # first ones decode: one round trip per sample would bound the worker's rate.
             whole = positions[source.columns.byte_offsets[positions] < 0]
             source.files.prefetch([source.path(int(p)) for p in whole.tolist()])
-            self._stage_ranges(source, source.files, positions)
+        self._read_together(source, positions)
         for position in positions.tolist():
             row = {name: array[rows, ...] for name, array in block.items()}
             try:
