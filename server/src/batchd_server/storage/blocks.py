@@ -527,9 +527,7 @@ def _range_lock(fd: int, byte: int, kind: int, *, wait: bool) -> bool:
     request = _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, request)
-    except BlockingIOError:
-        return False
-    except PermissionError:  # EACCES: what some systems answer instead of EAGAIN
+    except (BlockingIOError, PermissionError):  # EAGAIN, or EACCES on some systems: held
         return False
     return True
 

@@ -301,9 +301,7 @@ class CachingFetcher:
                 short.add(i)
         missing = [i for i in sorted(need) if i not in have]
         if not missing:
-            if not prefetch:
-                hit_bytes = sum(len(d) for r in have.values() for _, d in r.parts or ())
-                self.stats.add(hits=len(have), hit_bytes=hit_bytes)
+            self._count(have, 0, prefetch=prefetch)
             return have, 0
         keys = {i: BlockKey(h, i) for i in missing}
         # A reader waits for the blocks another reader is fetching, then reads them from the
@@ -318,12 +316,16 @@ class CachingFetcher:
                         have[i] = found
                         short.discard(i)
             fetch = [i for i in missing if i not in have and keys[i] in mine]
-            if not prefetch:
-                hit_bytes = sum(len(d) for r in have.values() for _, d in r.parts or ())
-                self.stats.add(hits=len(have), misses=len(fetch), hit_bytes=hit_bytes)
+            self._count(have, len(fetch), prefetch=prefetch)
             if fetch:
                 have.update(self._fetch_missing(url, size, need, fetch, short, prefetch=prefetch))
         return have, len(fetch)
+
+    def _count(self, hits: dict[int, BlockRead], misses: int, *, prefetch: bool) -> None:
+        """A reader's hits (the blocks found on disk) and misses; a prefetch counts none."""
+        if not prefetch:
+            hit_bytes = sum(len(d) for r in hits.values() for _, d in r.parts or ())
+            self.stats.add(hits=len(hits), misses=misses, hit_bytes=hit_bytes)
 
     def _fetch_missing(
         self,
