@@ -71,6 +71,15 @@ def _loader(sock: Path, transport: str, **kwargs: object) -> batchd.Loader:
     )
 
 
+def _first_server(engine: Engine, tmp_path: Path) -> tuple[str, Path, subprocess.Popen[bytes]]:
+    """300 records, and a server started on them (not waited for): the catalog's URL, the
+    server's socket (where a second server starts after it is killed), the process."""
+    record_dataset(engine, tmp_path / "r", n=300)
+    url = engine.url.render_as_string(hide_password=False)
+    sock = tmp_path / "grpc.sock"
+    return url, sock, start_server(url, sock, tmp_path / "first.log")
+
+
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 def test_a_server_killed_mid_epoch_and_restarted_is_invisible_to_the_loop(
     engine: Engine, tmp_path: Path, transport: str
@@ -78,10 +87,7 @@ def test_a_server_killed_mid_epoch_and_restarted_is_invisible_to_the_loop(
     """kill -9 the server after 6 batches and start a new one on the same socket (its old
     socket file and segments still there): no exception reaches the loop, and the epoch's
     sample ids are an uninterrupted run's, in order."""
-    record_dataset(engine, tmp_path / "r", n=300)
-    url = engine.url.render_as_string(hide_password=False)
-    sock = tmp_path / "grpc.sock"
-    first = start_server(url, sock, tmp_path / "first.log")
+    url, sock, first = _first_server(engine, tmp_path)
     second: subprocess.Popen[bytes] | None = None
     try:
         first_instance = wait_ready(first, tmp_path / "first.log")
@@ -235,10 +241,7 @@ def test_a_rotated_epoch_survives_a_server_restart(
     """A share= Loader that joined its group 22 batches into the epoch (so it serves the
     epoch rotated) loses its server part way through: the new server, which knows no group,
     serves the rest of the same rotated epoch, every sample once."""
-    record_dataset(engine, tmp_path / "r", n=300)
-    url = engine.url.render_as_string(hide_password=False)
-    sock = tmp_path / "grpc.sock"
-    first = start_server(url, sock, tmp_path / "first.log")
+    url, sock, first = _first_server(engine, tmp_path)
     second: subprocess.Popen[bytes] | None = None
     try:
         first_instance = wait_ready(first, tmp_path / "first.log")
