@@ -7,8 +7,8 @@ is CPU-heavy (photo-like 500x375 JPEGs to ``[B, 3, 224, 224]`` uint8, ``batchd.I
 so the server's decode workers are the bottleneck and each job's loop only counts rows:
 
 - **separate**: both Loaders without ``share=``: every batch is decoded once per job;
-- **shared**: both with ``share="bench"``: each batch is decoded once and copied to the
-  other job's ring.
+- **shared**: both with ``share="bench"``: each batch is decoded once, into one job's ring,
+  and the other job reads it in that slot.
 
 A round starts both jobs at one barrier and times until the second has finished its
 ``--epochs`` epochs;

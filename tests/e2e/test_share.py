@@ -98,7 +98,7 @@ def test_two_members_get_the_same_epoch_once_each_decoded_once(
 ) -> None:
     """Two Loaders of one group, in lockstep: identical batches in identical order, each
     sample once per member, and the workers decode each batch once, not twice."""
-    before, shares_before = _decoded(), server.sessions.shares.counts.copied
+    before, shares_before = _decoded(), server.sessions.shares.counts.shared
     with _member(server, transport=transport) as one, _member(server, transport=transport) as two:
         a, b = _lockstep(iter(one), iter(two))
         batches = len(one)
@@ -107,13 +107,81 @@ def test_two_members_get_the_same_epoch_once_each_decoded_once(
     _assert_one_epoch(a, 203)
     assert len(a) == batches == 51
     decoded = _decoded() - before
-    copied = server.sessions.shares.counts.copied - shares_before
+    copied = server.sessions.shares.counts.shared - shares_before
     # Each member's batch is either its own worker's or a copy. An inline client acks a
     # batch when it arrives, not when the loop is done with it, so now and then a member's
     # slot is freed before the other asked for its batch, and that batch is decoded twice.
     assert decoded + copied == 2 * batches
     assert decoded <= batches + batches // 10, f"{decoded} batches decoded for {batches}"
     assert len(server.sessions.shares) == 0, "a group with no members is gone"
+
+
+def _segment(tensor: torch.Tensor) -> str:
+    """The file the memory of ``tensor`` is mapped from ("" when it is no file's)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high:
+            return fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
+    raise AssertionError(f"address {address:#x} is in no mapping of this process")
+
+
+def test_shm_members_read_one_slot_not_copies(server: RunningServer) -> None:
+    """Over shm, the member that did not decode a batch reads it in the slot the other's
+    worker wrote: both members' tensors of each step are views of one segment, and the
+    server copies nothing."""
+    counts = server.sessions.shares.counts
+    read, copied = counts.read, counts.copied
+    segments: set[str] = set()
+    with _member(server) as one, _member(server) as two:
+        for step, (a, b) in enumerate(zip(one, two, strict=True)):
+            where = _segment(a["array"])
+            assert where.startswith("/dev/shm/batchd-"), "the batch is a view of a ring"
+            assert _segment(b["array"]) == where, (
+                step,
+                counts.read - read,
+                counts.copied - copied,
+                counts.decoded,
+            )
+            assert torch.equal(a["array"], b["array"]) and torch.equal(
+                a["sample_id"], b["sample_id"]
+            )
+            segments.add(where)
+    assert counts.copied == copied, "a member's batch was copied, not read where it was"
+    assert counts.read - read >= 45, f"{counts.read - read} of 51 batches read in another ring"
+    assert len(segments) == 2, "each member's ring lent the other some batches"
+
+
+def _ring(loader: batchd.Loader) -> str:
+    """The path of ``loader``'s own ring segment."""
+    session = loader._lanes.primary.session
+    assert session is not None and session.ring is not None
+    return f"/dev/shm/{session.reply.ring.shm_name}"
+
+
+def test_a_member_that_closes_keeps_the_slots_another_reads(server: RunningServer) -> None:
+    """Member one closes while member two's loop holds a batch in one's ring: one's ring
+    stays (the batch intact) until no member reads it any more, and two's epoch goes on,
+    decoded for itself from then on; once two closes, one's ring is gone."""
+    whole = _lone_epoch(server)
+    with _member(server) as one, _member(server) as two:
+        ring = _ring(one)
+        a_iter, b_iter = iter(one), iter(two)
+        _ids(a_iter, 2)  # one's stream decodes a ring's worth of batches ahead
+        got = _ids(b_iter, 5)  # two, within a ring of the start, borrows them
+        held = next(b_iter)
+        got.append(held["sample_id"].tolist())
+        assert _segment(held["array"]) == ring, "two's batch is not read in one's ring"
+        expected = held["array"].clone()
+        one.close()
+        assert Path(ring).exists(), "one's ring went while two's loop held a batch in it"
+        got += _ids(b_iter)
+        assert torch.equal(held["array"], expected), "one's slot was reused under two's batch"
+        assert got == whole
+        assert Path(ring).exists(), "two's loop still holds the batch"
+    assert not Path(ring).exists(), "one's ring outlived the last member reading it"
+    assert torch.equal(held["array"], expected), "the client's view outlives the segment's name"
 
 
 def test_without_share_each_loader_decodes_its_own(server: RunningServer) -> None:
@@ -128,7 +196,7 @@ def test_without_share_each_loader_decodes_its_own(server: RunningServer) -> Non
 def test_members_with_other_parameters_share_nothing(server: RunningServer) -> None:
     """The same key with another seed (or batch size) is another group: no copies, each
     member its own order."""
-    before, copied = _decoded(), server.sessions.shares.counts.copied
+    before, copied = _decoded(), server.sessions.shares.counts.shared
     with _member(server, seed=7) as one, _member(server, seed=8) as two:
         a, b = _lockstep(iter(one), iter(two), same=False)
         assert len(server.sessions.shares) == 2
@@ -137,7 +205,7 @@ def test_members_with_other_parameters_share_nothing(server: RunningServer) -> N
     _assert_one_epoch(b, 203)
     with _member(server) as one, _member(server, batch_size=5) as two:
         assert _flat(_ids(iter(two))) and _flat(_ids(iter(one)))
-    assert server.sessions.shares.counts.copied == copied
+    assert server.sessions.shares.counts.shared == copied
     assert _decoded() - before == 2 * len(a) + 51 + 41
 
 
@@ -173,7 +241,7 @@ def test_a_late_member_starts_at_the_groups_position(server: RunningServer, tran
     there to the end of the epoch, then wraps around to the epoch's first batches, decoded
     for itself. Its epoch is the lone Loader's rotated: every sample once."""
     whole = _lone_epoch(server)
-    before, copied = _decoded(), server.sessions.shares.counts.copied
+    before, copied = _decoded(), server.sessions.shares.counts.shared
     b, two, b_iter = _join_late(server, transport=transport)
     with two:
         k = whole.index(b[0])
@@ -184,7 +252,7 @@ def test_a_late_member_starts_at_the_groups_position(server: RunningServer, tran
         assert two.state_dict()["format"] == 2, "the next epoch is not rotated"
     assert b == _rotated(whole, k)
     _assert_one_epoch(b, 203)
-    shared = server.sessions.shares.counts.copied - copied
+    shared = server.sessions.shares.counts.shared - copied
     assert _decoded() - before + shared == 2 * 51
     # From where it joined to the end of the epoch, each batch decoded once (inline acks
     # free a slot as a batch arrives, so now and then a batch is decoded twice).
@@ -249,7 +317,7 @@ def test_a_member_within_a_ring_of_the_start_is_not_rotated(server: RunningServe
     little late) still has the group's batches in reach of its ring: it starts at the
     epoch's first batch, as a lone Loader does, so the two get identical epochs, and it
     copies the batches the other holds."""
-    copied = server.sessions.shares.counts.copied
+    copied = server.sessions.shares.counts.shared
     with _member(server) as one, _member(server) as two:
         a_iter = iter(one)
         a = _ids(a_iter, 3)
@@ -257,7 +325,7 @@ def test_a_member_within_a_ring_of_the_start_is_not_rotated(server: RunningServe
         a += _ids(a_iter)
     assert b == a
     _assert_one_epoch(b, 203)
-    assert server.sessions.shares.counts.copied - copied >= 10
+    assert server.sessions.shares.counts.shared - copied >= 10
 
 
 def test_a_rank_of_a_larger_job_is_not_rotated(server: RunningServer) -> None:
@@ -281,7 +349,7 @@ def test_a_stalled_member_is_split_off_and_the_other_finishes(server: RunningSer
     """One member stops taking batches 10 batches in; the other runs to the end of its epoch
     (it never waits for the stalled one), then the stalled one finishes: it decodes what
     it is behind on itself. Both get the same epoch, once each."""
-    before, copied = _decoded(), server.sessions.shares.counts.copied
+    before, copied = _decoded(), server.sessions.shares.counts.shared
     with _member(server) as one, _member(server) as two:
         a_iter, b_iter = iter(one), iter(two)
         a, b = _lockstep_n(a_iter, b_iter, 10)
@@ -290,7 +358,7 @@ def test_a_stalled_member_is_split_off_and_the_other_finishes(server: RunningSer
         b += _ids(b_iter)
     assert a == b
     _assert_one_epoch(b, 203)
-    shared = server.sessions.shares.counts.copied - copied
+    shared = server.sessions.shares.counts.shared - copied
     decoded = _decoded() - before
     assert decoded + shared == 2 * 51
     assert decoded > 51, "the stalled member decoded the batches it fell behind on"
@@ -317,13 +385,13 @@ def test_a_resumed_member_rejoins_its_group(server: RunningServer) -> None:
             b_iter = iter(two)
             a, b = _lockstep_n(a_iter, b_iter, 20)
             state = two.state_dict()
-        copied = server.sessions.shares.counts.copied
+        copied = server.sessions.shares.counts.shared
         with _member(server) as again:
             again.load_state_dict(state)
             rest_a, rest_b = _lockstep(a_iter, iter(again))
     assert a + rest_a == b + rest_b
     _assert_one_epoch(b + rest_b, 203)
-    assert server.sessions.shares.counts.copied > copied, "the resumed member shares again"
+    assert server.sessions.shares.counts.shared > copied, "the resumed member shares again"
 
 
 def test_a_bad_share_key_is_refused_before_anything_opens() -> None:
@@ -348,7 +416,7 @@ def test_two_job_processes_share_one_epoch(server: RunningServer, tmp_path: Path
     sample once in each, every batch either decoded for one of them or copied to it."""
     script = tmp_path / "job.py"
     script.write_text(_JOB)
-    before, copied = _decoded(), server.sessions.shares.counts.copied
+    before, copied = _decoded(), server.sessions.shares.counts.shared
     jobs = [
         subprocess.Popen(
             [sys.executable, str(script), server.address],
@@ -373,6 +441,6 @@ def test_two_job_processes_share_one_epoch(server: RunningServer, tmp_path: Path
     assert [job.returncode for job in jobs] == [0, 0]
     assert epochs[0] == epochs[1]
     _assert_one_epoch(epochs[0], 203)
-    shared = server.sessions.shares.counts.copied - copied
+    shared = server.sessions.shares.counts.shared - copied
     assert _decoded() - before + shared == 2 * 51
     assert shared > 0, "the second job copied none of the first's batches"

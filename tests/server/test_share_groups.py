@@ -8,15 +8,17 @@ waits for it, a waiter whose stream ended first) are reached on purpose.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import numpy as np
 import pytest
 
+from batchd._wire.share import LOANS_OUT
 from batchd_server.errors import DataLoss
 from batchd_server.planning.sampling import EpochPlan
-from batchd_server.sessions.share import ShareCounts, ShareGroup
+from batchd_server.sessions.share import WAIT, RingRef, ShareCounts, ShareGroup
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
 SLOT_BYTES = 8
@@ -47,7 +49,11 @@ class Member:
     def __init__(self, member_id: str, slots: int = 4) -> None:
         self.id = member_id
         self.layout = LAYOUT
+        self.slots = slots
         self.ring = bytearray(slots * SLOT_BYTES)
+
+    def ring_ref(self) -> RingRef:
+        return RingRef(self.id, len(self.ring), SLOT_BYTES, self.slots, b"token")
 
     def slot_memory(self, slot: int) -> memoryview:
         return memoryview(self.ring)[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
@@ -218,3 +224,123 @@ def test_a_joiner_starts_at_the_run_of_batches_the_group_holds(parts: Any) -> No
     assert group.position(0, _PLAN) == 21
     group.forget(b, 0)  # batch 22: the run is 23 alone now
     assert group.position(0, _PLAN) == 23
+
+
+# -- loans: a member whose client reads other rings reads the source's slot itself --------
+
+
+def _freed() -> tuple[threading.Event, Any]:
+    """An event set when the returned callable (a LENT slot's release) is called."""
+    event = threading.Event()
+    return event, event.set
+
+
+def test_a_borrower_reads_the_source_slot_and_nothing_is_copied(parts: Any) -> None:
+    pool, group, a, b = parts
+    group.claim(a, _task(5, slot=1))
+    pool.finish(0, a)
+    fb = group.claim(b, _task(5, slot=3), borrow=True)
+    assert fb.done() and fb.result().slot == 3, "its own slot stays its credit"
+    assert group.loan(b, 3) == (a, 1)
+    assert group.lend_out(b, 3) == (a, 1), "its notice names a's slot"
+    assert b.slot(3) == bytes(SLOT_BYTES), "nothing was copied into the borrower's slot"
+    assert (group.decoded, group.copied, group.read) == (1, 0, 1)
+    assert group.lend_out(a, 1) is None, "the source reads its own slot"
+
+
+def test_a_lent_slot_is_kept_until_the_last_borrower_gives_it_back(parts: Any) -> None:
+    pool, group, a, b = parts
+    c, d = Member("c"), Member("d")
+    group.claim(a, _task(5, slot=1))
+    pool.finish(0, a)
+    for member, slot in ((b, 3), (c, 0), (d, 2)):
+        group.claim(member, _task(5, slot=slot), borrow=True)
+    assert group.lend_out(b, 3) == group.lend_out(c, 0) == (a, 1)  # d's is not out yet
+    freed, free = _freed()
+    assert group.keep(a, 1, free), "a's client is done with it, b's and c's are not"
+    assert group.lend_out(d, 2) is None and d.slot(2) == a.slot(1), (
+        "a loan not sent yet became a copy: it would have kept a's slot longer"
+    )
+    e = Member("e")
+    group.claim(e, _task(5, slot=1), borrow=True)
+    assert group.loan(e, 1) is None and e.slot(1) == a.slot(1), "a kept slot lends no more"
+    group.forget(b, 3)
+    assert not freed.is_set() and group.loans() == 1
+    group.forget(c, 0)
+    assert freed.wait(5), "the last loan repaid frees the kept slot"
+    assert not group.keep(a, 1, free), "no loan is out any more"
+
+
+def test_a_reader_holds_at_most_loans_out_notices_of_a_ring_then_waits(parts: Any) -> None:
+    pool, group, _, _ = parts
+    a, b = Member("a", slots=12), Member("b", slots=LOANS_OUT + 1)
+    for k in range(LOANS_OUT + 1):
+        group.claim(a, _task(k, slot=k))
+        pool.finish(k, a)
+    for k in range(LOANS_OUT + 1):
+        group.claim(b, _task(k, slot=k), borrow=True)
+    sent = [group.lend_out(b, k) for k in range(LOANS_OUT)]
+    assert sent == [(a, k) for k in range(LOANS_OUT)]
+    assert group.lend_out(b, LOANS_OUT) is WAIT, "b's client holds its share of a's ring"
+    group.forget(b, 0)  # its loop gave one back
+    assert group.lend_out(b, LOANS_OUT) == (a, LOANS_OUT)
+    assert group.copied == 0
+
+
+def test_a_source_lets_readers_hold_at_most_half_its_ring(parts: Any) -> None:
+    pool, group, a, b = parts  # a has 4 slots: at most 2 of them in other clients' hands
+    c = Member("c")
+    for k in range(3):
+        group.claim(a, _task(k, slot=k))
+        pool.finish(k, a)
+    for k in range(2):
+        group.claim(b, _task(k, slot=k), borrow=True)
+        assert group.lend_out(b, k) == (a, k)
+    group.claim(c, _task(2, slot=0), borrow=True)
+    assert group.lend_out(c, 0) is None and c.slot(0) == a.slot(2), "a copy, not a loan"
+    assert (group.read, group.copied) == (2, 1)
+    group.forget(b, 0)  # a loan repaid: a lends again
+    group.claim(c, _task(0, slot=1), borrow=True)
+    assert group.lend_out(c, 1) == (a, 0)
+
+
+def test_a_waiter_that_borrows_gets_a_loan_when_the_decode_is_done(parts: Any) -> None:
+    pool, group, a, b = parts
+    group.claim(a, _task(5, slot=1))
+    fb = group.claim(b, _task(5, slot=2), borrow=True)
+    assert not fb.done()
+    pool.finish(0, a)
+    assert fb.result(timeout=5).slot == 2
+    assert group.lend_out(b, 2) == (a, 1) and b.slot(2) == bytes(SLOT_BYTES)
+
+
+def test_a_member_that_leaves_with_slots_on_loan_keeps_its_ring_until_repaid(parts: Any) -> None:
+    pool, group, a, b = parts
+    c = Member("c")
+    group.claim(a, _task(5, slot=1))
+    pool.finish(0, a)
+    group.claim(b, _task(5, slot=3), borrow=True)
+    group.claim(c, _task(5, slot=2), borrow=True)
+    assert group.lend_out(b, 3) == (a, 1)
+    released: list[str] = []
+    group.leave(a, lambda: released.append("a"))
+    assert released == [], "b's client may be reading a's slot"
+    assert group.lend_out(c, 2) is None and c.slot(2) == a.slot(1), "c's loan became a copy"
+    group.claim(Member("d"), _task(5, slot=0), borrow=True)
+    assert len(pool.tasks) == 1, "d copies c's slot"
+    group.forget(b, 3)
+    assert released == ["a"], "the last loan repaid releases a's ring at once"
+    group.leave(b, lambda: released.append("b"))
+    assert released == ["a", "b"]
+
+
+def test_a_borrower_that_leaves_repays_its_loans(parts: Any) -> None:
+    pool, group, a, b = parts
+    group.claim(a, _task(5, slot=1))
+    pool.finish(0, a)
+    group.claim(b, _task(5, slot=3), borrow=True)
+    assert group.lend_out(b, 3) == (a, 1)
+    freed, free = _freed()
+    assert group.keep(a, 1, free)
+    group.leave(b)
+    assert freed.wait(5) and group.loans() == 0

@@ -218,6 +218,8 @@ class Connection:
         if session.ring is not None:
             start.seq = session.streams_started
             start.held_leases.extend(session.delivery.lent())
+            start.read_shared = session.delivery.reads_shared
+            session.ring.forget_borrowed()
             stream = ShmStream(start, ring=session.ring, accept_timeout_s=timeout_s)
         else:
             stream = InlineStream(

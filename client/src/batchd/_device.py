@@ -57,6 +57,7 @@ import numpy.typing as npt
 
 from batchd._shm import ShmRing
 from batchd._stream import ReceivedBatch
+from batchd._wire.share import BORROWED_HELD
 from batchd.errors import InvalidArgument
 
 __all__ = [
@@ -158,6 +159,12 @@ class Delivery(ABC):
         """Leases of batches the training loop still owns (see the NOTE); they outlive streams."""
         return []
 
+    @property
+    def reads_shared(self) -> bool:
+        """A batch may be in another session's ring (a share group's loan,
+        ``StreamStart.read_shared``): true unless the path wants its own registered ring."""
+        return True
+
     def close(self) -> None:  # noqa: B027 (only the CUDA path has something to free)
         """Free what the path holds; the ring is unmapped after this. Idempotent."""
 
@@ -213,6 +220,8 @@ class CpuDelivery(Delivery):
         self.max_lent = 0 if release is None else max(0, slots - max(1, prefetch // 2))
         """Batches the loop may own as slots at once; the ones after that are copied."""
         self._lent: set[int] = set()
+        self._borrowed: set[int] = set()
+        """The lent batches that are in another session's ring (at most BORROWED_HELD)."""
         self._lent_lock = threading.Lock()
         self._closed = False
         self.copies = 0
@@ -236,8 +245,12 @@ class CpuDelivery(Delivery):
                 return _as_tensors(self._torch, batch.arrays), []
             with self._lent_lock:
                 lend = len(self._lent) < self.max_lent
+                if batch.borrowed:  # another session's slot: a member waits for it back
+                    lend = lend and len(self._borrowed) < BORROWED_HELD
                 if lend:
                     self._lent.add(key)
+                    if batch.borrowed:
+                        self._borrowed.add(key)
             if lend:
                 finalizer = weakref.finalize(batch.memory, self._returned, key)
                 finalizer.atexit = False
@@ -260,6 +273,7 @@ class CpuDelivery(Delivery):
             if key not in self._lent:
                 return
             self._lent.discard(key)
+            self._borrowed.discard(key)
             closed = self._closed
         if not closed and self._release is not None:
             self._release([key])
@@ -406,7 +420,7 @@ class CudaDelivery(Delivery):
         torch = self._torch
         done = torch.cuda.Event()
         pinned = -1
-        if self._registered is not None and not batch.inline:
+        if self._registered is not None and not batch.inline and not batch.borrowed:
             sources = {name: torch.from_numpy(arr) for name, arr in batch.arrays.items()}
             acks: list[int] = []
         else:
@@ -442,6 +456,12 @@ class CudaDelivery(Delivery):
             done.synchronize()
             acks.append(index)
         return acks
+
+    @property
+    def reads_shared(self) -> bool:
+        # A registered ring copies to the device straight from its slots; another member's
+        # ring is not registered, so a share group copies into this one's slots instead.
+        return self._registered is None
 
     def held_count(self) -> int:
         return len(self._in_flight)

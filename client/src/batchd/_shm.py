@@ -47,8 +47,15 @@ class ShmRing:
         ShmUnusable: (from :meth:`open`) it cannot be opened, or it is not the server's.
     """
 
-    def __init__(self, layout: loader_pb2.RingLayout, mapping: mmap.mmap, writable: bool) -> None:
+    def __init__(
+        self,
+        layout: loader_pb2.RingLayout,
+        mapping: mmap.mmap,
+        writable: bool,
+        shm_dir: Path = SHM_DIR,
+    ) -> None:
         self.layout = layout
+        self._dir = shm_dir
         self.writable = writable
         """Mapped read-write (needed to register it with CUDA)."""
         self._mmap: mmap.mmap | None = mapping
@@ -56,6 +63,8 @@ class ShmRing:
         """The whole segment; its ``.ctypes.data`` is the mapping's address."""
         self.doorbell: ClientDoorbell | None = None
         """The session's doorbell connection, once :func:`select_transport` made it."""
+        self._borrowed: dict[str, ShmRing] = {}
+        """Other sessions' rings this session's share group lent slots of, by name."""
 
     @classmethod
     def open(cls, layout: loader_pb2.RingLayout, shm_dir: Path = SHM_DIR) -> ShmRing:
@@ -97,10 +106,44 @@ class ShmRing:
                 f"{path} does not start with the server's token: this client does not see the "
                 "server's /dev/shm (another host or container)"
             )
-        return cls(layout, mapping, writable)
+        return cls(layout, mapping, writable, shm_dir)
 
     def batch(self, msg: loader_pb2.StreamBatchesResponse) -> ReceivedBatch:
-        """The batch ``msg`` describes, as views of its slot."""
+        """The batch ``msg`` describes, as views of its slot: in this ring, or in another
+        member's of the session's share group (``msg.ring``, mapped on first use).
+
+        Raises:
+            DataLoss: the slot is not in the ring, or the other ring cannot be mapped.
+        """
+        if msg.HasField("ring"):
+            return self._lent_ring(msg.ring).batch_here(msg, borrowed=True)
+        return self.batch_here(msg, borrowed=False)
+
+    def _lent_ring(self, layout: loader_pb2.RingLayout) -> ShmRing:
+        ring = self._borrowed.get(layout.shm_name)
+        if ring is not None and ring.layout.token != layout.token:
+            ring.close()  # a later ring of the same name (the server restarted)
+            ring = None
+        if ring is None:
+            try:
+                ring = ShmRing.open(layout, self._dir)
+            except ShmUnusable as e:
+                raise disagreement(
+                    f"the server lent a slot of another session's ring, which this client "
+                    f"cannot map: {e}"
+                ) from e
+            self._borrowed[layout.shm_name] = ring
+        return ring
+
+    def forget_borrowed(self) -> None:
+        """Unmap the other sessions' rings (each once the last view of it is gone): a
+        stream starts, and maps again those it is lent slots of."""
+        borrowed, self._borrowed = self._borrowed, {}
+        for ring in borrowed.values():
+            ring.close()
+
+    def batch_here(self, msg: loader_pb2.StreamBatchesResponse, *, borrowed: bool) -> ReceivedBatch:
+        """The batch ``msg`` describes, as views of its slot in this ring."""
         layout = self.layout
         if not 0 <= msg.slot < layout.slots or self._mmap is None:
             raise disagreement(
@@ -115,12 +158,13 @@ class ShmRing:
             count=layout.slot_bytes,
             offset=slot_offset(msg.slot, layout.slot_bytes, layout.header_bytes),
         )
-        return ReceivedBatch.viewing(slot, msg, inline=False)
+        return ReceivedBatch.viewing(slot, msg, inline=False, borrowed=borrowed)
 
     def close(self) -> None:
         """Unmap, or leave the unmapping to the last zero-copy view still alive. Idempotent."""
         if self.doorbell is not None:
             self.doorbell.close()
+        self.forget_borrowed()
         if self._mmap is None:
             return
         mapping, self._mmap = self._mmap, None

@@ -48,10 +48,18 @@ class ReceivedBatch:
     of them (NumPy points a view of a view at the first array)."""
     lease: int = 0
     """The slot's lease (shm), acked to give the slot back; 0 inline."""
+    borrowed: bool = False
+    """shm: the slot is another session's, lent by the session's share group
+    (``StreamBatchesResponse.ring``); the lease gives it back all the same."""
 
     @classmethod
     def viewing(
-        cls, memory: npt.NDArray[np.uint8], msg: loader_pb2.StreamBatchesResponse, *, inline: bool
+        cls,
+        memory: npt.NDArray[np.uint8],
+        msg: loader_pb2.StreamBatchesResponse,
+        *,
+        inline: bool,
+        borrowed: bool = False,
     ) -> ReceivedBatch:
         """The batch ``msg`` describes, its fields viewed in ``memory`` (a slot or an inline
         buffer).
@@ -71,6 +79,7 @@ class ReceivedBatch:
             inline=inline,
             memory=memory,
             lease=0 if inline else msg.lease,
+            borrowed=borrowed,
         )
 
     @property

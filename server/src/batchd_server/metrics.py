@@ -569,12 +569,13 @@ def serve(host: str, port: int) -> MetricsEndpoint:
 # decoded batch, not from a worker of its own.
 SHARED_BATCHES = Counter(
     "batchd_shared_batches",
-    "Batches a session of a share group copied from another member instead of decoding.",
-    ["dataset"],
+    "Batches a session of a share group got from another member instead of decoding: "
+    "read in that member's slot (how=read) or copied into its own (how=copied).",
+    ["dataset", "how"],
     registry=REGISTRY,
 )
 
 
-def record_shared_batch(dataset: str) -> None:
-    """Count one batch of ``dataset`` copied within a share group."""
-    SHARED_BATCHES.labels(dataset=dataset_label(dataset)).inc()
+def record_shared_batch(dataset: str, *, how: str) -> None:
+    """Count one batch of ``dataset`` shared within a share group, ``how``: read or copied."""
+    SHARED_BATCHES.labels(dataset=dataset_label(dataset), how=how).inc()

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["MAX_SHARE_KEY", "share_key_problem"]
+__all__ = ["BORROWED_HELD", "LOANS_OUT", "MAX_SHARE_KEY", "share_key_problem"]
 
 MAX_SHARE_KEY: Final = 128
 """Characters a share key may have at most."""
+
+BORROWED_HELD: Final = 3
+"""A client that reads shared slots (``StreamStart.read_shared``) lets its training loop
+hold at most this many batches that live in another session's ring at once; it copies
+further ones out and gives them back at once."""
+LOANS_OUT: Final = BORROWED_HELD + 1
+"""How many notices of batches in one other session's ring a server lets a reader's client
+hold at once: it sends the next only once the client gave one back. One more than
+BORROWED_HELD, so a loop that holds its share always gets the next. A share group's
+member's ring has this many slots more than a lone session's, for its readers."""
 
 
 def share_key_problem(key: str) -> str | None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Final
 
 from batchd._proto.batchd.v1 import loader_pb2 as pb
-from batchd._wire.ring import pack
+from batchd._wire.ring import HEADER_BYTES, pack
 from batchd_server import metrics
 from batchd_server.sessions import ReadyBatch, Session, Stream
 
@@ -37,6 +37,7 @@ def start_stream(session: Session, start: pb.StreamStart, *, shm: bool) -> Strea
         stride=start.stride,
         rotation=start.rotation,
         join_share=start.join_share,
+        read_shared=start.read_shared and shm,
     )
 
 
@@ -44,7 +45,7 @@ def shm_notice(ready: ReadyBatch, seq: int) -> pb.StreamBatchesResponse:
     """The doorbell notice of an shm batch of the stream ``seq`` (counted as served)."""
     views, total = _views(ready, inline=False)
     metrics.BYTES_SERVED.labels(transport="shm").inc(total)
-    return pb.StreamBatchesResponse(
+    notice = pb.StreamBatchesResponse(
         batch_index=ready.batch_index,
         slot=ready.slot,
         rows=ready.rows,
@@ -53,6 +54,18 @@ def shm_notice(ready: ReadyBatch, seq: int) -> pb.StreamBatchesResponse:
         lease=ready.lease,
         seq=seq,
     )
+    if (ring := ready.ring) is not None:  # a loan: the batch is in another member's ring
+        notice.ring.CopyFrom(
+            pb.RingLayout(
+                shm_name=ring.name,
+                segment_bytes=ring.segment_bytes,
+                header_bytes=HEADER_BYTES,
+                slot_bytes=ring.slot_bytes,
+                slots=ring.slots,
+                token=ring.token,
+            )
+        )
+    return notice
 
 
 def _views(ready: ReadyBatch, *, inline: bool) -> tuple[list[pb.FieldView], int]:

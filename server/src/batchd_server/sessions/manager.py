@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from batchd._wire.ring import slot_offset
+from batchd._wire.share import LOANS_OUT
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.decode_cache.worker import DecodeCacheSpec
@@ -144,6 +146,10 @@ class SessionManager:
                 f"{format_bytes(MAX_SLOT_BYTES)} a slot may hold; lower batch_size"
             )
         slots = ring_slots(options.prefetch, slot_bytes)
+        if options.share:
+            # Room for what another member's client may hold of this ring's slots (loans,
+            # NOTE [ Share groups ]), so that a reader that stalls holds none of its window.
+            slots += LOANS_OUT
         ring_bytes = slot_offset(slots, slot_bytes)
         # The checks and the reservation are one step, so that opens racing each other cannot
         # pass a limit together.
@@ -408,9 +414,12 @@ class SessionManager:
             wait_futures(busy, timeout=timeout_s)
         for session in sessions:
             self._pool.forget_session(session.id)
+            release = functools.partial(self._registry.release, session.ring)
             if session.share_group is not None:
-                self.shares.leave(session, session.share_group)
-            self._registry.release(session.ring)
+                # Its ring outlives it while another member's client reads a slot of it.
+                self.shares.leave(session, session.share_group, release)
+            else:
+                release()
             release_sources(self._catalog, session.catalogs)
             if reason is not None:
                 logger.info("session %s %s; its ring is freed", session_log_id(session.id), reason)

@@ -18,8 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final
 
 import numpy as np
 
@@ -37,7 +36,8 @@ from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.accounting import MixAccount
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
-from batchd_server.sessions.share import ShareGroup
+from batchd_server.sessions.ready import Bell, FieldView, ReadyBatch, SubmitsTasks
+from batchd_server.sessions.share import WAIT, RingRef, ShareGroup, ShareMember, Wait
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.sessions.streams import Stream, StreamAt, stream_plan
 from batchd_server.shm.segments import Segment
@@ -45,7 +45,7 @@ from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField, SourceSpec
 
-__all__ = ["Bell", "FieldView", "ReadyBatch", "Session", "Stream", "SubmitsTasks"]
+__all__ = ["Bell", "FieldView", "ReadyBatch", "RingRef", "Session", "Stream", "SubmitsTasks"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,45 +54,6 @@ _POLL_S: Final = 0.25
 _MAX_PLANS: Final = 2
 _MAX_STRIDE: Final = 1 << 16
 """More replicas than any pool has; bounds a hostile StreamStart.stride."""
-
-
-class Bell(Protocol):
-    """A client's doorbell connection, as a session sees it (``delivery/doorbell.py``)."""
-
-    def close(self) -> None:
-        """Hang up: the client's next read fails, and the connection's streams end."""
-        ...
-
-
-class SubmitsTasks(Protocol):
-    """The worker pool, as a session sees it (``batchd_server.workers.pool.WorkerPool``)."""
-
-    def submit(self, task: BatchTask) -> Future[BatchResult]:
-        """Queue ``task``; its future is done when a worker wrote the batch (or failed)."""
-        ...
-
-
-@dataclass(frozen=True)
-class FieldView:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class ReadyBatch:
-    """Batch ``batch_index`` is in ``slot``, ready to go out; ``fields`` are at offsets from
-    the slot's start."""
-
-    batch_index: int
-    slot: int
-    rows: int
-    fields: list[FieldView]
-    failed_sample_ids: list[int]
-    lease: int = 0
-    """shm streams: what the client acks to give the slot back (NOTE [ Slot lifecycle ])."""
 
 
 class Session:
@@ -198,7 +159,7 @@ class Session:
         """Slots in the ring (``ring_slots`` decided how many when it was reserved)."""
         self.share_group: ShareGroup | None = None
         """The session's share group (set by the manager before any stream), if any."""
-        self._book = SlotBook(self.slots, on_free=self._slot_freed)
+        self._book = SlotBook(self.slots, on_free=self._slot_freed, keep=self._slot_lent)
         self._leases: dict[int, int] = {}
         """Lease -> LEASED slot of every shm batch sent and not yet given back."""
         self._finishing: set[int] = set()
@@ -273,9 +234,9 @@ class Session:
                 places += [(s, SlotState.WORKING) for s, _ in stream.working.values()]
                 places += [(s, SlotState.DELIVERED) for s in stream.delivered.values()]
             places += [
-                (s, SlotState.FREE)
+                (s, self._book.state(s))
                 for s in range(self.slots)
-                if self._book.state(s) is SlotState.FREE
+                if self._book.state(s) in (SlotState.FREE, SlotState.LENT)
             ]
             seen = Counter(s for s, _ in places)
             twice = sorted(s for s, n in seen.items() if n > 1)
@@ -315,6 +276,7 @@ class Session:
         stride: int = 1,
         rotation: int = 0,
         join_share: bool = False,
+        read_shared: bool = False,
     ) -> Stream:
         """Start streaming ``epoch`` at ``start_batch``, ending any previous stream.
 
@@ -332,6 +294,8 @@ class Session:
                 entries (``StreamStart.rotation``).
             join_share: Start a fresh epoch at the share group's position (a rotation by
                 whole batches; ``StreamStart.join_share``).
+            read_shared: The (shm) client reads other sessions' rings: the share group may
+                lend it another member's slot (``StreamStart.read_shared``).
         """
         if epoch < 0:
             raise InvalidArgument(f"epoch={epoch} must be >= 0")
@@ -382,6 +346,7 @@ class Session:
                 plan,
                 start_batch,
                 leased=held_leases is not None,
+                read_shared=read_shared and held_leases is not None,
                 stride=max(stride, 1),
                 start_sample=start_sample,
                 order_world_size=order_world_size,
@@ -467,6 +432,12 @@ class Session:
             if result is None:
                 return
             with self._cond:
+                while (loan := self._lend_out(stream, slot)) is WAIT:
+                    # Its client holds its share of another member's slots already; it gives
+                    # one back as its loop moves on (release() wakes this).
+                    if stream.closed or self.closed or not client_active():
+                        return
+                    self._cond.wait(_POLL_S)
                 if stream.closed:
                     return
                 del stream.working[k]
@@ -477,7 +448,7 @@ class Session:
                     self._leases[lease] = slot
                 else:
                     stream.delivered[k] = slot
-            yield self._ready(stream, result, lease)
+            yield self._ready(stream, result, lease, loan)
 
     def _fill(self, stream: Stream) -> None:
         """Hand the stream's next batches to the workers while slots are free (under the lock)."""
@@ -490,7 +461,11 @@ class Session:
             task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
             try:
                 group = self.share_group
-                future = self._pool.submit(task) if group is None else group.claim(self, task)
+                future = (
+                    self._pool.submit(task)
+                    if group is None
+                    else group.claim(self, task, borrow=stream.read_shared)
+                )
             except BaseException:  # the pool refused (shutting down, workers crash-looping)
                 self._book.free(slot, SlotState.WORKING)
                 raise
@@ -501,6 +476,26 @@ class Session:
         """The book freed ``slot`` (under the lock): it holds no batch for the group now."""
         if self.share_group is not None:
             self.share_group.forget(self, slot)
+
+    def _slot_lent(self, slot: int) -> bool:
+        """The book is freeing ``slot`` (under the lock): True when other members of the
+        share group still read it, which keeps it LENT until they are done."""
+        group = self.share_group
+        return group is not None and group.keep(self, slot, functools.partial(self._repaid, slot))
+
+    def _repaid(self, slot: int) -> None:
+        """The last member reading the LENT ``slot`` gave it back: FREE, and to work."""
+        with self._cond:
+            if self._book.state(slot) is not SlotState.LENT:
+                return
+            self._book.free(slot, SlotState.LENT)
+            if self._stream is not None:
+                self._fill(self._stream)
+            self._cond.notify_all()
+
+    def ring_ref(self) -> RingRef:
+        """This session's ring, as another member's client maps it."""
+        return RingRef(self.ring.name, self.ring.nbytes, self.slot_bytes, self.slots, self.token)
 
     def _result(
         self, stream: Stream, future: Future[BatchResult], client_active: Callable[[], bool]
@@ -525,7 +520,21 @@ class Session:
         local = position - int(starts[index])
         return f"sample {arrays.ids[local]} ({arrays.path(local)})"
 
-    def _ready(self, stream: Stream, result: BatchResult, lease: int) -> ReadyBatch:
+    def _lend_out(self, stream: Stream, slot: int) -> tuple[ShareMember, int] | Wait | None:
+        """Where the client reads the batch in ``slot``: another member's slot (a loan), this
+        one (None), or not yet (WAIT); see ``ShareGroup.lend_out`` (under the lock)."""
+        group = self.share_group
+        if group is None or not stream.read_shared:
+            return None
+        return group.lend_out(self, slot)
+
+    def _ready(
+        self,
+        stream: Stream,
+        result: BatchResult,
+        lease: int,
+        loan: tuple[ShareMember, int] | None,
+    ) -> ReadyBatch:
         failures = result.failures
         if failures:
             self._errors.account(stream.epoch, result, stream.stride)
@@ -549,14 +558,16 @@ class Session:
                 start=stream.start_sample,
                 order_world_size=stream.order_world_size,
             )
-            self._account.record(self.slot_memory(result.slot), views, result.rows, step)
+            memory = self.slot_memory(result.slot) if loan is None else loan[0].slot_memory(loan[1])
+            self._account.record(memory, views, result.rows, step)
         return ReadyBatch(
             result.batch_index,
-            result.slot,
+            result.slot if loan is None else loan[1],
             result.rows,
             views,
             [x.sample_id for x in failures],
             lease,
+            None if loan is None else loan[0].ring_ref(),
         )
 
     # -- closing --------------------------------------------------------------------------

@@ -10,27 +10,51 @@ parameters are simply in another group: they share nothing, and nothing fails.
 Each member stays a whole session of its own: its own ring, stream, cursor, leases and
 resume state, exactly as a lone Loader's. Only where a batch's bytes come from changes.
 When a member's stream hands batch ``k`` of an epoch to the workers (``Session._fill``), it
-asks its group first (:meth:`ShareGroup.claim`), by the batch's identity: epoch, index and
-sample positions (which the plan, a pure function of seed, epoch and world size, decides):
+takes a slot of its own ring as always (the slot is its client's credit: the ring still
+bounds how far it runs ahead) and asks its group first (:meth:`ShareGroup.claim`), by the
+batch's identity: epoch, index and sample positions (which the plan, a pure function of seed,
+epoch and world size, decides):
 
   * no member holds that batch: the member decodes it into its own slot (a worker task, as
     alone) and the group notes that slot as the batch's *source* while it holds the batch;
-  * another member's slot holds it, decoded: its bytes are copied into the member's slot
-    now (a memcpy, no worker);
+  * another member's slot holds it, decoded, and the member's client reads shared slots
+    (an shm stream started with ``StreamStart.read_shared``): the member *borrows* that
+    slot, a loan. Its notice names the other member's ring and slot
+    (``StreamBatchesResponse.ring``), its client maps that ring once and reads the batch in
+    place, and the lease it gives back frees its own credit slot and repays the loan. The
+    batch was written once and every reader reads that one copy;
+  * the same, for a client that cannot read another ring (inline, an older client, a CUDA
+    client that registered its own ring), or past the bounds below: its bytes are copied
+    into the member's slot now (a memcpy, no worker);
   * another member's worker is still writing it: the member waits for that task and gets a
-    copy when it is done (its slot stays WORKING meanwhile, as for its own task).
+    loan or a copy when it is done (its slot stays WORKING meanwhile, as for its own task).
 
 A slot that got a batch as a copy holds it too, and serves later members as the decoding
 slot does. A slot is forgotten when it is freed (:meth:`ShareGroup.forget`, called by the
 ``SlotBook`` under the session's lock, before the slot can be reused): its client acked
-or released the batch, or its stream ended. A member that asks once no slot holds the
-batch decodes it itself. So no member ever waits for another's client: a member that
-stalls simply stops producing, the others decode what they need themselves (the stalled
-one is "split off" as soon as it is more than a ring behind them: the rings' windows are
-the bound), and a member that falls behind decodes its own batches until it is within the
-window of another member, then reads copies again. Every member gets every batch of its
-epoch exactly once, in its own plan's order (rotated, for one that joined late): the group
-only decides who decodes.
+or released the batch, or its stream ended. A slot out on loan is not freed when its own
+client gives it back: it is LENT (``slots.py``) until the last borrower's lease comes back
+(:meth:`ShareGroup.keep`), and nobody borrows it again meanwhile. A member that closes
+with slots out on loan keeps its ring, and its share of the shm budget, until they are
+repaid (:meth:`ShareGroup.leave`); a borrower that closes repays its loans then.
+
+Bounds, so that no member waits for another's client: a stalled member simply stops
+producing, the others decode what they need themselves (the stalled one is "split off" as
+soon as it is more than a ring behind them: the rings' windows are the bound), and a member
+that falls behind decodes its own batches until it is within the window of another member,
+then shares again. What a *reader* holds of another member's ring is bounded too, since a
+sent notice cannot be taken back: (1) its client holds at most ``LOANS_OUT`` notices of one
+member's slots at once (``batchd._wire.share``; its loop holds at most ``BORROWED_HELD`` of
+them as tensors and copies further ones out), and its stream sends the next loan only once
+it gave one back (:meth:`ShareGroup.lend_out` answers WAIT; the reader waits for its own
+client only); a share group's rings have ``LOANS_OUT`` slots more than a lone session's for
+this, so a stalled reader pins none of the owner's own window; (2) other members' clients
+hold at most half a member's slots (:func:`lend_limit`); past that a reader gets a copy; (3)
+a loan whose notice has not gone out when the owner's client gives the slot back becomes a
+copy then (:meth:`ShareGroup.keep`), so a LENT slot waits only for clients that have it.
+
+Every member gets every batch of its epoch exactly once, in its own plan's order (rotated,
+for one that joined late): the group only decides who decodes, and where a batch is read.
 
 A member that starts an epoch afresh and asks to join (``StreamStart.join_share``; the
 client does so at every fresh epoch of a ``share=`` Loader of world size 1 on one server:
@@ -41,7 +65,7 @@ consecutive batches of its plan that members' slots hold (source or copy, decode
 decoded) up to the furthest one. Its stream serves the plan's
 batches ``k .. n-1`` then ``0 .. k-1`` (``streams.Stream.rotation``), each under its own
 batch index, so the first ``n - k`` are the group's batches, claimed as any member's, and
-the rest come after the group moved on: decoded for itself (or copied from anyone at them).
+the rest come after the group moved on: decoded for itself (or shared from anyone at them).
 That is how it catches up: level with the group from its first batch, the batches it
 missed served last. When ``k`` is less than its ring's slots it starts at 0 instead, as a
 lone Loader: its prefetch reaches the group's batches anyway, and members started a moment
@@ -49,17 +73,10 @@ apart get identical epochs. The client learns ``k`` from the first batch's index
 the rotation with its state (``batchd._state``), so resume is exact; an elastic resume of a
 rotated epoch deals the rest of the rotated global order (``planning.sampling``).
 
-Why a copy, not one slot that every member's client reads: a copy costs about 1 ms of
-server CPU per 9.6 MB batch, about 1% of the decode it replaces (``bench/share_copy.py``),
-while a slot read by several clients would need (1) the wire to name another session's
-segment in a doorbell notice, and the client to map it and check its token as it does its own
-ring at OpenSession (and on CUDA register it too, or copy it through the pinned pool: the
-copy would move to the client, not go away); (2) a slot state for "released by its owner,
-still read by others", and a session's close that keeps its ring and its share of the shm
-budget while another client reads it; (3) a bound on the source's slots a stalled reader
-may pin, past which readers decode their own, or the stalled one holds up the source. A
-copy needs none of this: the source's slot is read only under the group's lock, within the
-claim, and no member ever holds another's slot.
+Why the copy stays beside the loan: it costs about 1 ms of server CPU per 9.6 MB batch,
+about 1% of the decode it replaces (``bench/share_copy.py``), and it serves the readers a
+loan cannot (an inline stream copies the slot into messages anyway) and bounds what a slow
+reader may hold of another member's ring.
 
 A source whose task was cancelled (its stream ended before a worker took it) hands the
 batch to the first member waiting for it, which decodes it into its own slot; a source's
@@ -68,7 +85,8 @@ the same way, as their own decode of the same batch would have.
 
 Locks: a session's lock, then the group's, never the other way round. Waiters' futures
 are resolved outside the group's lock, and outside any session's (their done-callbacks take
-their own session's lock): on the worker pool's thread, or one of their own.
+their own session's lock): on the worker pool's thread, or one of their own. So is a LENT
+slot's release when its last loan is repaid (it takes its owner's lock).
 """
 
 from __future__ import annotations
@@ -79,40 +97,44 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field
-from typing import Protocol
+from concurrent.futures import Future
 
 import numpy as np
 
+from batchd._wire.share import LOANS_OUT
 from batchd_server import metrics
 from batchd_server.logs import session_log_id
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.options import SessionOptions
+from batchd_server.sessions.share_parts import (
+    WAIT,
+    BatchKey,
+    Loan,
+    RingRef,
+    ShareCounts,
+    ShareMember,
+    Source,
+    SubmitsTasks,
+    Wait,
+    Waiter,
+    chain,
+    later,
+    lend_limit,
+    when_done,
+)
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
-__all__ = ["ShareCounts", "ShareGroup", "ShareGroups", "ShareMember", "group_key"]
+__all__ = [
+    "WAIT",
+    "RingRef",
+    "ShareCounts",
+    "ShareGroup",
+    "ShareGroups",
+    "ShareMember",
+    "group_key",
+]
 
 logger = logging.getLogger(__name__)
-
-
-class ShareMember(Protocol):
-    """A session, as its group sees it."""
-
-    id: str
-    layout: tuple[SlotField, ...]
-
-    def slot_memory(self, slot: int) -> memoryview:
-        """The bytes of slot ``slot`` of the session's ring."""
-        ...
-
-
-class SubmitsTasks(Protocol):
-    def submit(self, task: BatchTask) -> Future[BatchResult]: ...
-
-
-BatchKey = tuple[int, int, bytes]
-"""A batch's identity: epoch, index, sample positions."""
 
 
 def group_key(options: SessionOptions, snapshot: str) -> str:
@@ -122,38 +144,6 @@ def group_key(options: SessionOptions, snapshot: str) -> str:
     # and the newest one resolved to it are the same batches.
     batches = dataclasses.replace(options, prefetch=1, snapshot=None, version=None)
     return f"{options.share}\x00{snapshot}\x00{batches!r}"
-
-
-class ShareCounts:
-    """Batches decoded and copied by every group of a server, since it started."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.decoded = 0
-        self.copied = 0
-
-    def add(self, *, decoded: int = 0, copied: int = 0) -> None:
-        with self._lock:
-            self.decoded += decoded
-            self.copied += copied
-
-
-@dataclass(eq=False)
-class _Waiter:
-    member: ShareMember
-    task: BatchTask
-    future: Future[BatchResult]
-
-
-@dataclass(eq=False)
-class _Source:
-    """A member's slot that holds (or is being filled with) a batch."""
-
-    key: BatchKey
-    member: ShareMember
-    slot: int
-    future: Future[BatchResult]
-    waiters: list[_Waiter] = field(default_factory=list)
 
 
 class ShareGroup:
@@ -177,8 +167,8 @@ class ShareGroup:
         self._lock = threading.Lock()
         self.members: set[str] = set()
         """Ids of the open sessions in the group (the registry's to change)."""
-        self._sources: dict[BatchKey, _Source] = {}
-        self._copies: dict[BatchKey, dict[tuple[str, int], _Source]] = {}
+        self._sources: dict[BatchKey, Source] = {}
+        self._copies: dict[BatchKey, dict[tuple[str, int], Source]] = {}
         """Slots that got a batch as a copy, by batch and (member id, slot): they hold it
         too, so a member that asks after the decoding slot was freed copies from one."""
         self._held: dict[tuple[str, int], BatchKey] = {}
@@ -187,6 +177,21 @@ class ShareGroup:
         """Batches a member's worker task decoded."""
         self.copied = 0
         """Batches a member got as a copy of another's slot."""
+        self.read = 0
+        """Batches a member read in another's slot (loans)."""
+        self._loans: dict[tuple[str, int], Loan] = {}
+        """(member id, its slot) -> the loan it reads its batch by."""
+        self._lent: dict[tuple[str, int], set[tuple[str, int]]] = {}
+        """(member id, slot) -> the (member id, slot) of each loan of it (none: no key)."""
+        self._kept: dict[tuple[str, int], Callable[[], object]] = {}
+        """Slots out on loan whose own session is done with them (LENT): what frees each
+        once its last loan is repaid."""
+        self._closing: dict[str, Callable[[], object]] = {}
+        """Members that left with slots out on loan: what releases each one's ring once
+        they are all repaid."""
+        self._released: list[Callable[[], object]] = []
+        """Ring releases due, run by whoever repaid the last loan once it lets go of the
+        lock (on its own thread: a release takes no session's lock)."""
         self._totals = totals
 
     def position(self, epoch: int, plan: EpochPlan) -> int:
@@ -211,9 +216,13 @@ class ShareGroup:
             first -= 1
         return first
 
-    def claim(self, member: ShareMember, task: BatchTask) -> Future[BatchResult]:
+    def claim(
+        self, member: ShareMember, task: BatchTask, *, borrow: bool = False
+    ) -> Future[BatchResult]:
         """The future of ``task`` (batch ``task.batch_index`` into ``member``'s slot
-        ``task.slot``, a WORKING slot): decoded by a worker, or copied from another member.
+        ``task.slot``, a WORKING slot): decoded by a worker, or shared from another member:
+        borrowed (when ``borrow``: the member's client reads other members' rings; see
+        :meth:`loan`) or copied.
 
         Raises:
             Unavailable: the pool refused the task (as ``WorkerPool.submit``).
@@ -227,12 +236,12 @@ class ShareGroup:
                     return self._decode(member, key, task)
                 source = next(iter(copies.values()))
             if not source.future.done():
-                waiter = _Waiter(member, task, Future())
+                waiter = Waiter(member, task, Future(), borrow)
                 source.waiters.append(waiter)
                 return waiter.future
             if source.future.exception() is not None:
                 return self._decode(member, key, task)
-            done = self._copy(source, member, task.slot)
+            done = self._share(source, member, task.slot, borrow=borrow)
         ready: Future[BatchResult] = Future()
         ready.set_result(done)
         return ready
@@ -241,7 +250,7 @@ class ShareGroup:
         """Hand ``task`` to the workers; its slot is the batch's source from now on (caller
         holds the lock)."""
         future = self._pool.submit(task)
-        source = _Source(key, member, task.slot, future)
+        source = Source(key, member, task.slot, future)
         old = self._sources.get(key)
         if old is not None:  # cancelled or failed, and its waiters not served yet: now they
             self._held.pop((old.member.id, old.slot), None)  # wait for this decode
@@ -250,10 +259,114 @@ class ShareGroup:
         self._held[(member.id, task.slot)] = key
         self.decoded += 1
         self._totals.add(decoded=1)
-        _when_done(future, functools.partial(self._decoded, key))
+        when_done(future, functools.partial(self._decoded, key))
         return future
 
-    def _copy(self, source: _Source, member: ShareMember, slot: int) -> BatchResult:
+    def _share(
+        self, source: Source, member: ShareMember, slot: int, *, borrow: bool
+    ) -> BatchResult:
+        """The batch of ``source`` (done) for ``member``'s ``slot``: a loan of the source's
+        slot when the member may borrow and the source may lend, else a copy (caller holds
+        the lock)."""
+        if borrow and self._lendable(source):
+            return self._lend(source, member, slot)
+        return self._copy(source, member, slot)
+
+    def _lendable(self, source: Source) -> bool:
+        # A slot its own session is done with lends no more: new loans would pin it longer.
+        return (source.member.id, source.slot) not in self._kept
+
+    def _lend(self, source: Source, member: ShareMember, slot: int) -> BatchResult:
+        """Lend the slot of ``source`` (done) to ``member``'s ``slot`` (caller holds the
+        lock): the member's client will read the batch there (:meth:`lend_out`)."""
+        loan = Loan(source, member, slot)
+        self._loans[(member.id, slot)] = loan
+        self._lent.setdefault((source.member.id, source.slot), set()).add((member.id, slot))
+        return dataclasses.replace(source.future.result(), slot=slot)
+
+    def lend_out(self, member: ShareMember, slot: int) -> tuple[ShareMember, int] | Wait | None:
+        """``member``'s batch in ``slot`` is to go out now: the (member, slot) its client
+        reads it in, when it is a loan; None when it is in ``slot`` itself (a copy is made
+        now when other readers' clients hold half the source's slots already); WAIT while the
+        member's client holds LOANS_OUT notices of the source's slots (it gives one back as
+        its loop moves on). Called under the member's lock."""
+        with self._lock:
+            loan = self._loans.get((member.id, slot))
+            if loan is None:
+                return None
+            owner, at = loan.source.member, loan.source.slot
+            if loan.sent:
+                return owner, at
+            mine = 0
+            others: set[int] = set()
+            for x in self._loans.values():
+                if x.sent and x.source.member.id == owner.id:
+                    if x.member.id == member.id:
+                        mine += 1
+                    else:
+                        others.add(x.source.slot)
+            if mine >= LOANS_OUT:
+                return WAIT
+            if at not in others and len(others) >= lend_limit(owner.slots):
+                settle = self._unlend(loan)
+                assert not settle, "a slot with no loan out is kept by nobody"
+                return None
+            loan.sent = True
+            self.read += 1
+            self._totals.add(read=1)
+            metrics.record_shared_batch(self.dataset, how="read")
+            return owner, at
+
+    def _unlend(self, loan: Loan) -> list[Callable[[], object]]:
+        """Copy a loan not sent yet into the borrower's own slot, and forget it (caller holds
+        the lock; the source's slot still holds the batch)."""
+        self._copy(loan.source, loan.member, loan.slot)
+        del self._loans[(loan.member.id, loan.slot)]
+        return self._repay(loan)
+
+    def _repay(self, loan: Loan) -> list[Callable[[], object]]:
+        """``loan`` is over (taken off ``_loans`` already; caller holds the lock). Returns
+        what to run once the lock is released: the slot's release, when it was the last loan
+        and its session is done with it. The owner's ring's release, when the owner left and
+        this was the last loan of its slots, goes to ``_released``."""
+        owner = loan.source.member
+        at = (owner.id, loan.source.slot)
+        borrowers = self._lent[at]
+        borrowers.discard((loan.member.id, loan.slot))
+        if borrowers:
+            return []
+        del self._lent[at]
+        actions = []
+        if (kept := self._kept.pop(at, None)) is not None:
+            actions.append(kept)
+        if owner.id in self._closing and not any(m == owner.id for m, _ in self._lent):
+            self._released.append(self._closing.pop(owner.id))
+        return actions
+
+    def loan(self, member: ShareMember, slot: int) -> tuple[ShareMember, int] | None:
+        """The (member, slot) whose batch ``member``'s ``slot`` borrows, if it does."""
+        with self._lock:
+            loan = self._loans.get((member.id, slot))
+            return None if loan is None else (loan.source.member, loan.source.slot)
+
+    def keep(self, member: ShareMember, slot: int, free: Callable[[], object]) -> bool:
+        """``member``'s session is done with ``slot``: True when other members' clients
+        still read it (it stays LENT, and ``free()`` is called once the last gives it back),
+        else False. Loans of it not sent yet become copies now. Called under the member's
+        lock, as its book frees the slot."""
+        with self._lock:
+            at = (member.id, slot)
+            for borrower in list(self._lent.get(at, ())):
+                loan = self._loans[borrower]
+                if not loan.sent:
+                    settle = self._unlend(loan)
+                    assert not settle, "the slot is not kept yet"
+            if at not in self._lent:
+                return False
+            self._kept[at] = free
+            return True
+
+    def _copy(self, source: Source, member: ShareMember, slot: int) -> BatchResult:
         """Copy the batch of ``source`` (done) into ``member``'s ``slot`` (caller holds the
         lock, so the source's slot cannot be freed and reused meanwhile)."""
         result = source.future.result()
@@ -266,11 +379,11 @@ class ShareGroup:
             into[f.offset : f.offset + nbytes] = out[f.offset : f.offset + nbytes]
         self.copied += 1
         self._totals.add(copied=1)
-        metrics.record_shared_batch(self.dataset)
+        metrics.record_shared_batch(self.dataset, how="copied")
         copy = dataclasses.replace(result, slot=slot)
         held: Future[BatchResult] = Future()
         held.set_result(copy)
-        self._copies.setdefault(source.key, {})[(member.id, slot)] = _Source(
+        self._copies.setdefault(source.key, {})[(member.id, slot)] = Source(
             source.key, member, slot, held
         )
         self._held[(member.id, slot)] = source.key
@@ -281,7 +394,7 @@ class ShareGroup:
         this under the cancelling session's lock, a failure may run it under the pool's:
         then it runs on a thread of its own, since it takes the group's lock."""
         if future.cancelled() or future.exception() is not None:
-            _later([functools.partial(self._serve, key, future)])
+            later([functools.partial(self._serve, key, future)])
         else:
             self._serve(key, future)
 
@@ -292,15 +405,17 @@ class ShareGroup:
                 return  # forgotten or replaced first: its waiters were handed on then
             if future.cancelled():
                 self._drop(source)
-            settle = self._settle(source)
+            settle = self._settle(source, lend=True)
         for action in settle:
             action()
 
-    def _settle(self, source: _Source) -> list[Callable[[], object]]:
-        """Serve the waiters of ``source`` (caller holds the lock): copies of its batch when
-        it was decoded, its error when it failed; when it never will be (cancelled, or its
-        session closed first), the first live waiter decodes the batch itself and the others
-        wait for that. Returns what to do once the lock is released."""
+    def _settle(self, source: Source, *, lend: bool) -> list[Callable[[], object]]:
+        """Serve the waiters of ``source`` (caller holds the lock): its batch when it was
+        decoded (a loan where ``lend`` and the waiter borrows, else a copy: ``lend`` is
+        False when the source's slot is being freed), its error when it failed; when it
+        never will be (cancelled, or its session closed first), the first live waiter
+        decodes the batch itself and the others wait for that. Returns what to do once the
+        lock is released."""
         waiters, source.waiters = source.waiters, []
         future = source.future
         actions: list[Callable[[], object]] = []
@@ -312,8 +427,8 @@ class ShareGroup:
                 if error is not None:
                     actions.append(functools.partial(w.future.set_exception, error))
                 else:
-                    copy = self._copy(source, w.member, w.task.slot)
-                    actions.append(functools.partial(w.future.set_result, copy))
+                    done = self._share(source, w.member, w.task.slot, borrow=lend and w.borrow)
+                    actions.append(functools.partial(w.future.set_result, done))
             return actions
         live = [w for w in waiters if not w.future.cancelled()]
         while live:
@@ -328,11 +443,11 @@ class ShareGroup:
             for w in [first, *(w for w in live if w.future.set_running_or_notify_cancel())]:
                 actions.append(functools.partial(w.future.set_exception, e))
             return actions
-        _when_done(own, functools.partial(_chain, first.future))
+        when_done(own, functools.partial(chain, first.future))
         self._sources[source.key].waiters.extend(live)
         return actions
 
-    def _drop(self, source: _Source) -> None:
+    def _drop(self, source: Source) -> None:
         """``source`` holds its batch no more (caller holds the lock)."""
         self._held.pop((source.member.id, source.slot), None)
         if self._sources.get(source.key) is source:
@@ -344,9 +459,14 @@ class ShareGroup:
         their copy now."""
         with self._lock:
             settle = self._forget(member.id, slot)
-        _later(settle)
+            released, self._released = self._released, []
+        for release in released:
+            release()
+        later(settle)
 
     def _forget(self, member_id: str, slot: int) -> list[Callable[[], object]]:
+        if (loan := self._loans.pop((member_id, slot), None)) is not None:
+            return self._repay(loan)
         key = self._held.get((member_id, slot))
         source = None if key is None else self._sources.get(key)
         if source is None or source.member.id != member_id or source.slot != slot:
@@ -357,15 +477,31 @@ class ShareGroup:
                     del self._copies[key]
             return []
         self._drop(source)
-        return self._settle(source)
+        return self._settle(source, lend=False)
 
-    def leave(self, member: ShareMember) -> None:
+    def leave(self, member: ShareMember, release: Callable[[], object] | None = None) -> None:
         """``member`` closed (its ring is still mapped): none of its slots is a source any
-        more; members waiting on one get their copy, or decode the batch themselves."""
+        more; members waiting on one get their copy, or decode the batch themselves; its
+        own loans are repaid. ``release()`` (freeing its ring) is called now, or once the
+        last loan of its slots is repaid: a borrower's client may be reading one."""
         settle: list[Callable[[], object]] = []
         with self._lock:
             for member_id, slot in [k for k in self._held if k[0] == member.id]:
                 settle += self._forget(member_id, slot)
+            for loan in [x for x in self._loans.values() if x.source.member.id == member.id]:
+                if not loan.sent:  # its ring is still mapped: a copy now, not a loan later
+                    settle += self._unlend(loan)
+            for at in [k for k in self._loans if k[0] == member.id]:
+                settle += self._repay(self._loans.pop(at))
+            for at in [k for k in self._kept if k[0] == member.id]:
+                del self._kept[at]  # its ring is released as a whole
+            if release is not None:
+                if any(m == member.id for m, _ in self._lent):
+                    self._closing[member.id] = release
+                else:
+                    settle.append(release)
+            settle += self._released
+            self._released = []
         for action in settle:
             action()
 
@@ -374,40 +510,10 @@ class ShareGroup:
         with self._lock:
             return len(self._sources.keys() | self._copies.keys())
 
-
-def _later(actions: list[Callable[[], object]]) -> None:
-    """Run ``actions`` (resolving waiters' futures) on a thread of their own: the caller
-    holds its session's lock, and a waiter's done-callbacks take the waiter's session's."""
-    if actions:
-        threading.Thread(
-            target=lambda: [a() for a in actions], name="batchd-share-settle", daemon=True
-        ).start()
-
-
-def _when_done(future: Future[BatchResult], fn: Callable[[Future[BatchResult]], object]) -> None:
-    """Call ``fn(future)`` once ``future`` is done: on the thread that finishes it, or, when it
-    is done already (a fast worker), on a thread of its own, never inside this call, whose
-    caller holds the group's lock and a session's."""
-    registered = False
-
-    def done(f: Future[BatchResult]) -> None:
-        if registered:
-            fn(f)
-        else:
-            _later([functools.partial(fn, f)])
-
-    future.add_done_callback(done)
-    registered = True
-
-
-def _chain(waiter: Future[BatchResult], own: Future[BatchResult]) -> None:
-    """Resolve ``waiter`` (set running) as ``own`` resolved."""
-    if own.cancelled():
-        waiter.set_exception(CancelledError())
-    elif (error := own.exception()) is not None:
-        waiter.set_exception(error)
-    else:
-        waiter.set_result(own.result())
+    def loans(self) -> int:
+        """Loans not repaid yet."""
+        with self._lock:
+            return len(self._loans)
 
 
 class ShareGroups:
@@ -440,9 +546,10 @@ class ShareGroups:
         )
         return group
 
-    def leave(self, member: ShareMember, group: ShareGroup) -> None:
-        """``member`` closed; call before its ring is released."""
-        group.leave(member)
+    def leave(self, member: ShareMember, group: ShareGroup, release: Callable[[], object]) -> None:
+        """``member`` closed; ``release()`` frees its ring, now or once the last loan of its
+        slots is repaid (:meth:`ShareGroup.leave`)."""
+        group.leave(member, release)
         with self._lock:
             group.members.discard(member.id)
             if not group.members and self._groups.get(group.key) is group:

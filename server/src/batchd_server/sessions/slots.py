@@ -13,7 +13,10 @@ big enough for one full batch. A slot is in exactly one :class:`SlotState`:
   DELIVERED -- inline streams: batch k was copied into messages and sent; the client has
                not acked index k yet;
   LEASED    -- shm streams: batch k was announced under a lease; the client has not given
-               the lease back yet.
+               the lease back yet;
+  LENT      -- shm, a share group's member: the session is done with the slot, but another
+               member's client still reads the batch in it (``share.py``, NOTE [ Share
+               groups ]); FREE once the last of them gives its lease back.
 
 A stream takes FREE slots for the next batches in order (so at most ``slots`` batches are
 ahead of the client: the ack is the flow-control credit) and sends batches strictly in
@@ -29,6 +32,7 @@ when its batch goes out; back to FREE when:
             unknown leases (late, repeated) are ignored;
   WORKING-- its task is cancelled before a worker took it (the stream ended), or the
             worker finished writing a batch nobody will send any more.
+Any of these goes to LENT instead while other members read the slot (the book asks ``keep``).
 The ring itself is released when the session closes (CloseSession, lease expiry,
 shutdown), after every WORKING slot is done; workers are then told to drop their mapping.
 """
@@ -49,6 +53,7 @@ class SlotState(enum.Enum):
     WORKING = "working"
     DELIVERED = "delivered"
     LEASED = "leased"
+    LENT = "lent"
 
 
 class SlotBook:
@@ -58,12 +63,20 @@ class SlotBook:
     bug in the session, not bad input, and raises AssertionError.
     """
 
-    def __init__(self, slots: int, on_free: Callable[[int], object] | None = None) -> None:
+    def __init__(
+        self,
+        slots: int,
+        on_free: Callable[[int], object] | None = None,
+        keep: Callable[[int], bool] | None = None,
+    ) -> None:
         """``on_free(slot)`` is called as each slot becomes FREE, before it can be taken
-        again (a share group forgets the batch the slot held; ``sessions/share.py``)."""
+        again (a share group forgets the batch the slot held; ``sessions/share.py``).
+        ``keep(slot)`` is asked first, as a slot is given back: True keeps it LENT (other
+        members read it) until :meth:`free` is called again with ``was=LENT``."""
         self._states = [SlotState.FREE] * slots
         self._free: deque[int] = deque(range(slots))
         self._on_free = on_free
+        self._keep = keep
 
     def __len__(self) -> int:
         return len(self._states)
@@ -88,7 +101,10 @@ class SlotBook:
         self._move(slot, SlotState.WORKING, SlotState.LEASED if leased else SlotState.DELIVERED)
 
     def free(self, slot: int, was: SlotState) -> None:
-        """The slot (in state ``was``) is FREE again."""
+        """The slot (in state ``was``) is FREE again, or LENT while others still read it."""
+        if was is not SlotState.LENT and self._keep is not None and self._keep(slot):
+            self._move(slot, was, SlotState.LENT)
+            return
         self._move(slot, was, SlotState.FREE)
         if self._on_free is not None:
             self._on_free(slot)

@@ -32,6 +32,9 @@ class Stream:
     """The next batch to hand to a worker once a slot is free."""
     leased: bool = False
     """An shm stream: its slots go out under session leases, not per batch index."""
+    read_shared: bool = False
+    """An shm stream whose client reads other sessions' rings: a share group may lend it
+    another member's slot (NOTE [ Share groups ])."""
     working: dict[int, tuple[int, Future[BatchResult]]] = field(default_factory=dict)
     """Batch index -> (WORKING slot, its task), until the batch goes out."""
     delivered: dict[int, int] = field(default_factory=dict)

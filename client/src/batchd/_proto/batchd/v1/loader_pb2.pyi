@@ -325,7 +325,7 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSchema, _Mapping]]] = ..., snapshot: _Optional[str] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., split: _Optional[str] = ..., prefetch: _Optional[int] = ..., num_rows: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixSource, _Mapping]]] = ..., schedule_points: _Optional[int] = ..., rotations: _Optional[bool] = ...) -> None: ...
 
 class StreamStart(_message.Message):
-    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size", "stride", "heartbeat", "accept_first", "rotation", "join_share")
+    __slots__ = ("session_id", "epoch", "start_batch", "transport", "seq", "held_leases", "start_sample", "order_world_size", "stride", "heartbeat", "accept_first", "rotation", "join_share", "read_shared")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,7 @@ class StreamStart(_message.Message):
     ACCEPT_FIRST_FIELD_NUMBER: _ClassVar[int]
     ROTATION_FIELD_NUMBER: _ClassVar[int]
     JOIN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    READ_SHARED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     start_batch: int
@@ -352,7 +353,8 @@ class StreamStart(_message.Message):
     accept_first: bool
     rotation: int
     join_share: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ..., start_sample: _Optional[int] = ..., order_world_size: _Optional[int] = ..., stride: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., accept_first: _Optional[bool] = ..., rotation: _Optional[int] = ..., join_share: _Optional[bool] = ...) -> None: ...
+    read_shared: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start_batch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., seq: _Optional[int] = ..., held_leases: _Optional[_Iterable[int]] = ..., start_sample: _Optional[int] = ..., order_world_size: _Optional[int] = ..., stride: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., accept_first: _Optional[bool] = ..., rotation: _Optional[int] = ..., join_share: _Optional[bool] = ..., read_shared: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batch_indices", "wait_s", "leases", "batch_wait_s", "batch_step_s")
@@ -391,7 +393,7 @@ class FieldView(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StreamBatchesResponse(_message.Message):
-    __slots__ = ("batch_index", "slot", "rows", "fields", "failed_sample_ids", "data", "more", "inline_bytes", "lease", "seq", "accepted")
+    __slots__ = ("batch_index", "slot", "rows", "fields", "failed_sample_ids", "data", "more", "inline_bytes", "lease", "seq", "accepted", "ring")
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +405,7 @@ class StreamBatchesResponse(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     batch_index: int
     slot: int
     rows: int
@@ -414,7 +417,8 @@ class StreamBatchesResponse(_message.Message):
     lease: int
     seq: int
     accepted: bool
-    def __init__(self, batch_index: _Optional[int] = ..., slot: _Optional[int] = ..., rows: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldView, _Mapping]]] = ..., failed_sample_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., more: _Optional[bool] = ..., inline_bytes: _Optional[int] = ..., lease: _Optional[int] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ...) -> None: ...
+    ring: RingLayout
+    def __init__(self, batch_index: _Optional[int] = ..., slot: _Optional[int] = ..., rows: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldView, _Mapping]]] = ..., failed_sample_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., more: _Optional[bool] = ..., inline_bytes: _Optional[int] = ..., lease: _Optional[int] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., ring: _Optional[_Union[RingLayout, _Mapping]] = ...) -> None: ...
 
 class DoorbellEnd(_message.Message):
     __slots__ = ("seq", "error_class", "message")

@@ -1,0 +1,56 @@
+"""What a session hands out and what it is handed: a batch ready to go out (its fields'
+places, its lease, the ring it is in), the client's doorbell and the worker pool as a
+session sees them."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+from batchd_server.sessions.share_parts import RingRef
+from batchd_server.workers.task import BatchResult, BatchTask
+
+__all__ = ["Bell", "FieldView", "ReadyBatch", "SubmitsTasks"]
+
+
+class Bell(Protocol):
+    """A client's doorbell connection, as a session sees it (``delivery/doorbell.py``)."""
+
+    def close(self) -> None:
+        """Hang up: the client's next read fails, and the connection's streams end."""
+        ...
+
+
+class SubmitsTasks(Protocol):
+    """The worker pool, as a session sees it (``batchd_server.workers.pool.WorkerPool``)."""
+
+    def submit(self, task: BatchTask) -> Future[BatchResult]:
+        """Queue ``task``; its future is done when a worker wrote the batch (or failed)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FieldView:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReadyBatch:
+    """Batch ``batch_index`` is in ``slot``, ready to go out; ``fields`` are at offsets from
+    the slot's start."""
+
+    batch_index: int
+    slot: int
+    rows: int
+    fields: list[FieldView]
+    failed_sample_ids: list[int]
+    lease: int = 0
+    """shm streams: what the client acks to give the slot back (NOTE [ Slot lifecycle ])."""
+    ring: RingRef | None = None
+    """shm, a loan from a share group's member: ``slot`` is a slot of this ring, not of the
+    session's own (NOTE [ Share groups ])."""
