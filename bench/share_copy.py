@@ -1,13 +1,14 @@
-"""What a shared batch costs the server beside its decode when it is copied into a member's slot.
+"""What a shared batch costs the server beside its decode when it is copied into a slot.
 
 A share group decodes a batch once; a member whose client reads other rings reads it in the
 decoding member's slot, and one that cannot (inline, a CUDA-registered ring, or past the
 bound on what readers may hold) gets a copy in its own ring (NOTE [ Share groups ] in
-``server/src/batchd_server/sessions/share.py``). This measures that copy alone, through the real path (``ShareGroup.claim`` of a batch another member's slot
-holds), for ``[B, 3, 224, 224]`` uint8 images: two members, each a ring of ``--slots`` slots
-in ``/dev/shm`` (laid out by the server's ``slot_layout``), the batches cycling through the
-slots so the copies run out of cache as the server's do. The worker pool is a stand-in that
-reports each batch decoded at once: only the copy is timed (wall and thread CPU per batch).
+``server/src/batchd_server/sessions/share.py``). This measures that copy alone, through the
+real path (``ShareGroup.claim`` of a batch another member's slot holds), for ``[B, 3, 224,
+224]`` uint8 images: two members, each a ring of ``--slots`` slots in ``/dev/shm`` (laid out
+by the server's ``slot_layout``), the batches cycling through the slots so the copies run
+out of cache as the server's do. The worker pool is a stand-in that reports each batch
+decoded at once: only the copy is timed (wall and thread CPU per batch).
 
 Run: ``python bench/share_copy.py`` (a few seconds); ``--batch-sizes 32 64 128``.
 """
