@@ -51,9 +51,7 @@ class Member:
         self.layout = LAYOUT
         self.slots = slots
         self.ring = bytearray(slots * SLOT_BYTES)
-
-    def ring_ref(self) -> RingRef:
-        return RingRef(self.id, len(self.ring), SLOT_BYTES, self.slots, b"token")
+        self.ring_ref = RingRef(self.id, len(self.ring), SLOT_BYTES, slots, b"token")
 
     def slot_memory(self, slot: int) -> memoryview:
         return memoryview(self.ring)[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]

@@ -16,7 +16,7 @@ from batchd._wire.schedule import WeightSchedule
 from batchd._wire.specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
 from batchd_server import metrics
 from batchd_server.api.admission import client_identity
-from batchd_server.delivery.messages import inline_messages, start_stream
+from batchd_server.delivery.messages import inline_messages, ring_layout, start_stream
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.limits import check_name
 from batchd_server.logs import session_log_id
@@ -211,7 +211,6 @@ def open_session(
     """Open the session ``request`` asks for, on behalf of ``client`` (its quotas)."""
     options = session_options(request)
     session = sessions.open(options, client)
-    ring = session.ring
     version, sources = _served(session)
     mix_schedule = None if options.mix is None else options.mix.schedule
     return pb.OpenSessionResponse(
@@ -221,15 +220,7 @@ def open_session(
         num_rows=session.num_rows,
         fields=[pb.FieldSchema(name=f.name, dtype=f.dtype, shape=f.shape) for f in session.layout],
         snapshot=snapshot_token(options, session.catalogs),
-        ring=pb.RingLayout(
-            shm_name=ring.name,
-            segment_bytes=ring.nbytes,
-            header_bytes=session.spec.header_bytes,
-            slot_bytes=session.slot_bytes,
-            slots=session.slots,
-            token=session.token,
-            doorbell=sessions.doorbell,
-        ),
+        ring=ring_layout(session.ring_ref, sessions.doorbell),
         lease_timeout_s=sessions.lease_timeout_s,
         version=version,
         split=options.split,

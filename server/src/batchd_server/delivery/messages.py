@@ -13,9 +13,9 @@ from typing import Final
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._wire.ring import HEADER_BYTES, pack
 from batchd_server import metrics
-from batchd_server.sessions import ReadyBatch, Session, Stream
+from batchd_server.sessions import ReadyBatch, RingRef, Session, Stream
 
-__all__ = ["INLINE_CHUNK_BYTES", "inline_messages", "shm_notice", "start_stream"]
+__all__ = ["INLINE_CHUNK_BYTES", "inline_messages", "ring_layout", "shm_notice", "start_stream"]
 
 INLINE_CHUNK_BYTES: Final = 4 << 20
 """Inline batches travel in messages of at most this many bytes of data."""
@@ -54,18 +54,23 @@ def shm_notice(ready: ReadyBatch, seq: int) -> pb.StreamBatchesResponse:
         lease=ready.lease,
         seq=seq,
     )
-    if (ring := ready.ring) is not None:  # a loan: the batch is in another member's ring
-        notice.ring.CopyFrom(
-            pb.RingLayout(
-                shm_name=ring.name,
-                segment_bytes=ring.segment_bytes,
-                header_bytes=HEADER_BYTES,
-                slot_bytes=ring.slot_bytes,
-                slots=ring.slots,
-                token=ring.token,
-            )
-        )
+    if ready.ring is not None:  # a loan: the batch is in another member's ring
+        notice.ring.CopyFrom(ring_layout(ready.ring))
     return notice
+
+
+def ring_layout(ring: RingRef, doorbell: str = "") -> pb.RingLayout:
+    """``ring`` as a client maps it: the session's own (OpenSession, with its ``doorbell``)
+    or another member's (a loan's notice)."""
+    return pb.RingLayout(
+        shm_name=ring.name,
+        segment_bytes=ring.segment_bytes,
+        header_bytes=HEADER_BYTES,
+        slot_bytes=ring.slot_bytes,
+        slots=ring.slots,
+        token=ring.token,
+        doorbell=doorbell,
+    )
 
 
 def _views(ready: ReadyBatch, *, inline: bool) -> tuple[list[pb.FieldView], int]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from batchd_server.sessions.manager import SessionManager
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
-from batchd_server.sessions.session import Bell, FieldView, ReadyBatch, Session, Stream
+from batchd_server.sessions.session import Bell, FieldView, ReadyBatch, RingRef, Session, Stream
 from batchd_server.sessions.slots import SlotBook, SlotState
 
 __all__ = [
     "Bell",
     "FieldView",
     "ReadyBatch",
+    "RingRef",
     "Session",
     "SessionManager",
     "SessionOptions",

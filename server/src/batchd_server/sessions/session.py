@@ -157,6 +157,8 @@ class Session:
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
         """Slots in the ring (``ring_slots`` decided how many when it was reserved)."""
+        self.ring_ref = RingRef(ring.name, ring.nbytes, slot_bytes, self.slots, token)
+        """The ring as a client maps it: its own (OpenSession) or another member's (a loan)."""
         self.share_group: ShareGroup | None = None
         """The session's share group (set by the manager before any stream), if any."""
         self._book = SlotBook(self.slots, on_free=self._slot_freed, keep=self._slot_lent)
@@ -493,10 +495,6 @@ class Session:
                 self._fill(self._stream)
             self._cond.notify_all()
 
-    def ring_ref(self) -> RingRef:
-        """This session's ring, as another member's client maps it."""
-        return RingRef(self.ring.name, self.ring.nbytes, self.slot_bytes, self.slots, self.token)
-
     def _result(
         self, stream: Stream, future: Future[BatchResult], client_active: Callable[[], bool]
     ) -> BatchResult | None:
@@ -567,7 +565,7 @@ class Session:
             views,
             [x.sample_id for x in failures],
             lease,
-            None if loan is None else loan[0].ring_ref(),
+            None if loan is None else loan[0].ring_ref,
         )
 
     # -- closing --------------------------------------------------------------------------

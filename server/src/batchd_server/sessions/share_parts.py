@@ -55,9 +55,8 @@ class ShareMember(Protocol):
         """The bytes of slot ``slot`` of the session's ring."""
         ...
 
-    def ring_ref(self) -> RingRef:
-        """The session's ring, as another member's client maps it."""
-        ...
+    ring_ref: RingRef
+    """The session's ring, as a client maps it."""
 
 
 class SubmitsTasks(Protocol):
