@@ -148,9 +148,13 @@ def test_shm_members_read_one_slot_not_copies(server: RunningServer) -> None:
                 a["sample_id"], b["sample_id"]
             )
             segments.add(where)
+        rings = {_ring(one), _ring(two)}
     assert counts.copied == copied, "a member's batch was copied, not read where it was"
     assert counts.read - read >= 45, f"{counts.read - read} of 51 batches read in another ring"
-    assert len(segments) == 2, "each member's ring lent the other some batches"
+    # Which member's worker decodes a batch is the scheduler's choice (on 2 busy cores one
+    # stream can stay ahead all epoch), so the test asks only that each batch lies in a
+    # member's own ring.
+    assert segments <= rings, f"batches read in {segments - rings}, no member's ring"
 
 
 def _ring(loader: batchd.Loader) -> str:
