@@ -4,7 +4,7 @@ counts its requests, and can be stopped like a store that went away."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from batchd_server.pipelines.base import BadSample
@@ -59,3 +59,28 @@ class StatDirFetcher(DirFetcher):
         with self._lock:
             self.stats += 1
         return path.stat().st_size
+
+
+class StreamDirFetcher(DirFetcher):
+    """A DirFetcher that also streams a range (``StreamsRanges``), in pieces of ``piece``
+    bytes that fall across the cache's chunk and block edges; like an S3 store, a range that
+    runs past the object's end streams what there is."""
+
+    def __init__(self, root: Path, piece: int = 100) -> None:
+        super().__init__(root)
+        self.piece = piece
+
+    def stream(self, url: str, offset: int, length: int) -> Iterator[bytes]:
+        path = self._path(url)
+        with self._lock:
+            self.requests.append((url, [(offset, length)]))
+        data = path.read_bytes()
+        if offset >= len(data):
+            raise BadSample("unreadable", f"{url}: range past the end")
+        data = data[offset : offset + length]
+        for at in range(0, len(data), self.piece):
+            yield data[at : at + self.piece]
+
+
+class StreamStatDirFetcher(StreamDirFetcher, StatDirFetcher):
+    """A StreamDirFetcher that can also say an object's size."""

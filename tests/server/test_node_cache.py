@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,14 @@ import pytest
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, BlockStore, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher, cached
-from tests.cache_support import ROOT_URL, DirFetcher, StatDirFetcher
+from batchd_server.storage.fetch_locks import FetchLocks
+from tests.cache_support import (
+    ROOT_URL,
+    DirFetcher,
+    StatDirFetcher,
+    StreamDirFetcher,
+    StreamStatDirFetcher,
+)
 
 BLOCK = 1024
 CHUNK = 256
@@ -33,10 +40,26 @@ def objects(tmp_path: Path) -> Path:
     return root
 
 
+_STREAMED = [False]
+"""Whether :func:`make`'s store streams its ranges (set per test by :func:`path`)."""
+
+
+@pytest.fixture(autouse=True, params=["ranges", "streamed"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test twice: misses fetched as whole ranges, and streamed piece by piece into
+    the block files (the path an S3 store takes)."""
+    _STREAMED[0] = request.param == "streamed"
+    yield request.param
+    _STREAMED[0] = False
+
+
 def make(
     objects: Path, cache: Path, *, capacity: int = 1 << 30, stat: bool = True
 ) -> tuple[CachingFetcher, DirFetcher]:
-    inner = StatDirFetcher(objects) if stat else DirFetcher(objects)
+    if _STREAMED[0]:
+        inner: DirFetcher = StreamStatDirFetcher(objects) if stat else StreamDirFetcher(objects)
+    else:
+        inner = StatDirFetcher(objects) if stat else DirFetcher(objects)
     store = BlockStore(cache, capacity_bytes=capacity, block_bytes=BLOCK, chunk_bytes=CHUNK)
     return CachingFetcher(inner, store, stats=CacheStats()), inner
 
@@ -75,7 +98,11 @@ def test_missing_blocks_are_fetched_in_one_request_a_run(objects: Path, tmp_path
     fetcher.fetch(url, [(3 * BLOCK, 2 * BLOCK)])
     inner.requests.clear()
     fetcher.fetch(url, [(0, 10 * BLOCK)])
-    assert inner.requests == [(url, [(0, 3 * BLOCK), (5 * BLOCK, 5 * BLOCK)])]
+    runs = [(0, 3 * BLOCK), (5 * BLOCK, 5 * BLOCK)]
+    if isinstance(inner, StreamDirFetcher):  # a GET of each run, streamed
+        assert inner.requests == [(url, [run]) for run in runs]
+    else:  # one call for both runs (the store's client sends them at once)
+        assert inner.requests == [(url, runs)]
 
 
 def test_blocks_outlive_the_fetcher_that_wrote_them(objects: Path, tmp_path: Path) -> None:
@@ -169,9 +196,10 @@ def test_a_range_past_the_objects_end_is_a_bad_sample(objects: Path, tmp_path: P
     assert missing.value.kind == "missing"
 
 
-def _read_all(cache: str, objects: str, seed: int) -> list[bytes]:
+def _read_all(cache: str, objects: str, seed: int, streamed: bool) -> list[bytes]:
     store = BlockStore(Path(cache), capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK)
-    fetcher = CachingFetcher(StatDirFetcher(Path(objects)), store, stats=CacheStats())
+    kind = StreamStatDirFetcher if streamed else StatDirFetcher
+    fetcher = CachingFetcher(kind(Path(objects)), store, stats=CacheStats())
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(30):
@@ -189,7 +217,8 @@ def test_processes_reading_the_same_blocks_at_once_leave_one_file_each(
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(4) as pool:
         results = pool.starmap(
-            _read_all, [(str(tmp_path / "cache"), str(objects), s % 2) for s in range(4)]
+            _read_all,
+            [(str(tmp_path / "cache"), str(objects), s % 2, _STREAMED[0]) for s in range(4)],
         )
     assert results[0] == results[2] and results[1] == results[3]
     store = BlockStore(
@@ -278,14 +307,14 @@ def test_a_reader_waits_for_a_block_another_is_fetching_and_reads_its_file(
     url = inner.url("shard0.bin")
     data = (objects / "shard0.bin").read_bytes()
     asking = threading.Event()
-    real = BlockStore.fetching
+    real = FetchLocks.hold
 
-    def fetching(self: BlockStore, keys: Sequence[BlockKey], *, wait: bool = True) -> Any:
+    def hold(self: FetchLocks, keys: Sequence[BlockKey], *, wait: bool = True) -> Any:
         if threading.current_thread().name == "second":
             asking.set()
         return real(self, keys, wait=wait)
 
-    monkeypatch.setattr(BlockStore, "fetching", fetching)
+    monkeypatch.setattr(FetchLocks, "hold", hold)
     first: list[bytes] = []
     second: list[bytes] = []
     a = threading.Thread(
@@ -332,7 +361,7 @@ def test_a_prefetch_leaves_a_block_being_fetched_to_its_fetcher(
 
 def _hold_stripe(cache: str, key: tuple[str, int], held: Any, release: Any) -> bool:
     store = BlockStore(Path(cache), capacity_bytes=1 << 20, block_bytes=BLOCK, chunk_bytes=CHUNK)
-    with store.fetching([BlockKey(*key)]) as mine:
+    with store.fetch_locks.hold([BlockKey(*key)]) as mine:
         held.set()
         release.wait(30)
         return BlockKey(*key) in mine
@@ -349,9 +378,9 @@ def test_fetch_locks_exclude_other_processes_and_go_with_them(tmp_path: Path) ->
         held, release = manager.Event(), manager.Event()
         result = pool.apply_async(_hold_stripe, (str(tmp_path / "c"), key, held, release))
         assert held.wait(60)
-        with store.fetching([BlockKey(*key), other], wait=False) as mine:
+        with store.fetch_locks.hold([BlockKey(*key), other], wait=False) as mine:
             assert mine == {other}
         release.set()
         assert result.get(60) is True
-    with store.fetching([BlockKey(*key)], wait=False) as mine:
+    with store.fetch_locks.hold([BlockKey(*key)], wait=False) as mine:
         assert mine == {BlockKey(*key)}

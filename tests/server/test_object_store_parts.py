@@ -282,3 +282,22 @@ def test_tar_ingest_from_the_store_reads_headers_and_labels_not_payloads(
         for key, offset, length, label in rows:
             i = int(key.rsplit("#s", 1)[1])
             assert shard[offset : offset + length] == payloads[i] and label == i % 3
+
+
+def test_a_streamed_range_is_the_objects_bytes_and_fails_as_a_fetch_does(
+    s3: ThrowawayS3,
+) -> None:
+    """``S3Fetcher.stream`` (the node cache's misses): a range's bytes in order, fewer when
+    the range runs past the end; a missing object is ``missing`` naming its URL, a range
+    that starts past the end ``unreadable``."""
+    with store_env(s3):
+        fetcher = S3Fetcher()
+        url = f"s3://{BUCKET}/root/a.bin"
+        assert b"".join(fetcher.stream(url, 100, 5000)) == BLOB[100:5100]
+        assert b"".join(fetcher.stream(url, len(BLOB) - 10, 100)) == BLOB[-10:]
+        with pytest.raises(BadSample, match=f"s3://{BUCKET}/root/nope.bin") as caught:
+            list(fetcher.stream(f"s3://{BUCKET}/root/nope.bin", 0, 10))
+        assert caught.value.kind == "missing"
+        with pytest.raises(BadSample) as caught:
+            list(fetcher.stream(url, len(BLOB) + 1, 10))
+        assert caught.value.kind == "unreadable"

@@ -48,6 +48,10 @@ class Counting(S3Fetcher):
         self.calls.append((url, [(int(o), int(n)) for o, n in ranges]))
         return super().fetch(url, ranges)
 
+    def stream(self, url: str, offset: int, length: int) -> Iterator[memoryview]:
+        self.calls.append((url, [(offset, length)]))  # the node cache's misses come here
+        yield from super().stream(url, offset, length)
+
 
 def _batch() -> tuple[list[str], Any, Any, Any]:
     paths = sorted(SHARDS)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["RangeFetcher", "TooLarge", "WholeFetcher"]
+__all__ = ["RangeFetcher", "StreamsRanges", "TooLarge", "WholeFetcher"]
 
 
 class TooLarge(Exception):
@@ -44,6 +44,21 @@ class WholeFetcher(Protocol):
 
         Raises:
             TooLarge: it has more than ``max_bytes`` (found before its body is read).
+            BadSample: as :meth:`RangeFetcher.fetch`.
+        """
+        ...
+
+
+@runtime_checkable
+class StreamsRanges(Protocol):
+    """A fetcher that can hand one range's bytes over as they arrive: the node cache copies
+    them into a buffer it reuses rather than taking a new buffer per block from the client."""
+
+    def stream(self, url: str, offset: int, length: int) -> Iterator[bytes | memoryview]:
+        """The bytes ``[offset, offset + length)`` in pieces, in order (fewer in all when the
+        object is shorter).
+
+        Raises:
             BadSample: as :meth:`RangeFetcher.fetch`.
         """
         ...

@@ -22,23 +22,24 @@ read of their chunks, not of 4 MiB. (A flipped byte in a chunk no one reads goes
 until someone reads it, which is when it matters.)
 
 Writers (every worker process and the cache manager's prefetch threads) write a block under
-``tmp/`` and ``link`` it to its name: ``link`` never replaces, so two processes that fetched
-the same block leave one file, and a reader never sees a half-written one. The files'
-total is bounded by reserving each file's bytes in ``usage`` (under ``flock``) before it is
-written: a reservation that would pass the capacity is refused, and the block is served
-without being kept. What is deleted is given back. So the files never take more than
-``capacity_bytes``, whoever writes. A crash between a reservation and the link can leave the
-ledger high; :meth:`BlockStore.scan` (at start, and now and then from the cache manager)
-sets it to what the files really take.
+``tmp/`` (at once, or piece by piece as a fetch receives it: ``BlockWriter``, which writes
+the header and the chunk table last) and ``link`` it to its name: ``link`` never replaces,
+so two processes that fetched the same block leave one file, and a reader never sees a
+half-written one. The files' total is bounded by reserving each file's bytes in ``usage`` (under
+``flock``) before it is written: a reservation that would pass the capacity is refused, and
+the block is served without being kept. What is deleted is given back. So the files never
+take more than ``capacity_bytes``, whoever writes. A crash between a reservation and the
+link can leave the ledger high; :meth:`BlockStore.scan` (at start, and now and then from the
+cache manager) sets it to what the files really take.
 
 Fetches are not repeated: a process about to fetch some missing blocks first takes their
-*fetch locks* (:meth:`BlockStore.fetching`: a byte-range lock on ``fetching`` per stripe of
-blocks, plus a thread lock per stripe, since a process's byte-range locks do not exclude its
-own threads), reads again what another process cached meanwhile, and fetches only what is
-still missing. Two workers and the prefetcher that need the same row group at the start of
-a cold epoch then fetch it once, not three times: the later ones wait for the first's GET
-and read its blocks from the disk. The kernel drops a dead process's locks, so a worker
-killed mid-fetch holds no one up.
+*fetch locks* (``fetch_locks.py``: a byte-range lock on ``fetching`` per stripe of blocks,
+plus a thread lock per stripe, since a process's byte-range locks do not exclude its own
+threads), reads again what another process cached meanwhile, and fetches only what is still
+missing. Two workers and the prefetcher that need the same row group at the start of a cold
+epoch then fetch it once, not three times: the later ones wait for the first's GET and read
+its blocks from the disk. The kernel drops a dead process's locks, so a worker killed
+mid-fetch holds no one up.
 
 The directory is meant for one server at a time (``--cache-dir`` of one pod); it survives a
 restart of that server: nothing in it depends on the process that wrote it.
@@ -63,14 +64,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from batchd_server.storage.fetch_locks import FetchLocks
+
 __all__ = [
     "BLOCK_BYTES",
     "CHUNK_BYTES",
-    "FETCH_STRIPES",
     "HEADER_BYTES",
     "BlockKey",
     "BlockRead",
     "BlockStore",
+    "BlockWriter",
     "ObjectMeta",
     "object_hash",
 ]
@@ -88,10 +91,6 @@ whole blocks (one run on the development machine, page cache warm; noisy)."""
 HEADER_BYTES: Final = 32
 _HEADER: Final = struct.Struct("<8sQQII")
 _MAGIC: Final = b"batchdB2"
-FETCH_STRIPES: Final = 4096
-"""Fetch locks per cache directory (:meth:`BlockStore.fetching`): the blocks of one object
-take consecutive stripes, so two blocks share a lock only 4,096 blocks (16 GiB) apart or
-across objects by chance, and a shared lock costs a wait, never a wrong answer."""
 _STALE_TMP_S: Final = 600.0
 """A file under tmp/ older than this was left by a crashed writer."""
 
@@ -183,8 +182,8 @@ class BlockStore:
         self._ledger_fd = os.open(root / "usage", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # flock excludes other processes; threads of this one share the descriptor.
         self._lock = threading.Lock()
-        self._fetch_fd = os.open(root / "fetching", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._stripes = [threading.Lock() for _ in range(FETCH_STRIPES)]
+        self.fetch_locks = FetchLocks(root / "fetching")
+        """Held while fetching blocks (NOTE [ Cache files ])."""
         self.on_corrupt: Callable[[], object] | None = None
         """Called after a corrupt or truncated block file was found (and deleted)."""
 
@@ -197,8 +196,8 @@ class BlockStore:
         with self._lock:
             if self._ledger_fd >= 0:
                 os.close(self._ledger_fd)
-                os.close(self._fetch_fd)
-                self._ledger_fd = self._fetch_fd = -1
+                self.fetch_locks.close()
+                self._ledger_fd = -1
 
     # -- the ledger -------------------------------------------------------------------------
 
@@ -234,41 +233,6 @@ class BlockStore:
             used[0] -= nbytes
 
     # -- fetch locks ------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def fetching(self, keys: Sequence[BlockKey], *, wait: bool = True) -> Iterator[set[BlockKey]]:
-        """Hold the fetch locks of ``keys`` (NOTE [ Cache files ]): another process or thread
-        that asks for any of them waits until this one has fetched and written them. Yields
-        the keys whose locks are held: all of them, or with ``wait=False`` those no one else
-        held (the others are being fetched by someone: read them where they will be).
-
-        Every taker takes its stripes in ascending order and holds a stripe's thread lock
-        before its byte-range lock, so no two takers wait on each other. The byte-range
-        locks are open-file-description locks, which the kernel does not check for
-        deadlocks: a process's classic locks are one owner for all its threads, so two
-        processes whose threads wait on each other's stripes would be refused as a
-        "deadlock" that is not one.
-        """
-        by_stripe: dict[int, list[BlockKey]] = {}
-        for k in keys:
-            by_stripe.setdefault((int(k.object[:12], 16) + k.index) % FETCH_STRIPES, []).append(k)
-        held: list[int] = []
-        got: set[BlockKey] = set()
-        try:
-            for stripe in sorted(by_stripe):
-                if not self._stripes[stripe].acquire(blocking=wait):
-                    continue
-                if not _range_lock(self._fetch_fd, stripe, fcntl.F_WRLCK, wait=wait):
-                    self._stripes[stripe].release()
-                    continue
-                held.append(stripe)
-                got.update(by_stripe[stripe])
-            yield got
-        finally:
-            for stripe in reversed(held):
-                with contextlib.suppress(OSError):
-                    _range_lock(self._fetch_fd, stripe, fcntl.F_UNLCK, wait=False)
-                self._stripes[stripe].release()
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -390,32 +354,19 @@ class BlockStore:
         nbytes = self.file_bytes(len(content))
         if not self._reserve(nbytes):
             return False
-        tmp = f"{self._tmp}/{os.getpid()}-{secrets.token_hex(8)}"
+        tmp = self._tmp_name()
         try:
             view = memoryview(content)
             chunk = self.chunk_bytes
             crcs = [zlib.crc32(view[a : a + chunk]) for a in range(0, len(view), chunk)]
-            table = struct.pack(f"<{len(crcs)}I", *crcs)
-            offset = key.index * self.block_bytes
-            header = _HEADER.pack(_MAGIC, offset, len(view), chunk, zlib.crc32(table))
             # One descriptor and one gathered write: a miss of a small object pays for its
             # syscalls, not for Python's file layers.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_all(fd, [header, table, view])
+                _write_all(fd, [*self._head(key, len(view), crcs), view])
             finally:
                 os.close(fd)
-            path = self.path(key)
-            if replace:
-                self.delete(key, reason="extended")
-            try:
-                try:
-                    os.link(tmp, path)
-                except FileNotFoundError:  # the first block under this prefix
-                    path.parent.mkdir(exist_ok=True)
-                    os.link(tmp, path)
-            except FileExistsError:  # another process cached it first: one file stays
-                self._give_back(nbytes)
+            self._link(tmp, key, nbytes, replace=replace)
             return True
         except OSError:
             self._give_back(nbytes)
@@ -423,6 +374,46 @@ class BlockStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def writer(self, key: BlockKey, length: int) -> BlockWriter | None:
+        """A writer of the block's ``length`` bytes, given in pieces as they arrive
+        (:class:`BlockWriter`); None when the ledger has no room or the disk refused."""
+        assert 0 < length <= self.block_bytes, "a block's content fits a block"
+        nbytes, tmp = self.file_bytes(length), self._tmp_name()
+        if not self._reserve(nbytes):
+            return None
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError:
+            self._give_back(nbytes)
+            return None
+        return BlockWriter(self, key, length, nbytes, tmp, fd)
+
+    def _tmp_name(self) -> str:
+        return f"{self._tmp}/{os.getpid()}-{secrets.token_hex(8)}"
+
+    def _head(self, key: BlockKey, length: int, crcs: list[int]) -> tuple[bytes, bytes]:
+        """A block file's header and chunk table."""
+        table = struct.pack(f"<{len(crcs)}I", *crcs)
+        offset = key.index * self.block_bytes
+        header = _HEADER.pack(_MAGIC, offset, length, self.chunk_bytes, zlib.crc32(table))
+        return header, table
+
+    def _link(self, tmp: str, key: BlockKey, nbytes: int, *, replace: bool) -> None:
+        """Give the written file ``tmp`` the block's name (``replace``: an existing file
+        gives way first); if another writer linked it first, its file stays and this one's
+        reservation is given back."""
+        path = self.path(key)
+        if replace:
+            self.delete(key, reason="extended")
+        try:
+            try:
+                os.link(tmp, path)
+            except FileNotFoundError:  # the first block under this prefix
+                path.parent.mkdir(exist_ok=True)
+                os.link(tmp, path)
+        except FileExistsError:  # another process cached it first: one file stays
+            self._give_back(nbytes)
 
     def delete(self, key: BlockKey, *, reason: str = "") -> bool:
         """Delete the block's file (if any) and give its bytes back; whether one was there."""
@@ -517,19 +508,76 @@ class BlockStore:
         return deleted
 
 
-_FLOCK: Final = struct.Struct("hhqqi4x")
-"""``struct flock`` on 64-bit Linux: type, whence, start, len, pid (0 for an OFD lock)."""
+class BlockWriter:
+    """One block file written piece by piece (:meth:`BlockStore.writer`): the content goes to
+    its place in a file under ``tmp/`` as it comes, each chunk's CRC-32 grows with it, and
+    :meth:`finish` writes the header and the chunk table and links the file into place. No
+    buffer of the block is needed: the pieces a fetch receives are written as they are.
+    Not thread-safe (one fetch writes it)."""
+
+    def __init__(
+        self, store: BlockStore, key: BlockKey, length: int, nbytes: int, tmp: str, fd: int
+    ) -> None:
+        self._store, self.key, self.length = store, key, length
+        self._nbytes, self._tmp, self._fd = nbytes, tmp, fd
+        self._base = HEADER_BYTES + 4 * -(-length // store.chunk_bytes)
+        self._at = 0
+        self._crcs: list[int] = []
+        self._crc = 0
+        """The CRC-32 of the chunk being written, so far."""
+
+    def add(self, piece: memoryview) -> None:
+        """The next bytes of the content.
+
+        Raises:
+            OSError: the disk refused them (the writer is then of no use: :meth:`abort` it).
+        """
+        assert self._at + len(piece) <= self.length, "more bytes than the block holds"
+        _write_at(self._fd, piece, self._base + self._at)
+        chunk = self._store.chunk_bytes
+        while len(piece):
+            take = min(len(piece), chunk - self._at % chunk)
+            self._crc = zlib.crc32(piece[:take], self._crc)
+            self._at += take
+            piece = piece[take:]
+            if self._at % chunk == 0 or self._at == self.length:
+                self._crcs.append(self._crc)
+                self._crc = 0
+
+    def finish(self, *, replace: bool = False) -> bool:
+        """Write the header and the table and link the block into place (``replace`` as in
+        :meth:`BlockStore.write`); whether it is now cached. The content must be whole."""
+        assert self._at == self.length, f"{self._at} of the block's {self.length} bytes written"
+        try:
+            _write_at(self._fd, b"".join(self._store._head(self.key, self.length, self._crcs)), 0)
+            os.close(self._fd)
+            self._fd = -1
+            self._store._link(self._tmp, self.key, self._nbytes, replace=replace)
+            return True
+        except OSError:
+            self.abort()
+            return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+
+    def abort(self) -> None:
+        """Drop what was written and give its room back. Idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._nbytes:
+            self._store._give_back(self._nbytes)
+            self._nbytes = 0
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
 
 
-def _range_lock(fd: int, byte: int, kind: int, *, wait: bool) -> bool:
-    """Take (``F_WRLCK``) or drop (``F_UNLCK``) the open-file-description lock of one byte of
-    ``fd``; False when ``wait`` is False and someone else holds it."""
-    request = _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, request)
-    except (BlockingIOError, PermissionError):  # EAGAIN, or EACCES on some systems: held
-        return False
-    return True
+def _write_at(fd: int, data: bytes | memoryview, at: int) -> None:
+    view = memoryview(data)
+    while len(view):
+        done = os.pwrite(fd, view, at)
+        view, at = view[done:], at + done
 
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:

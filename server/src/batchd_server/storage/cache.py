@@ -4,9 +4,12 @@ fetched on a local disk, shared by every process and session of the server.
 A worker's read of some ranges of an object becomes reads of the aligned blocks they fall in
 (NOTE [ Cache files ] in ``blocks.py``): blocks on disk are read and checked, the missing
 ones are fetched from the store in one request of one range per run of neighbouring blocks,
-kept, and the asked ranges cut out of them. Nothing in a worker decides what leaves the
-cache: the cache manager in the server's main process does, from the plans of the live
-sessions (``storage/manager.py``), and prefetches through a fetcher of this class too.
+kept, and the asked ranges cut out of them. A store that streams (``StreamsRanges``: S3)
+has each run's answer written to its blocks' files as it arrives (``BlockWriter``), and the
+reader keeps copies of only its ranges: no buffer per block. Nothing in a worker decides
+what leaves the cache: the cache manager in the server's main process does, from the plans
+of the live sessions (``storage/cache_manager.py``), and prefetches through a fetcher of
+this class too.
 
 An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
 ``size`` if it has one: a HEAD; a whole-object read, :meth:`CachingFetcher.fetch_whole`,
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
+from batchd_server.storage.base import RangeFetcher, StreamsRanges, TooLarge, WholeFetcher
 from batchd_server.storage.blocks import (
     BLOCK_BYTES,
     BlockKey,
@@ -308,7 +311,7 @@ class CachingFetcher:
         # disk: at the start of a cold epoch, the workers and the prefetch all want most
         # blocks of a shuffled dataset at once, and each block comes from the store once. The
         # prefetch does not wait: a block being fetched is its fetcher's.
-        with self.store.fetching(list(keys.values()), wait=not prefetch) as mine:
+        with self.store.fetch_locks.hold(list(keys.values()), wait=not prefetch) as mine:
             for i in missing:  # whoever held a lock before may have cached its blocks
                 if keys[i] in mine:
                     found = self.store.read(keys[i], need[i])
@@ -350,6 +353,8 @@ class CachingFetcher:
             return min((i + 1) * b, size) if size >= 0 else i * b + max(hi for _, hi in need[i])
 
         spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
+        if isinstance(self.inner, StreamsRanges):
+            return self._stream_missing(self.inner, url, runs, spans, need, short, prefetch)
         started = time.perf_counter()
         datas = self.inner.fetch(url, spans)
         self.stats.latency(time.perf_counter() - started)
@@ -372,6 +377,59 @@ class CachingFetcher:
                 self.store.write(BlockKey(h, i), content, replace=i in short)
         return got
 
+    def _stream_missing(
+        self,
+        inner: StreamsRanges,
+        url: str,
+        runs: list[list[int]],
+        spans: list[tuple[int, int]],
+        need: dict[int, list[tuple[int, int]]],
+        short: set[int],
+        prefetch: bool,
+    ) -> dict[int, BlockRead]:
+        """:meth:`_fetch_missing` through a fetcher that streams: the pieces of each run go
+        to their blocks' files as they arrive (:class:`BlockWriter`), and a reader keeps
+        copies of the spans it asked for. No buffer is taken per block: a fresh 4 MiB buffer,
+        its pages touched for the first time, cost more CPU than the transfer did."""
+        h = object_hash(url)
+        got: dict[int, BlockRead] = {}
+        for run, (start, length) in zip(runs, spans, strict=True):
+            block = _Filling(self.store, h, run[0], start, length, need, prefetch)
+            received = 0
+            started = time.perf_counter()
+            try:
+                for piece in inner.stream(url, start, length):
+                    view = memoryview(piece).cast("B")
+                    received += len(view)
+                    if received > length:
+                        raise BadSample(
+                            "unreadable",
+                            f"{url}: the store answered more than the {length} bytes asked at "
+                            f"{start}",
+                        )
+                    while len(view):
+                        view = block.add(view)
+                        if block.full:
+                            got[block.index] = block.finish(replace=block.index in short)
+                            if block.index < run[-1]:
+                                block = _Filling(
+                                    self.store, h, block.index + 1, start, length, need, prefetch
+                                )
+            except BaseException:
+                block.abort()
+                raise
+            finally:
+                self.stats.latency(time.perf_counter() - started)
+                self.stats.add(fetched_bytes=received, prefetched_bytes=received if prefetch else 0)
+            if received != length:
+                block.abort()
+                raise BadSample(
+                    "unreadable",
+                    f"{url}: the store answered {received} bytes for the {length} at {start}; "
+                    "the object may have changed or been truncated",
+                )
+        return got
+
     def _cut(self, blocks: dict[int, BlockRead], offset: int, length: int) -> bytes | memoryview:
         if length == 0:
             return b""
@@ -381,6 +439,66 @@ class CachingFetcher:
             lo, hi = max(offset, i * b) - i * b, min(offset + length, (i + 1) * b) - i * b
             parts.append(blocks[i].cut(lo, hi))
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class _Filling:
+    """Block ``index`` of a run being streamed: its file's writer (None when the cache has
+    no room for it: the block is then only served) and a reader's copies of its spans."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        h: str,
+        index: int,
+        start: int,
+        length: int,
+        need: dict[int, list[tuple[int, int]]],
+        prefetch: bool,
+    ) -> None:
+        b = store.block_bytes
+        self.index = index
+        self.size = min((index + 1) * b, start + length) - index * b
+        self.at = 0
+        self.writer = store.writer(BlockKey(h, index), self.size)
+        merged: list[list[int]] = []
+        for lo, hi in sorted(() if prefetch else need.get(index, ())):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.spans = [(lo, bytearray(hi - lo)) for lo, hi in merged]
+
+    @property
+    def full(self) -> bool:
+        return self.at == self.size
+
+    def add(self, view: memoryview) -> memoryview:
+        """Take what of ``view`` belongs to this block; returns the rest."""
+        piece, rest = view[: self.size - self.at], view[self.size - self.at :]
+        lo, hi = self.at, self.at + len(piece)
+        for start, copy in self.spans:
+            a, z = max(lo, start), min(hi, start + len(copy))
+            if a < z:
+                copy[a - start : z - start] = piece[a - lo : z - lo]
+        if self.writer is not None:
+            try:
+                self.writer.add(piece)
+            except OSError:  # the disk refused: the block is served, not kept
+                self.writer.abort()
+                self.writer = None
+        self.at = hi
+        return rest
+
+    def finish(self, *, replace: bool) -> BlockRead:
+        if self.writer is not None:
+            self.writer.finish(replace=replace)
+            self.writer = None
+        return BlockRead(self.size, [(lo, memoryview(copy)) for lo, copy in self.spans])
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
 
 
 _STORES: dict[tuple[int, Path, int, int], BlockStore] = {}
