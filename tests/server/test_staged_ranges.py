@@ -4,6 +4,7 @@ object for the whole batch, every sample's bytes served from it, against a real 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,4 +109,33 @@ def test_a_stage_that_fails_leaves_each_sample_to_report_itself(s3: ThrowawayS3)
         files.read("nope.tar", 10, 5)
     assert missing.value.kind == "missing"
     assert "nope.tar" in str(missing.value)
+    files.close()
+
+
+def test_objects_on_the_nodes_disk_are_read_in_the_readers_thread(
+    s3: ThrowawayS3, tmp_path: Path
+) -> None:
+    """A batch over two objects, one already in the node cache: the cached one is read in
+    the reader's own thread (a handoff to a fetch thread costs more than the read), the other
+    is fetched by a fetch thread; both serve the right bytes."""
+    inner = Counting()
+    store = BlockStore(tmp_path / "cache", capacity_bytes=1 << 30)
+    fetcher = CachingFetcher(inner, store, stats=CacheStats())
+    threads: dict[str, str] = {}
+    real = fetcher.fetch
+
+    def fetch(url: str, ranges: Any) -> list[bytes | memoryview]:
+        threads[url] = threading.current_thread().name
+        return real(url, ranges)
+
+    fetcher.fetch = fetch  # type: ignore[method-assign]
+    files = ObjectFiles(ROOT, fetcher, inner.size, max_sample_bytes=1 << 20)
+    paths, which, offsets, lengths = _batch()
+    files.read(paths[0], 0, 10)  # s0.tar's one block is on the disk now
+    threads.clear()
+    data, starts = files.read_ranges(paths, which, offsets, lengths)
+    got = [bytes(data[a : a + n]) for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+    assert got == _expected(paths, which, offsets, lengths)
+    assert threads[f"{ROOT}/{paths[0]}"] == threading.current_thread().name
+    assert threads[f"{ROOT}/{paths[1]}"].startswith("batchd-fetch")
     files.close()

@@ -237,7 +237,10 @@ class BlockStore:
     # -- blocks -----------------------------------------------------------------------------
 
     def path(self, key: BlockKey) -> Path:
-        return self._blocks / key.object[:2] / key.name
+        return Path(self.file(key))
+
+    def file(self, key: BlockKey) -> str:  # a hit opens it: no Path made per block read
+        return f"{self._blocks}/{key.object[:2]}/{key.object}.{key.index}"
 
     def file_bytes(self, length: int) -> int:
         """What a block file of ``length`` content bytes takes (header, chunk table, content)."""
@@ -248,7 +251,7 @@ class BlockStore:
         checked: None if it is not cached, or its file is bad (then deleted, and
         :attr:`on_corrupt` called); a :class:`BlockRead` without parts if it holds fewer
         bytes than a span's end."""
-        path = self.path(key)
+        path = self.file(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -278,7 +281,7 @@ class BlockStore:
         if not 0 < length <= self.block_bytes:
             return None
         try:
-            fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.file(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
@@ -511,20 +514,17 @@ class BlockStore:
 class BlockWriter:
     """One block file written piece by piece (:meth:`BlockStore.writer`): the content goes to
     its place in a file under ``tmp/`` as it comes, each chunk's CRC-32 grows with it, and
-    :meth:`finish` writes the header and the chunk table and links the file into place. No
-    buffer of the block is needed: the pieces a fetch receives are written as they are.
-    Not thread-safe (one fetch writes it)."""
+    :meth:`finish` writes the header and the chunk table and links the file into place: no
+    buffer of the block is needed. Not thread-safe (one fetch writes it)."""
 
     def __init__(
         self, store: BlockStore, key: BlockKey, length: int, nbytes: int, tmp: str, fd: int
     ) -> None:
         self._store, self.key, self.length = store, key, length
         self._nbytes, self._tmp, self._fd = nbytes, tmp, fd
-        self._base = HEADER_BYTES + 4 * -(-length // store.chunk_bytes)
-        self._at = 0
+        self._base, self._at = HEADER_BYTES + 4 * -(-length // store.chunk_bytes), 0
         self._crcs: list[int] = []
-        self._crc = 0
-        """The CRC-32 of the chunk being written, so far."""
+        self._crc = 0  # of the chunk being written, so far
 
     def add(self, piece: memoryview) -> None:
         """The next bytes of the content.

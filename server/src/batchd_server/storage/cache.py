@@ -212,7 +212,18 @@ class CachingFetcher:
             size = self._remember(url, meta.size)
         if size > self.store.block_bytes:
             return False
-        return size == 0 or os.path.exists(self.store.path(BlockKey(object_hash(url), 0)))
+        return size == 0 or os.path.exists(self.store.file(BlockKey(object_hash(url), 0)))
+
+    def has_ranges(self, url: str, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Whether every block ``ranges`` touch looks cached (its file is there): a reader
+        then reads them in its own thread (as :meth:`has_whole`; not a promise either)."""
+        b, h = self.store.block_bytes, object_hash(url)
+        return all(
+            os.path.exists(self.store.file(BlockKey(h, i)))
+            for offset, length in ranges
+            if length > 0
+            for i in range(offset // b, (offset + length - 1) // b + 1)
+        )
 
     def _get_whole(self, inner: WholeFetcher, url: str, max_bytes: int) -> bytes:
         """A whole object not known here: one GET, then its record and its blocks."""

@@ -294,7 +294,7 @@ class CacheManager:
                     absent = {
                         BlockKey(source.hashes[obj], b)
                         for b in set(uses.blocks.tolist())
-                        if not self.store.path(BlockKey(source.hashes[obj], b)).exists()
+                        if not os.path.exists(self.store.file(BlockKey(source.hashes[obj], b)))
                     }
                     if not absent:
                         continue

@@ -200,9 +200,19 @@ class ObjectFiles(Closeable):
         if len(urls) == 1:
             fetched = [self._fetch(urls[0], runs[0])]
         else:
-            pool = self._threads()
-            futures = [pool.submit(self._fetch, u, r) for u, r in zip(urls, runs, strict=True)]
-            fetched = [f.result() for f in futures]
+            # Objects whose blocks are on the node's disk are read here, after the others
+            # are handed to the fetch threads: a handoff costs more than a read of the disk.
+            on_disk = getattr(self._fetcher, "has_ranges", None)
+            futures = [
+                None
+                if on_disk is not None and on_disk(u, r)
+                else self._threads().submit(self._fetch, u, r)
+                for u, r in zip(urls, runs, strict=True)
+            ]
+            fetched = [
+                self._fetch(u, r) if f is None else f.result()
+                for u, r, f in zip(urls, runs, futures, strict=True)
+            ]
         total = sum(p.total_bytes for p in plans)
         data = np.empty(total, np.uint8)
         starts = np.empty(n, np.int64)
