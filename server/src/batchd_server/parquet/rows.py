@@ -96,7 +96,7 @@ class _Window(io.RawIOBase):
         self._files, self._path, self._size = files, path, size
         self._pos = 0
         self.start = 0
-        self.data = b""
+        self.data: bytes | memoryview = b""
 
     def readable(self) -> bool:
         return True
@@ -112,7 +112,7 @@ class _Window(io.RawIOBase):
         self._pos = base + offset
         return self._pos
 
-    def read(self, size: int = -1) -> bytes:
+    def read(self, size: int = -1) -> bytes | memoryview:
         start = self._pos
         end = self._size if size < 0 else min(self._size, start + size)
         self._pos = max(start, end)
@@ -224,9 +224,11 @@ class ParquetRows:
             )
         except BadSample:
             return
-        # ``data`` is the reader's buffer until its next read: every chunk is copied first.
+        # A local reader's ``data`` is its buffer until its next read: chunks are copied
+        # first. An object store's answers are their own memory (``fresh_buffers``): viewed.
+        own = getattr(self.files, "fresh_buffers", False)
         chunks = [
-            bytes(data[int(a) : int(a) + int(n)])
+            data[int(a) : int(a) + int(n)].data if own else bytes(data[int(a) : int(a) + int(n)])
             for a, n in zip(starts.tolist(), lengths[chosen].tolist(), strict=True)
         ]
         for i, chunk in zip(todo, chunks, strict=True):
@@ -324,7 +326,12 @@ class ParquetRows:
         return found
 
     def _group(
-        self, path: str, row_group: int, offset: int, length: int, data: bytes | None = None
+        self,
+        path: str,
+        row_group: int,
+        offset: int,
+        length: int,
+        data: bytes | memoryview | None = None,
     ) -> _Group:
         key = (path, row_group)
         cached = self._groups.get(key)
@@ -348,7 +355,10 @@ class ParquetRows:
                 "re-ingest it",
             )
         file.window.start = offset
-        file.window.data = bytes(self.files.read(path, offset, length)) if data is None else data
+        if data is None:
+            data = self.files.read(path, offset, length)
+            data = data if getattr(self.files, "fresh_buffers", False) else bytes(data)
+        file.window.data = data
         try:
             table = file.reader.read_row_group(
                 row_group, columns=[".".join(file.payload.names)], use_threads=False

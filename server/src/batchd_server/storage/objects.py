@@ -74,6 +74,10 @@ class ObjectFiles(Closeable):
         max_sample_bytes: The most bytes one sample may have; more is ``too_large``.
     """
 
+    fresh_buffers: Final = True
+    """What :meth:`read` and :meth:`read_ranges` return is memory of its own, never reused by
+    a later read (a local reader's buffer is), so a caller may keep a view of it."""
+
     def __init__(
         self, root: str, fetcher: RangeFetcher, size_of: SizeOf, *, max_sample_bytes: int
     ) -> None:
