@@ -145,6 +145,9 @@ class ParquetRows:
         self.files = files
         self.column = column
         self.target = target
+        self._own_memory: bool = getattr(files, "fresh_buffers", False)
+        """Whether the reader's answers are memory of their own (an object store's) that a
+        chunk may view, rather than a buffer its next read reuses (a local file's)."""
         self._files: OrderedDict[str, _File] = OrderedDict()
         self._groups: OrderedDict[tuple[str, int], tuple[_Group, int]] = OrderedDict()
         """(path, row group) -> (decoded values, the batch it was last used in)."""
@@ -224,9 +227,8 @@ class ParquetRows:
             )
         except BadSample:
             return
-        # A local reader's ``data`` is its buffer until its next read: chunks are copied
-        # first. An object store's answers are their own memory (``fresh_buffers``): viewed.
-        own = getattr(self.files, "fresh_buffers", False)
+        # A local reader's ``data`` is its buffer until its next read: chunks are copied.
+        own = self._own_memory
         chunks = [
             data[int(a) : int(a) + int(n)].data if own else bytes(data[int(a) : int(a) + int(n)])
             for a, n in zip(starts.tolist(), lengths[chosen].tolist(), strict=True)
@@ -357,7 +359,7 @@ class ParquetRows:
         file.window.start = offset
         if data is None:
             data = self.files.read(path, offset, length)
-            data = data if getattr(self.files, "fresh_buffers", False) else bytes(data)
+            data = data if self._own_memory else bytes(data)
         file.window.data = data
         try:
             table = file.reader.read_row_group(

@@ -51,8 +51,8 @@ class WholeFetcher(Protocol):
 
 @runtime_checkable
 class StreamsRanges(Protocol):
-    """A fetcher that can hand one range's bytes over as they arrive: the node cache copies
-    them into a buffer it reuses rather than taking a new buffer per block from the client."""
+    """A fetcher that can hand one range's bytes over as they arrive: the node cache writes
+    them to its block files as they come rather than taking a new buffer per block."""
 
     def stream(self, url: str, offset: int, length: int) -> Iterator[bytes | memoryview]:
         """The bytes ``[offset, offset + length)`` in pieces, in order (fewer in all when the

@@ -351,37 +351,24 @@ class BlockStore:
         return BlockRead(length, parts)
 
     def write(self, key: BlockKey, content: bytes | memoryview, *, replace: bool = False) -> bool:
-        """Keep ``content`` as the block; whether it is now cached (False: no room, or the
-        disk refused). ``replace``: an existing file (a shorter prefix) gives way."""
-        assert len(content) <= self.block_bytes, "a block's content fits a block"
-        nbytes = self.file_bytes(len(content))
-        if not self._reserve(nbytes):
+        """Keep ``content`` as the block (through :meth:`writer`, in one piece); whether it is
+        now cached (False: no room, or the disk refused). ``replace``: an existing file (a
+        shorter prefix) gives way."""
+        view = memoryview(content).cast("B")
+        writer = self.writer(key, len(view))
+        if writer is None:
             return False
-        tmp = self._tmp_name()
         try:
-            view = memoryview(content)
-            chunk = self.chunk_bytes
-            crcs = [zlib.crc32(view[a : a + chunk]) for a in range(0, len(view), chunk)]
-            # One descriptor and one gathered write: a miss of a small object pays for its
-            # syscalls, not for Python's file layers.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                _write_all(fd, [*self._head(key, len(view), crcs), view])
-            finally:
-                os.close(fd)
-            self._link(tmp, key, nbytes, replace=replace)
-            return True
+            writer.add(view)
         except OSError:
-            self._give_back(nbytes)
+            writer.abort()
             return False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        return writer.finish(replace=replace)
 
     def writer(self, key: BlockKey, length: int) -> BlockWriter | None:
         """A writer of the block's ``length`` bytes, given in pieces as they arrive
         (:class:`BlockWriter`); None when the ledger has no room or the disk refused."""
-        assert 0 < length <= self.block_bytes, "a block's content fits a block"
+        assert 0 <= length <= self.block_bytes, "a block's content fits a block"
         nbytes, tmp = self.file_bytes(length), self._tmp_name()
         if not self._reserve(nbytes):
             return None
@@ -483,12 +470,12 @@ class BlockStore:
     def record(self, meta: ObjectMeta) -> None:
         """Record ``meta`` (replacing what was recorded of its URL)."""
         path = self._objects / f"{object_hash(meta.url)}.json"
-        tmp = f"{self._tmp}/{os.getpid()}-{secrets.token_hex(8)}.json"
+        tmp = f"{self._tmp_name()}.json"
         record = json.dumps({"url": meta.url, "size": meta.size}).encode("utf-8")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_all(fd, [record])
+                _write_at(fd, record, 0)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -574,22 +561,11 @@ class BlockWriter:
 
 
 def _write_at(fd: int, data: bytes | memoryview, at: int) -> None:
-    view = memoryview(data)
+    """Write ``data`` at ``at``, in as many calls as the kernel needs."""
+    view = memoryview(data).cast("B")
     while len(view):
         done = os.pwrite(fd, view, at)
         view, at = view[done:], at + done
-
-
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    """Write ``parts`` to ``fd`` in order, in as few calls as the kernel allows."""
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        written = os.writev(fd, views)
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
 
 
 def _entries(directory: Path) -> list[os.DirEntry[str]]:

@@ -210,9 +210,7 @@ class CachingFetcher:
             if meta is None:
                 return False
             size = self._remember(url, meta.size)
-        if size > self.store.block_bytes:
-            return False
-        return size == 0 or os.path.exists(self.store.file(BlockKey(object_hash(url), 0)))
+        return size <= self.store.block_bytes and self.has_ranges(url, [(0, size)])
 
     def has_ranges(self, url: str, ranges: Sequence[tuple[int, int]]) -> bool:
         """Whether every block ``ranges`` touch looks cached (its file is there): a reader
@@ -375,11 +373,7 @@ class CachingFetcher:
         h = object_hash(url)
         for run, (start, length), data in zip(runs, spans, datas, strict=True):
             if len(data) != length:
-                raise BadSample(
-                    "unreadable",
-                    f"{url}: the store answered {len(data)} bytes for the {length} at {start}; "
-                    "the object may have changed or been truncated",
-                )
+                raise _short(url, len(data), length, start)
             view = memoryview(data)
             for i in run:
                 # A view, not a copy: the block's file and the reader take it from here.
@@ -434,11 +428,7 @@ class CachingFetcher:
                 self.stats.add(fetched_bytes=received, prefetched_bytes=received if prefetch else 0)
             if received != length:
                 block.abort()
-                raise BadSample(
-                    "unreadable",
-                    f"{url}: the store answered {received} bytes for the {length} at {start}; "
-                    "the object may have changed or been truncated",
-                )
+                raise _short(url, received, length, start)
         return got
 
     def _cut(self, blocks: dict[int, BlockRead], offset: int, length: int) -> bytes | memoryview:
@@ -450,6 +440,14 @@ class CachingFetcher:
             lo, hi = max(offset, i * b) - i * b, min(offset + length, (i + 1) * b) - i * b
             parts.append(blocks[i].cut(lo, hi))
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _short(url: str, received: int, length: int, start: int) -> BadSample:
+    return BadSample(
+        "unreadable",
+        f"{url}: the store answered {received} bytes for the {length} at {start}; the object "
+        "may have changed or been truncated",
+    )
 
 
 class _Filling:

@@ -290,11 +290,12 @@ class S3Fetcher:
         return [memoryview(b) for b in got]  # the client's buffers, not copies of them
 
     def stream(self, url: str, offset: int, length: int) -> Iterator[memoryview]:
-        """The bytes ``[offset, offset + length)`` of the object in one GET, as they arrive:
-        pieces of a few KiB to a few hundred, which the node cache copies into a buffer it
-        reuses. (A whole range in one buffer is a fresh allocation per block, and touching its
-        pages for the first time costs more CPU than receiving the bytes.) Fewer bytes than
-        asked come when the object is shorter; the caller checks.
+        """The bytes ``[offset, offset + length)`` of the object in one GET, as they arrive,
+        in pieces of at least :data:`STREAM_PIECE_BYTES` (the last may be shorter), which the
+        node cache writes to its block files as they come. (A whole range in one buffer is a
+        fresh allocation per block, and touching its pages for the first time costs more CPU
+        than receiving the bytes.) Fewer bytes than asked come when the object is shorter;
+        the caller checks.
 
         Raises:
             BadSample: as :meth:`fetch`, before or while the bytes come.
