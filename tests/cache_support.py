@@ -8,9 +8,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.blocks import BlockStore
 
+BLOCK = 1024
+CHUNK = 256
+"""The node cache's tests use small blocks of four checksummed chunks, so that a few KiB of
+data cross many block and chunk edges."""
 ROOT_URL = "file+test://bucket"
 """The root URL of a DirFetcher's objects (as a dataset root ``s3://bucket`` would be)."""
+
+
+def small_store(directory: Path, capacity: int = 1 << 30) -> BlockStore:
+    """A block store on ``directory`` with :data:`BLOCK` blocks of :data:`CHUNK` chunks."""
+    return BlockStore(directory, capacity_bytes=capacity, block_bytes=BLOCK, chunk_bytes=CHUNK)
 
 
 class DirFetcher:

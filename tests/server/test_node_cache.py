@@ -14,20 +14,18 @@ import numpy as np
 import pytest
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, BlockStore, object_hash
+from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher, cached
 from batchd_server.storage.fetch_locks import FetchLocks
 from tests.cache_support import (
+    BLOCK,
     ROOT_URL,
     DirFetcher,
     StatDirFetcher,
     StreamDirFetcher,
     StreamStatDirFetcher,
+    small_store,
 )
-
-BLOCK = 1024
-CHUNK = 256
-"""Four checksummed chunks a block."""
 
 
 @pytest.fixture
@@ -60,7 +58,7 @@ def make(
         inner: DirFetcher = StreamStatDirFetcher(objects) if stat else StreamDirFetcher(objects)
     else:
         inner = StatDirFetcher(objects) if stat else DirFetcher(objects)
-    store = BlockStore(cache, capacity_bytes=capacity, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    store = small_store(cache, capacity)
     return CachingFetcher(inner, store, stats=CacheStats()), inner
 
 
@@ -197,7 +195,7 @@ def test_a_range_past_the_objects_end_is_a_bad_sample(objects: Path, tmp_path: P
 
 
 def _read_all(cache: str, objects: str, seed: int, streamed: bool) -> list[bytes]:
-    store = BlockStore(Path(cache), capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    store = small_store(Path(cache))
     kind = StreamStatDirFetcher if streamed else StatDirFetcher
     fetcher = CachingFetcher(kind(Path(objects)), store, stats=CacheStats())
     rng = np.random.default_rng(seed)
@@ -221,9 +219,7 @@ def test_processes_reading_the_same_blocks_at_once_leave_one_file_each(
             [(str(tmp_path / "cache"), str(objects), s % 2, _STREAMED[0]) for s in range(4)],
         )
     assert results[0] == results[2] and results[1] == results[3]
-    store = BlockStore(
-        tmp_path / "cache", capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK
-    )
+    store = small_store(tmp_path / "cache")
     used = store.used_bytes()
     found = store.blocks()
     assert used == sum(size for size, _ in found.values())
@@ -302,7 +298,7 @@ def test_a_reader_waits_for_a_block_another_is_fetching_and_reads_its_file(
     of a few bytes of block 1 waits for that fetch and reads the block from the disk: the
     store answers one request in all."""
     inner = _HeldFetcher(objects)
-    store = BlockStore(tmp_path / "c", capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    store = small_store(tmp_path / "c")
     fetcher = CachingFetcher(inner, store, stats=CacheStats())
     url = inner.url("shard0.bin")
     data = (objects / "shard0.bin").read_bytes()
@@ -343,7 +339,7 @@ def test_a_prefetch_leaves_a_block_being_fetched_to_its_fetcher(
     objects: Path, tmp_path: Path
 ) -> None:
     inner = _HeldFetcher(objects)
-    store = BlockStore(tmp_path / "c", capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    store = small_store(tmp_path / "c")
     fetcher = CachingFetcher(inner, store, stats=CacheStats())
     url = inner.url("shard0.bin")
     reader = threading.Thread(target=lambda: fetcher.fetch(url, [(0, 2 * BLOCK)]))
@@ -360,7 +356,7 @@ def test_a_prefetch_leaves_a_block_being_fetched_to_its_fetcher(
 
 
 def _hold_stripe(cache: str, key: tuple[str, int], held: Any, release: Any) -> bool:
-    store = BlockStore(Path(cache), capacity_bytes=1 << 20, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    store = small_store(Path(cache), 1 << 20)
     with store.fetch_locks.hold([BlockKey(*key)]) as mine:
         held.set()
         release.wait(30)
@@ -373,7 +369,7 @@ def test_fetch_locks_exclude_other_processes_and_go_with_them(tmp_path: Path) ->
     ctx = multiprocessing.get_context("spawn")
     key = (object_hash("s3://b/k"), 3)
     other = BlockKey(object_hash("s3://b/other"), 0)
-    store = BlockStore(tmp_path / "c", capacity_bytes=1 << 20, block_bytes=BLOCK, chunk_bytes=CHUNK)
+    store = small_store(tmp_path / "c", 1 << 20)
     with ctx.Manager() as manager, ctx.Pool(1) as pool:
         held, release = manager.Event(), manager.Event()
         result = pool.apply_async(_hold_stripe, (str(tmp_path / "c"), key, held, release))

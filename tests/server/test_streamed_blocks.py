@@ -12,12 +12,9 @@ import numpy as np
 import pytest
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.blocks import BlockKey, BlockStore, object_hash
+from batchd_server.storage.blocks import BlockKey, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher
-from tests.cache_support import StreamStatDirFetcher
-
-BLOCK = 1024
-CHUNK = 256
+from tests.cache_support import BLOCK, StreamStatDirFetcher, small_store
 
 
 @pytest.fixture
@@ -29,16 +26,12 @@ def data(tmp_path: Path) -> bytes:
     return content
 
 
-def _store(path: Path) -> BlockStore:
-    return BlockStore(path, capacity_bytes=1 << 30, block_bytes=BLOCK, chunk_bytes=CHUNK)
-
-
 @pytest.mark.parametrize("piece", [1, 100, 256, 5000])
 def test_a_block_written_in_pieces_is_the_file_written_at_once(tmp_path: Path, piece: int) -> None:
     """Pieces of any size, across chunk edges, make the same file, byte for byte, as one
     write of the whole content (header, chunk table and content), and it reads back."""
     content = np.random.default_rng(piece).bytes(BLOCK - 5)
-    whole, pieces = _store(tmp_path / "whole"), _store(tmp_path / "pieces")
+    whole, pieces = small_store(tmp_path / "whole"), small_store(tmp_path / "pieces")
     key = BlockKey(object_hash("s3://b/k"), 2)
     assert whole.write(key, content)
     writer = pieces.writer(key, len(content))
@@ -56,7 +49,7 @@ def test_a_block_written_in_pieces_is_the_file_written_at_once(tmp_path: Path, p
 
 
 def test_an_aborted_writer_leaves_no_file_and_gives_its_room_back(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+    store = small_store(tmp_path)
     writer = store.writer(BlockKey(object_hash("s3://b/k"), 0), BLOCK)
     assert writer is not None and store.used_bytes() == store.file_bytes(BLOCK)
     writer.add(memoryview(b"x" * 10))
@@ -97,7 +90,7 @@ def test_a_stream_cut_short_keeps_the_blocks_it_finished_and_nothing_else(
     cached and intact, nothing else is, the ledger holds exactly them and no temporary file
     is left. The next read, the store whole again, fetches only what is missing."""
     inner = _Short(tmp_path / "objects", 2 * BLOCK + 300, fail=fail)
-    fetcher = CachingFetcher(inner, _store(tmp_path / "cache"), stats=CacheStats())
+    fetcher = CachingFetcher(inner, small_store(tmp_path / "cache"), stats=CacheStats())
     url = inner.url("a.bin")
     with pytest.raises(BadSample) as caught:
         fetcher.fetch(url, [(0, 4 * BLOCK)])
