@@ -4,6 +4,7 @@ Real server, real gRPC calls, real worker processes and shared memory."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -112,6 +113,54 @@ def test_concurrent_opens_at_the_limit_never_pass_it(url: str, tmp_path: Path) -
             for session_id, client in opened:
                 _close(stub, session_id, client)
             assert srv.sessions.usage("unix one-client") == (0, 0)
+
+
+class _OpenWhileOpening(logging.Handler):
+    """When the first session says it opened (it is in the server's table, its OpenSession
+    not yet answered), opens another, as a second client."""
+
+    def __init__(self, stub: loader_pb2_grpc.LoaderStub) -> None:
+        super().__init__(logging.INFO)
+        self.stub = stub
+        self.second: list[pb.OpenSessionResponse | grpc.RpcError] = []
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        # Not under the handler's lock, as logging.Handler.handle would: the second open's
+        # own line, logged on another thread, must not wait for the first's.
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.second or "opened for" not in record.getMessage():
+            return
+        self.second.append(grpc.RpcError())  # the second's own line must not open a third
+        try:
+            self.second[0] = _open(self.stub, "second")
+        except grpc.RpcError as e:
+            self.second[0] = e
+
+
+def test_an_open_session_is_not_also_counted_as_opening(url: str, tmp_path: Path) -> None:
+    """With max_sessions=2, a second client's open that arrives just as the first session
+    joins the table (before its OpenSession returns) is let in: one session open, not two."""
+    manager_log = logging.getLogger("batchd_server.sessions.manager")
+    with serve(url, tmp_path, max_sessions=2) as srv:
+        channel, stub = _stub(srv)
+        hook, level = _OpenWhileOpening(stub), manager_log.level
+        manager_log.addHandler(hook)
+        manager_log.setLevel(logging.INFO)
+        try:
+            with channel:
+                first = _open(stub, "first")
+                assert len(hook.second) == 1
+                second = hook.second[0]
+                assert isinstance(second, pb.OpenSessionResponse), second
+                assert len(srv.sessions) == 2
+                _close(stub, first.session_id, "first")
+                _close(stub, second.session_id, "second")
+        finally:
+            manager_log.removeHandler(hook)
+            manager_log.setLevel(level)
 
 
 def test_one_client_cannot_take_the_whole_shm_budget(url: str, tmp_path: Path) -> None:

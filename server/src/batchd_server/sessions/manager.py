@@ -161,11 +161,9 @@ class SessionManager:
             return self._open(options, client, layout, slot_bytes, slots)
         except BaseException:
             with self._lock:
+                self._opening -= 1
                 self._drop_usage(client, ring_bytes)
             raise
-        finally:
-            with self._lock:
-                self._opening -= 1
 
     def _check_limits(self, client: str, ring_bytes: int) -> None:
         """Refuse an open past the server's or the client's limits (caller holds the lock)."""
@@ -286,6 +284,9 @@ class SessionManager:
                 session, options, snapshot_token(options, entries)
             )
         with self._lock:
+            # Opening to open in one step: a session counted in both would make the
+            # max-sessions check refuse an open the limit allows.
+            self._opening -= 1
             self._sessions[session_id] = session
             self._owners[session_id] = (client, ring_bytes)
             metrics.SESSIONS.set(len(self._sessions))
