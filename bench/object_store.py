@@ -250,7 +250,7 @@ class ColdServer:
         self.stack.close()
         self.count += 1
         cache = self.root / f"cold-cache-{self.count}"
-        shutil.rmtree(self.root / f"cold-cache-{self.count - 1}", ignore_errors=True)
+        set_aside(self.root / f"cold-cache-{self.count - 1}")
         cache.mkdir(parents=True)
         socket_dir = self.root / "cold-socket"
         socket_dir.mkdir(exist_ok=True)
@@ -272,6 +272,25 @@ class ColdServer:
 
     def close(self) -> None:
         self.stack.close()
+
+
+KEPT_CACHE_BYTES = 8 << 30
+"""Earlier cold epochs' caches stay on the disk up to this many bytes in all (oldest out)."""
+_set_aside: list[tuple[Path, int]] = []
+
+
+def set_aside(cache: Path) -> None:
+    """Done with an earlier cold epoch's cache: keep it until the run ends, not delete it
+    seconds before the next cold epoch. A file system without a journal (this VM's ext4)
+    makes every new file skip the inodes deleted in the last half a minute or so, one by
+    one: a cold epoch right after deleting thousands of block files spent a fifth of its
+    CPU finding inodes. No cold start on a real node follows such a delete."""
+    if not cache.exists():
+        return
+    _set_aside.append((cache, sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())))
+    while sum(size for _, size in _set_aside) > KEPT_CACHE_BYTES:
+        oldest, _ = _set_aside.pop(0)
+        shutil.rmtree(oldest, ignore_errors=True)
 
 
 def settle(cpu: Callable[[], float], limit_s: float = 30.0) -> None:
@@ -319,7 +338,7 @@ def peer_config(
     def make() -> Any:
         if state == "cold":
             counter[0] += 1
-            shutil.rmtree(root / "peer-caches" / f"{tag}-{counter[0] - 1}", ignore_errors=True)
+            set_aside(root / "peer-caches" / f"{tag}-{counter[0] - 1}")
         cache = root / "peer-caches" / f"{tag}-{counter[0]}"
         common = {"batch_size": args.batch_size, "workers": cores(), "decode": decode}
         if family == "Mosaic":

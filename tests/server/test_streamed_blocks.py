@@ -104,3 +104,17 @@ def test_a_stream_cut_short_keeps_the_blocks_it_finished_and_nothing_else(
     inner.requests.clear()
     assert fetcher.fetch(url, [(0, 4 * BLOCK)]) == [data[: 4 * BLOCK]]
     assert inner.requests == [(url, [(2 * BLOCK, 2 * BLOCK)])]
+
+
+def test_block_directories_are_made_when_the_store_opens(tmp_path: Path) -> None:
+    """All 256 block directories exist once a store opens (a cold epoch then makes no
+    directory per new prefix); one deleted behind the store's back is made again by the
+    first block that needs it."""
+    store = small_store(tmp_path / "cache")
+    blocks = tmp_path / "cache" / "blocks"
+    assert sorted(os.listdir(blocks)) == [f"{i:02x}" for i in range(256)]
+    key = BlockKey(object_hash("s3://b/k"), 0)
+    (blocks / key.object[:2]).rmdir()
+    assert store.write(key, b"x" * 10)
+    got = store.read(key, [(0, 10)])
+    assert got is not None and bytes(got.cut(0, 10)) == b"x" * 10

@@ -179,6 +179,12 @@ class BlockStore:
         self._tmp = root / "tmp"
         for d in (self._blocks, self._objects, self._tmp):
             d.mkdir(parents=True, exist_ok=True)
+        # Every block directory made now, not by the first block of each: a directory is an
+        # inode, and on a file system that has just deleted many, a new one is slow to get.
+        present = set(os.listdir(self._blocks))
+        for prefix in (f"{i:02x}" for i in range(256)):
+            if prefix not in present:
+                (self._blocks / prefix).mkdir(exist_ok=True)
         self._ledger_fd = os.open(root / "usage", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # flock excludes other processes; threads of this one share the descriptor.
         self._lock = threading.Lock()
@@ -231,8 +237,6 @@ class BlockStore:
     def _give_back(self, nbytes: int) -> None:
         with self._ledger() as used:
             used[0] -= nbytes
-
-    # -- fetch locks ------------------------------------------------------------------------
 
     # -- blocks -----------------------------------------------------------------------------
 
