@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchd_server.errors import DataError
+from batchd_server.parquet.pages import NotPlain, RowPlaces, gather_in_place, row_places
 from batchd_server.parquet.payload import Payload, chunk_range, resolve_payload
 from batchd_server.pipelines.base import BadSample
 from batchd_server.pipelines.ranges import take_ranges
@@ -45,6 +46,8 @@ _MAX_FILES: Final = 64
 """Footers kept per source in a worker."""
 _DECODED_CACHE_BYTES: Final = 256 << 20
 """Decoded row groups kept beyond the current batch's, per source."""
+_MAX_PLACES: Final = 1 << 16
+"""Row groups whose rows' places in their file are kept, per source."""
 
 
 class SampleReader(Protocol):
@@ -148,6 +151,12 @@ class ParquetRows:
         self._own_memory: bool = getattr(files, "fresh_buffers", False)
         """Whether the reader's answers are memory of their own (an object store's) that a
         chunk may view, rather than a buffer its next read reuses (a local file's)."""
+        self._in_place: bool = self._own_memory and getattr(files, "cached", False)
+        """Whether rows of plainly stored binary chunks are read where they lie (through the
+        node cache, where a small read is a file read) rather than decoded with their row
+        group (``parquet/pages.py``)."""
+        self._places: OrderedDict[tuple[str, int], RowPlaces | None] = OrderedDict()
+        """(path, row group) -> its rows' places; None: the chunk is not stored plainly."""
         self._files: OrderedDict[str, _File] = OrderedDict()
         self._groups: OrderedDict[tuple[str, int], tuple[_Group, int]] = OrderedDict()
         """(path, row group) -> (decoded values, the batch it was last used in)."""
@@ -160,6 +169,7 @@ class ParquetRows:
 
     def close(self) -> None:
         self._files.clear()
+        self._places.clear()
         self._groups.clear()
         self._bytes = 0
 
@@ -175,13 +185,19 @@ class ParquetRows:
                 the file changed since it was cataloged, or the row's value is null or does
                 not fit ``target``.
         """
+        places = self._row_places(path, row_group, offset, length)
+        if places is not None:
+            if not 0 <= row < len(places.offset):
+                raise _no_row(path, row_group, len(places.offset), row)
+            if places.offset[row] < 0:
+                raise BadSample(
+                    "missing",
+                    f"{path} (row group {row_group}, row {row}): the payload is null in this row",
+                )
+            return self.files.read(path, int(places.offset[row]), int(places.length[row])), False
         group = self._group(path, row_group, offset, length)
         if not 0 <= row < len(group.starts) - 1:
-            raise BadSample(
-                "corrupt",
-                f"{path}: row group {row_group} has {len(group.starts) - 1} rows, not a row "
-                f"{row}: the file changed since it was ingested; re-ingest it",
-            )
+            raise _no_row(path, row_group, len(group.starts) - 1, row)
         problem = group.bad.get(row)
         if problem is not None:
             raise BadSample(problem[0], f"{path} (row group {row_group}, row {row}): {problem[1]}")
@@ -216,6 +232,8 @@ class ParquetRows:
             for key, i in zip(distinct.tolist(), first.tolist(), strict=True)
             if (paths[key >> 32], key & 0xFFFFFFFF) not in self._groups
         ]
+        if self._in_place and todo:
+            todo = self._place(paths, files, row_groups, offsets, lengths, todo)
         if len(todo) < 2:
             return
         chosen = np.array(todo, np.intp)
@@ -259,6 +277,20 @@ class ParquetRows:
             when a row group cannot be read or a row is bad: serve them one by one with
             :meth:`value`, which says what is wrong with which.
         """
+        if self._in_place:
+            try:
+                return gather_in_place(
+                    self._row_places,
+                    self.files.read_ranges,
+                    paths,
+                    files,
+                    row_groups,
+                    rows,
+                    offsets,
+                    lengths,
+                )
+            except NotPlain:
+                pass  # some row groups are decoded
         n = len(rows)
         keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
         distinct, which = np.unique(keys, return_inverse=True)
@@ -299,6 +331,88 @@ class ParquetRows:
                 a, size = int(begins[row]), int(sizes[row])
                 data[starts[row] : starts[row] + size] = source[a : a + size]
         return data, starts, sizes, numbers
+
+    def _place(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        row_groups: npt.NDArray[np.int32],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+        todo: list[int],
+    ) -> list[int]:
+        """Find the rows' places of the ``todo`` row groups (their chunks first brought into
+        the node cache together); returns those that must be decoded instead."""
+        fresh = [i for i in todo if (paths[int(files[i])], int(row_groups[i])) not in self._places]
+        if fresh:
+            chosen = np.array(fresh, np.intp)
+            self.files.warm(paths, files[chosen], offsets[chosen], lengths[chosen])  # type: ignore[attr-defined]
+        rest = []
+        for i in todo:
+            try:
+                places = self._row_places(
+                    paths[int(files[i])], int(row_groups[i]), int(offsets[i]), int(lengths[i])
+                )
+            except BadSample:
+                continue  # met again, and reported, by the rows
+            if places is None:
+                rest.append(i)
+        return rest
+
+    def _row_places(self, path: str, row_group: int, offset: int, length: int) -> RowPlaces | None:
+        """Where the rows of a row group's payload lie in its file, or None when its chunk is
+        not stored plainly (or places are not looked for: a local file, no node cache)."""
+        if not self._in_place:
+            return None
+        key = (path, row_group)
+        if key in self._places:
+            self._places.move_to_end(key)
+            return self._places[key]
+        file = self._file(path)
+        places: RowPlaces | None = None
+        if file.payload.kind == "binary" and len(file.payload.leaves) == 1:
+            self._check_group(file, path, row_group, offset, length)
+            leaf = file.payload.leaves[0]
+            column = file.metadata.row_group(row_group).column(leaf)
+            described = file.metadata.schema.column(leaf)
+            if (
+                column.compression == "UNCOMPRESSED"
+                and column.physical_type == "BYTE_ARRAY"
+                and described.max_repetition_level == 0
+            ):
+
+                def read(at: int, count: int) -> bytes:
+                    return bytes(self.files.read(path, at, count))
+
+                try:
+                    places = row_places(read, offset, length, described.max_definition_level)
+                except NotPlain:
+                    places = None
+                if places is not None and len(places.offset) != column.num_values:
+                    places = None
+        self._places[key] = places
+        if len(self._places) > _MAX_PLACES:
+            self._places.popitem(last=False)
+        return places
+
+    def _check_group(
+        self, file: _File, path: str, row_group: int, offset: int, length: int
+    ) -> None:
+        """The catalog's row group and byte range still match the file."""
+        if not 0 <= row_group < file.metadata.num_row_groups:
+            raise BadSample(
+                "corrupt",
+                f"{path}: has {file.metadata.num_row_groups} row groups, not a row group "
+                f"{row_group}: the file changed since it was ingested; re-ingest it",
+            )
+        where = chunk_range(file.metadata.row_group(row_group), file.payload.leaves)
+        if where != (offset, length):
+            raise BadSample(
+                "corrupt",
+                f"{path}: row group {row_group}'s {self.column!r} is at bytes {where}, the "
+                f"catalog says {(offset, length)}: the file changed since it was ingested; "
+                "re-ingest it",
+            )
 
     def _file(self, path: str) -> _File:
         found = self._files.get(path)
@@ -342,20 +456,7 @@ class ParquetRows:
             self._groups.move_to_end(key)
             return cached[0]
         file = self._file(path)
-        if not 0 <= row_group < file.metadata.num_row_groups:
-            raise BadSample(
-                "corrupt",
-                f"{path}: has {file.metadata.num_row_groups} row groups, not a row group "
-                f"{row_group}: the file changed since it was ingested; re-ingest it",
-            )
-        where = chunk_range(file.metadata.row_group(row_group), file.payload.leaves)
-        if where != (offset, length):
-            raise BadSample(
-                "corrupt",
-                f"{path}: row group {row_group}'s {self.column!r} is at bytes {where}, the "
-                f"catalog says {(offset, length)}: the file changed since it was ingested; "
-                "re-ingest it",
-            )
+        self._check_group(file, path, row_group, offset, length)
         file.window.start = offset
         if data is None:
             data = self.files.read(path, offset, length)
@@ -385,6 +486,14 @@ class ParquetRows:
                 break
             del self._groups[oldest_key]
             self._bytes -= oldest.nbytes
+
+
+def _no_row(path: str, row_group: int, rows: int, row: int) -> BadSample:
+    return BadSample(
+        "corrupt",
+        f"{path}: row group {row_group} has {rows} rows, not a row {row}: the file changed "
+        "since it was ingested; re-ingest it",
+    )
 
 
 def _decode(column: pa.ChunkedArray, payload: Payload, target: np.dtype[Any] | None) -> _Group:

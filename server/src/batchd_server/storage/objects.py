@@ -230,6 +230,42 @@ class ObjectFiles(Closeable):
             base = at
         return data, starts
 
+    @property
+    def cached(self) -> bool:
+        """Whether reads go through the node cache (small reads are then file reads)."""
+        return hasattr(self._fetcher, "prefetch")
+
+    def warm(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> None:
+        """Bring the blocks of these byte ranges into the node cache, several objects at
+        once, and return nothing: for a caller about to make many small reads inside them.
+        Objects whose blocks are all on the disk are left alone; failures are left for the
+        reads to meet and report."""
+        prefetch = getattr(self._fetcher, "prefetch", None)
+        on_disk = getattr(self._fetcher, "has_ranges", None)
+        if prefetch is None or not len(offsets):
+            return
+        jobs = []
+        for k in np.unique(files).tolist():
+            mine = files == k
+            try:
+                url = self._url(paths[k])
+            except BadSample:
+                continue
+            ranges = list(zip(offsets[mine].tolist(), lengths[mine].tolist(), strict=True))
+            if on_disk is None or not on_disk(url, ranges):
+                jobs.append(self._threads().submit(prefetch, url, ranges))
+        for job in jobs:
+            try:
+                job.result()
+            except BadSample:
+                continue
+
     def size(self, path: str) -> int:
         """The size in bytes of the object ``path`` names (a Parquet footer is read from its
         end); remembered like a whole-object read's.
