@@ -155,9 +155,9 @@ def _batch(name: str) -> tuple[Any, ...]:
 def test_rows_of_an_uncompressed_file_are_read_in_place_through_the_cache(
     s3: ThrowawayS3, tmp_path: Path, name: str
 ) -> None:
-    """Through the node cache, an uncompressed file's rows are read where they lie and no
-    row group is decoded; a snappy file's row groups are decoded as before; both serve the
-    same bytes, and a null row is reported as missing."""
+    """Through the node cache, an uncompressed file's rows are read where they lie (a
+    batch's rows together) and no row group is decoded; a snappy file's row groups are
+    decoded as before; both serve the same bytes, and a null row is reported as missing."""
     inner = S3Fetcher(retry_s=2.0)
     store = BlockStore(tmp_path / "cache", capacity_bytes=1 << 30)
     files = ObjectFiles(
@@ -166,7 +166,11 @@ def test_rows_of_an_uncompressed_file_are_read_in_place_through_the_cache(
     rows = ParquetRows(files, "image", None)
     paths, which, groups, within, offsets, lengths, wanted = _batch(name)
     rows.begin_batch()
-    rows.load(paths, which, groups, offsets, lengths)
+    rows.load(paths, which, groups, offsets, lengths, within)
+    # Rows read in place are read together for the batch, as tar members are.
+    assert len(files._staged) == (len(wanted) if name == "plain.parquet" else 0)
+    for g, r, o, n, i in zip(groups, within, offsets, lengths, wanted, strict=True):
+        assert bytes(rows.value(name, int(g), int(r), int(o), int(n))[0]) == _VALUES[int(i)]
     got = rows.gather(paths, which, groups, within, offsets, lengths)
     assert got is not None
     data, starts, sizes, numbers = got

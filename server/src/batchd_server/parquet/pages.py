@@ -22,10 +22,18 @@ from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow.parquet as pq
 
 from batchd_server.pipelines.base import BadSample
 
-__all__ = ["NotPlain", "RowPlaces", "gather_in_place", "row_places"]
+__all__ = [
+    "NotPlain",
+    "RowPlaces",
+    "gather_in_place",
+    "places_of_rows",
+    "plain_places",
+    "row_places",
+]
 
 _DATA_PAGE: Final = 0
 _DICTIONARY_PAGE: Final = 2
@@ -51,6 +59,34 @@ class RowPlaces:
 
     offset: npt.NDArray[np.int64]
     length: npt.NDArray[np.int64]
+
+
+def plain_places(
+    metadata: pq.FileMetaData,
+    leaves: tuple[int, ...],
+    row_group: int,
+    read: Read,
+    offset: int,
+    length: int,
+) -> RowPlaces | None:
+    """The places of the rows of a row group's payload chunk (``offset``, ``length``), when
+    it is one leaf, an uncompressed binary column, not repeated, and stored plainly; else
+    None (decode it)."""
+    if len(leaves) != 1:
+        return None
+    column = metadata.row_group(row_group).column(leaves[0])
+    described = metadata.schema.column(leaves[0])
+    if (
+        column.compression != "UNCOMPRESSED"
+        or column.physical_type != "BYTE_ARRAY"
+        or described.max_repetition_level != 0
+    ):
+        return None
+    try:
+        places = row_places(read, offset, length, described.max_definition_level)
+    except NotPlain:
+        return None
+    return places if len(places.offset) == column.num_values else None
 
 
 def row_places(read: Read, start: int, size: int, max_definition: int) -> RowPlaces:
@@ -94,19 +130,19 @@ ReadRanges = Callable[
 ]
 
 
-def gather_in_place(
+def places_of_rows(
     places_of: PlacesOf,
-    read_ranges: ReadRanges,
     paths: Sequence[str],
     files: npt.NDArray[np.intp],
     row_groups: npt.NDArray[np.int32],
     rows: npt.NDArray[np.int32],
     offsets: npt.NDArray[np.int64],
     lengths: npt.NDArray[np.int64],
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64], bool] | None:
-    """``ParquetRows.gather`` of rows that all lie in plainly stored chunks, read where they
-    lie with one ``read_ranges``; None as ``gather`` (a row group or row that cannot be
-    served, or a null row: the rows one by one then say which).
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+    """Where each of many rows lies, ``(offset, length)`` (-1: null): row ``rows[i]`` of row
+    group ``row_groups[i]`` of ``paths[files[i]]``, whose payload chunk the catalog puts at
+    ``offsets[i]``, ``lengths[i]``. None when a row group cannot be read or a row is past
+    its row group's end (the rows one by one then say which).
 
     Raises:
         NotPlain: some row group's chunk is not stored plainly (decode them).
@@ -128,7 +164,31 @@ def gather_in_place(
         if wanted.min() < 0 or wanted.max() >= len(places.offset):
             return None
         at[members], size[members] = places.offset[wanted], places.length[wanted]
-    if n and at.min() < 0:
+    return at, size
+
+
+def gather_in_place(
+    places_of: PlacesOf,
+    read_ranges: ReadRanges,
+    paths: Sequence[str],
+    files: npt.NDArray[np.intp],
+    row_groups: npt.NDArray[np.int32],
+    rows: npt.NDArray[np.int32],
+    offsets: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64], bool] | None:
+    """``ParquetRows.gather`` of rows that all lie in plainly stored chunks, read where they
+    lie with one ``read_ranges``; None as ``gather`` (a row group or row that cannot be
+    served, or a null row: the rows one by one then say which).
+
+    Raises:
+        NotPlain: some row group's chunk is not stored plainly (decode them).
+    """
+    found = places_of_rows(places_of, paths, files, row_groups, rows, offsets, lengths)
+    if found is None:
+        return None
+    at, size = found
+    if len(at) and at.min() < 0:
         return None
     try:
         data, starts = read_ranges(paths, files, at, size)

@@ -34,7 +34,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchd_server.errors import DataError
-from batchd_server.parquet.pages import NotPlain, RowPlaces, gather_in_place, row_places
+from batchd_server.parquet.pages import (
+    NotPlain,
+    RowPlaces,
+    gather_in_place,
+    places_of_rows,
+    plain_places,
+)
 from batchd_server.parquet.payload import Payload, chunk_range, resolve_payload
 from batchd_server.pipelines.base import BadSample
 from batchd_server.pipelines.ranges import take_ranges
@@ -219,12 +225,14 @@ class ParquetRows:
         row_groups: npt.NDArray[np.int32],
         offsets: npt.NDArray[np.int64],
         lengths: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int32] | None = None,
     ) -> None:
         """Read the payload chunks of a batch's row groups that are not decoded yet in one
         ``read_ranges`` (on an object store: several objects' GETs in flight at once, not
-        one round trip per row group as the rows ask), and decode each. Arguments as
-        :meth:`gather`. What fails here is left for :meth:`value` and :meth:`gather` to
-        meet again and report, row by row."""
+        one round trip per row group as the rows ask), and decode each; rows read in place
+        (``pages.py``) are instead read together, when ``rows`` are given, for
+        :meth:`value` to serve. Arguments as :meth:`gather`. What fails here is left for
+        :meth:`value` and :meth:`gather` to meet again and report, row by row."""
         keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
         distinct, first = np.unique(keys, return_index=True)
         todo = [
@@ -234,6 +242,14 @@ class ParquetRows:
         ]
         if self._in_place and todo:
             todo = self._place(paths, files, row_groups, offsets, lengths, todo)
+            if rows is not None and not todo:  # all in place: read together, as tar members
+                found = places_of_rows(
+                    self._row_places, paths, files, row_groups, rows, offsets, lengths
+                )
+                if found is not None:
+                    at, size = found
+                    kept = at >= 0
+                    self.files.stage(paths, files[kept], at[kept], size[kept])  # type: ignore[attr-defined]
         if len(todo) < 2:
             return
         chosen = np.array(todo, np.intp)
@@ -370,26 +386,15 @@ class ParquetRows:
             return self._places[key]
         file = self._file(path)
         places: RowPlaces | None = None
-        if file.payload.kind == "binary" and len(file.payload.leaves) == 1:
+        if file.payload.kind == "binary":
             self._check_group(file, path, row_group, offset, length)
-            leaf = file.payload.leaves[0]
-            column = file.metadata.row_group(row_group).column(leaf)
-            described = file.metadata.schema.column(leaf)
-            if (
-                column.compression == "UNCOMPRESSED"
-                and column.physical_type == "BYTE_ARRAY"
-                and described.max_repetition_level == 0
-            ):
 
-                def read(at: int, count: int) -> bytes:
-                    return bytes(self.files.read(path, at, count))
+            def read(at: int, count: int) -> bytes:
+                return bytes(self.files.read(path, at, count))
 
-                try:
-                    places = row_places(read, offset, length, described.max_definition_level)
-                except NotPlain:
-                    places = None
-                if places is not None and len(places.offset) != column.num_values:
-                    places = None
+            places = plain_places(
+                file.metadata, file.payload.leaves, row_group, read, offset, length
+            )
         self._places[key] = places
         if len(self._places) > _MAX_PLACES:
             self._places.popitem(last=False)

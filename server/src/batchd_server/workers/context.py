@@ -418,6 +418,7 @@ class SessionContext:
                 columns.row_groups[rows],
                 columns.byte_offsets[rows],
                 columns.byte_lengths[rows],
+                columns.row_indexes[rows] if source.cached is None else None,
             )
         if isinstance(source.files, ObjectFiles) and source.cached is None:
             rows = positions[
