@@ -15,7 +15,7 @@ import obstore
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from s3server import ThrowawayS3, store_env, throwaway_s3
+from s3server import ThrowawayS3, bucket_in_env
 
 from batchd_server.parquet.pages import NotPlain, row_places
 from batchd_server.parquet.payload import chunk_range
@@ -56,6 +56,7 @@ _CASES = {
     "small pages with nulls": (_NULLS, {"data_page_size": 4000}),
     "plain small pages with nulls": (_NULLS, {"data_page_size": 4000, "use_dictionary": False}),
     "repeated values": (pa.table({"image": [_VALUES[i % 9] for i in range(600)]}), {}),
+    "one value throughout": (pa.table({"image": [_VALUES[1]] * 600}), {}),
     "image.bytes in a struct": (_struct_images(), {"data_page_size": 4000}),
 }
 
@@ -125,13 +126,11 @@ _FILES = {
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[ThrowawayS3]:
-    with throwaway_s3() as server:
-        server.create_bucket(BUCKET)
+    with bucket_in_env(BUCKET) as server:
         store = server.store(BUCKET)
         for name, data in _FILES.items():
             obstore.put(store, f"parquet/{name}", data)
-        with store_env(server):
-            yield server
+        yield server
 
 
 def _batch(name: str) -> tuple[Any, ...]:

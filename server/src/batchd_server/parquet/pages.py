@@ -315,6 +315,8 @@ def _rle(raw: bytes, width: int, count: int) -> npt.NDArray[np.int64]:
     if not 0 <= width <= 32:
         raise NotPlain("a bit width over 32")
     out = np.zeros(count, np.int64)
+    if width == 0:  # every value is 0
+        return out
     r = _Compact(raw)
     done = 0
     byte_width = (width + 7) // 8
@@ -324,10 +326,8 @@ def _rle(raw: bytes, width: int, count: int) -> npt.NDArray[np.int64]:
             if head & 1:  # bit-packed groups of 8
                 groups = head >> 1
                 packed = np.frombuffer(r.take(groups * width), np.uint8)
-                bits = np.unpackbits(packed, bitorder="little").reshape(-1, max(width, 1))
-                values = (bits[:, :width].astype(np.int64) << np.arange(width)).sum(axis=1)
-                if width == 0:
-                    values = np.zeros(groups * 8, np.int64)
+                bits = np.unpackbits(packed, bitorder="little").reshape(-1, width)
+                values = (bits.astype(np.int64) << np.arange(width)).sum(axis=1)
                 take = min(len(values), count - done)
                 out[done : done + take] = values[:take]
                 done += take
@@ -360,7 +360,7 @@ class _Compact:
             raise _Short
         got = self.data[self.pos : self.pos + n]
         self.pos += n
-        return bytes(got)
+        return got
 
     def byte(self) -> int:
         if self.pos >= len(self.data):

@@ -87,9 +87,11 @@ class ObjectFiles(Closeable):
         self.max_sample_bytes = max_sample_bytes
         self._fetcher = fetcher
         self._size_of = size_of
+        self.cached: bool = getattr(fetcher, "coalesces", False)
+        """Whether reads go through the node cache (a small read is then a file read)."""
         # Through the node cache, a gap between two ranges would be read from the disk and
         # checked for nothing: the cache itself fetches what it misses in runs of blocks.
-        self._gap = 0 if getattr(fetcher, "coalesces", False) else OBJECT_GAP_BYTES
+        self._gap = 0 if self.cached else OBJECT_GAP_BYTES
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._sizes_lock = threading.Lock()
         self._maps: OrderedDict[str, npt.NDArray[np.uint8]] = OrderedDict()
@@ -229,11 +231,6 @@ class ObjectFiles(Closeable):
             starts[rows] = plan.starts + base
             base = at
         return data, starts
-
-    @property
-    def cached(self) -> bool:
-        """Whether reads go through the node cache (small reads are then file reads)."""
-        return hasattr(self._fetcher, "prefetch")
 
     def warm(
         self,
