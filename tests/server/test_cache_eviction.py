@@ -267,27 +267,68 @@ def test_a_second_server_on_the_same_cache_directory_is_refused(
 
 
 def test_whole_objects_of_unknown_size_are_prefetched_whole(shards: Path, tmp_path: Path) -> None:
-    """Rows that are whole objects (an image folder) never seen before: the prefetch asks
-    the store for each one's size and caches all its blocks."""
-    names = [f"s{i}.bin" for i in range(3)]
-    whole = columns_of(names, 1)
-    whole = SampleColumns(
-        ids=whole.ids,
-        labels=whole.labels,
-        lengths=whole.lengths,
-        byte_offsets=np.full(3, -1, np.int64),
-        byte_lengths=np.full(3, -1, np.int64),
-        path_bytes=whole.path_bytes,
-        path_offsets=whole.path_offsets,
-        row_groups=whole.row_groups,
-        row_indexes=whole.row_indexes,
-    )
+    """Rows that are whole objects (an image folder) never seen before, from a client that
+    cannot read an object whole in one request: the prefetch asks the store for each one's
+    size and caches all its blocks."""
+    whole = _whole_columns(columns_of([f"s{i}.bin" for i in range(3)], 1))
     plan = EpochPlan(np.array([2, 0, 1], np.int64), 1, 3)
     reading = Reading("whole", plan, 0, 0, 1, (SourceRef("w", 0, whole, ROOT_URL),), lambda: None)
     for manager in make_manager(shards, tmp_path / "c", 1 << 30, [reading], prefetch=3):
         rounds(manager, 1)
         assert len(manager.store.blocks()) == 3 * 8, "every block of the three objects"
         assert manager.fetcher.known_size(f"{ROOT_URL}/s0.bin") == 8 * BLOCK
+
+
+class WholeDirFetcher(StatDirFetcher):
+    """A StatDirFetcher that also reads a whole object in one request (as S3's GET)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.wholes: list[str] = []
+
+    def fetch_whole(self, url: str, max_bytes: int) -> bytes:
+        data = self._path(url).read_bytes()
+        self.wholes.append(url)
+        return data
+
+
+def test_a_prefetched_whole_object_costs_one_request_and_no_size_request(
+    shards: Path, tmp_path: Path
+) -> None:
+    """Where the client reads a whole object in one GET, the prefetch of an image of unknown
+    size asks nothing else of the store (no HEAD first): one request per object, every
+    block cached, and a second round asks for nothing."""
+    whole = _whole_columns(columns_of([f"s{i}.bin" for i in range(3)], 1))
+    plan = EpochPlan(np.array([2, 0, 1], np.int64), 1, 3)
+    reading = Reading("whole", plan, 0, 0, 1, (SourceRef("w", 0, whole, ROOT_URL),), lambda: None)
+    inner = WholeDirFetcher(shards)
+    store = BlockStore(tmp_path / "c", capacity_bytes=1 << 30, block_bytes=BLOCK)
+    fetcher = CachingFetcher(inner, store, stats=CacheStats())
+    manager = CacheManager(fetcher, lambda: [reading], prefetch_batches=3, threads=2)
+    try:
+        rounds(manager, 2)
+        assert sorted(inner.wholes) == [f"{ROOT_URL}/s{i}.bin" for i in range(3)]
+        assert inner.stats == 0, "no size was asked of the store"
+        assert inner.requests == []
+        assert len(manager.store.blocks()) == 3 * 8
+    finally:
+        manager.close()
+
+
+def _whole_columns(columns: SampleColumns) -> SampleColumns:
+    """``columns`` with every row a whole object of unknown size (an image folder's rows)."""
+    n = len(columns.ids)
+    return SampleColumns(
+        ids=columns.ids,
+        labels=columns.labels,
+        lengths=columns.lengths,
+        byte_offsets=np.full(n, -1, np.int64),
+        byte_lengths=np.full(n, -1, np.int64),
+        path_bytes=columns.path_bytes,
+        path_offsets=columns.path_offsets,
+        row_groups=columns.row_groups,
+        row_indexes=columns.row_indexes,
+    )
 
 
 def test_local_sources_are_left_to_the_page_cache(shards: Path, tmp_path: Path) -> None:

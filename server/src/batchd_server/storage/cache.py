@@ -199,6 +199,26 @@ class CachingFetcher:
                 return data
         return bytes(self.fetch(url, [(0, size)])[0])
 
+    def prefetch_whole(self, url: str, max_bytes: int) -> int:
+        """Cache the whole object, counted as a prefetch; how many blocks were fetched (0:
+        it looked cached). An object never seen costs one GET where the inner fetcher can
+        read it whole (no HEAD first), as a reader's :meth:`fetch_whole` does.
+
+        Raises:
+            TooLarge: the object has more than ``max_bytes``.
+            BadSample: as :meth:`fetch`.
+        """
+        if self.has_whole(url):
+            return 0
+        size = self._sizes.get(url)
+        if size is None and self.store.meta(url) is None and isinstance(self.inner, WholeFetcher):
+            data = self._get_whole(self.inner, url, max_bytes, prefetch=True)
+            return -(-len(data) // self.store.block_bytes)
+        size = self.size(url)
+        if size > max_bytes:
+            raise TooLarge(url, size)
+        return self.prefetch(url, [(0, size)]) if size else 0
+
     def has_whole(self, url: str) -> bool:
         """Whether the whole object looks cached (its size recorded, a small object's block
         on disk): a reader then reads it where it is, rather than handing it to a prefetch
@@ -223,14 +243,20 @@ class CachingFetcher:
             for i in range(offset // b, (offset + length - 1) // b + 1)
         )
 
-    def _get_whole(self, inner: WholeFetcher, url: str, max_bytes: int) -> bytes:
+    def _get_whole(
+        self, inner: WholeFetcher, url: str, max_bytes: int, *, prefetch: bool = False
+    ) -> bytes:
         """A whole object not known here: one GET, then its record and its blocks."""
         started = time.perf_counter()
         data = inner.fetch_whole(url, max_bytes)
         self.stats.latency(time.perf_counter() - started)
         b = self.store.block_bytes
         count = -(-len(data) // b)
-        self.stats.add(misses=count, fetched_bytes=len(data))
+        self.stats.add(
+            misses=0 if prefetch else count,
+            fetched_bytes=len(data),
+            prefetched_bytes=len(data) if prefetch else 0,
+        )
         self.store.record(ObjectMeta(url, len(data)))
         self._remember(url, len(data))
         h = object_hash(url)

@@ -50,6 +50,7 @@ from batchd_server.errors import FailedPrecondition
 from batchd_server.pipelines.base import BadSample
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage import cache_metrics
+from batchd_server.storage.base import TooLarge
 from batchd_server.storage.blocks import BlockKey
 from batchd_server.storage.cache import CachingFetcher
 from batchd_server.storage.eviction import next_uses, victims
@@ -254,14 +255,14 @@ class CacheManager:
         cache_metrics.CACHE_USED_BYTES.set(self.store.used_bytes())
 
     def _prefetch(self, url: str, ranges: list[tuple[int, int]]) -> int:
-        """Fetch the blocks of ``ranges``; a length of -1 is the whole object (of a size
-        asked of the store here, off the manager's thread)."""
+        """Fetch the blocks of ``ranges``; a length of -1 is the whole object, fetched as a
+        worker would (one GET, no HEAD first, where the client can), so a prefetch of an
+        image costs the store one request, not two."""
         try:
             if any(length < 0 for _, length in ranges):
-                size = self.fetcher.size(url)
-                ranges = [(o, size - o if n < 0 else n) for o, n in ranges]
+                return self.fetcher.prefetch_whole(url, self.store.capacity_bytes)
             return self.fetcher.prefetch(url, ranges)
-        except BadSample as e:  # the worker that reads it reports it, with its sample
+        except (BadSample, TooLarge) as e:  # the worker that reads it reports it
             logger.debug("prefetch of %s failed: %s", url, e)
             return 0
 
