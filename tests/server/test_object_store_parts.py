@@ -200,6 +200,28 @@ def test_a_worker_keeps_several_requests_in_flight(proxy: FaultyProxy) -> None:
     files.close()
 
 
+def test_the_images_of_a_batch_of_64_are_fetched_in_one_round_trip(
+    s3: ThrowawayS3, proxy: FaultyProxy
+) -> None:
+    """A store far away makes a small object's fetch cost its latency: a worker asks for all
+    64 whole objects of a batch at once (the proxy holds every GET until 64 are in flight,
+    so 8 at a time, as before, would break its barrier and fail the reads)."""
+    import threading
+
+    store = s3.store(BUCKET)
+    paths = [f"many/{i:02d}.bin" for i in range(64)]
+    for i, path in enumerate(paths):
+        obstore.put(store, f"root/{path}", BLOB[i:])
+    files = _files(Counting(S3Fetcher(retry_s=2)))
+    proxy.hold = threading.Barrier(64, timeout=20)
+    try:
+        files.prefetch(paths)
+        assert [bytes(files.read(p)) for p in paths] == [BLOB[i:] for i in range(64)]
+    finally:
+        proxy.hold = None
+        files.close()
+
+
 def test_a_missing_object_names_its_url_and_a_range_past_the_end_is_unreadable(
     s3: ThrowawayS3,
 ) -> None:
