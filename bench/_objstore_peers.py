@@ -35,6 +35,7 @@ from batchd_server.pipelines.image import ImagePipeline
 __all__ = [
     "Decode",
     "litdata_loader",
+    "litdata_raw_loader",
     "mosaic_loader",
     "torchvision_shim",
     "upload_tree",
@@ -227,6 +228,87 @@ def litdata_loader(
     return StreamingDataLoader(
         dataset,
         batch_size=batch_size,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers else None,
+        multiprocessing_context="fork" if workers else None,
+    )
+
+
+def litdata_raw_loader(
+    remote: str,
+    cache: Path,
+    *,
+    batch_size: int,
+    workers: int,
+    decode: Decode,
+    storage_options: dict[str, Any],
+    label_of: Callable[[str], int],
+) -> DataLoader[Any]:
+    """LitData's ``StreamingRawDataset`` over one object per image (no ``optimize`` step),
+    in the plain ``DataLoader`` its docs pair it with, shuffled; ``cache_files=True`` keeps
+    every object it fetched in ``cache`` (the warm epochs read them there).
+
+    Its file index is built when the dataset is made, before the timing, from one listing
+    through the bench's boto3 client (LitData's own indexer lists through s3fs, which is not
+    installed here, and would upload its index into the bucket). ``label_of`` maps an
+    object's ``s3://`` URL to its label; the transform is the bench's decode.
+    """
+    from litdata.raw.dataset import StreamingRawDataset
+    from litdata.raw.indexer import BaseIndexer, FileMetadata
+
+    allow_plain_http_for_litdata()
+
+    class Listing(BaseIndexer):
+        def discover_files(
+            self, input_dir: str, options: dict[str, Any] | None
+        ) -> list[FileMetadata]:
+            import boto3
+
+            bucket, _, prefix = input_dir.removeprefix("s3://").partition("/")
+            client = boto3.client("s3", **(options or {}))
+            found = []
+            for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=prefix
+            ):
+                for item in page.get("Contents", []):
+                    found.append(FileMetadata(f"s3://{bucket}/{item['Key']}", item["Size"]))
+            return found
+
+        def build_or_load_index(
+            self,
+            input_dir: str,
+            cache_dir: str,
+            options: dict[str, Any] | None,
+            recompute_index: bool = False,
+        ) -> list[FileMetadata]:
+            return self.discover_files(input_dir, options)
+
+    class Pixels:
+        def __call__(self, data: bytes) -> Any:
+            return decode(data, -1, -1)["image"]
+
+    class RawImages(StreamingRawDataset):
+        def __getitems__(self, indices: list[int]) -> list[Any]:
+            images = super().__getitems__(indices)
+            return [
+                {"image": image, "label": label_of(self.items[i].path), "sample_id": i}
+                for image, i in zip(images, indices, strict=True)
+            ]
+
+    dataset = RawImages(
+        remote,
+        cache_dir=str(cache),
+        indexer=Listing(),
+        storage_options=storage_options,
+        cache_files=True,
+        transform=Pixels(),
+    )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers else None,

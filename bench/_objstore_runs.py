@@ -40,7 +40,8 @@ class Config:
 
     label: str
     family: str
-    """"batchd files", "batchd S3", "batchd Parquet", "Mosaic", "LitData"."""
+    """"batchd files", "batchd S3", "batchd tar", "batchd Parquet", "Mosaic", "LitData",
+    "LitData raw" (its ``StreamingRawDataset`` on the objects batchd's "S3" rows read)."""
     state: str
     """"local", "cold" or "warm"."""
     latency_ms: float
@@ -144,22 +145,24 @@ def peer_of(configs: list[Config], cfg: Config, family: str) -> Config | None:
 
 def results_table(configs: list[Config], local: Config) -> str:
     header = ["config", "samples/s median (min-max)", "vs local files", "vs Mosaic"]
-    header += ["vs LitData", "MB fetched/epoch", "requests/epoch", "train CPU ms/batch"]
+    header += ["vs LitData", "vs LitData raw", "MB fetched/epoch", "requests/epoch"]
+    header += ["train CPU ms/batch"]
     header += ["loader CPU ms/batch", "store+proxy CPU ms/batch"]
     rows = []
     for cfg in configs:
         runs = cfg.contender.runs
         if not runs:
-            rows.append([cfg.label, f"every epoch failed ({len(cfg.failures)})"] + [""] * 8)
+            rows.append([cfg.label, f"every epoch failed ({len(cfg.failures)})"] + [""] * 9)
             continue
         batches = _median([r.batches for r in runs])
         loader = [v for r in runs if (v := r.loader_cpu_ms_per_batch) is not None]
         row = [f"**{cfg.label}**" if cfg is local else cfg.label]
         row += [spread([r.samples_per_s for r in runs]), f"{rate(cfg) / rate(local):.2f}x"]
-        for family in ("Mosaic", "LitData"):
+        for family in ("Mosaic", "LitData", "LitData raw"):
             peer = peer_of(configs, cfg, family)
             mine = cfg.family.startswith("batchd") and cfg.state != "local"
-            row.append(f"{rate(cfg) / rate(peer):.2f}x" if peer and mine else "")
+            same = family != "LitData raw" or cfg.family == "batchd S3"
+            row.append(f"{rate(cfg) / rate(peer):.2f}x" if peer and mine and same else "")
         local_row = cfg.state == "local"
         row.append("-" if local_row else f"{_median(cfg.fetched_bytes) / 1e6:,.1f}")
         row.append("-" if local_row else f"{_median(cfg.requests):,.0f}")
@@ -200,7 +203,8 @@ def targets(configs: list[Config], local: Config, latency: float) -> list[list[s
                 f"{ceiling(cfg, local):.2f}x" if cfg.state == "cold" else "",
             ]
         )
-        for family in ("Mosaic", "LitData"):
+        peers = ("Mosaic", "LitData") + (("LitData raw",) if cfg.family == "batchd S3" else ())
+        for family in peers:
             peer = peer_of(configs, cfg, family)
             if peer is not None and peer.contender.runs:
                 value = rate(cfg) / rate(peer)

@@ -29,6 +29,10 @@ Configurations (one epoch each, timed whole from ``iter()``, the loop counts row
   next epoch, every shard in its cache.
 - ``LitData cold`` / ``warm``: ``litdata.StreamingDataset("s3://...", cache_dir=...)`` in its
   ``StreamingDataLoader``, likewise.
+- ``LitData raw cold`` / ``warm``: ``litdata.StreamingRawDataset`` over the same one object
+  per image that batchd's ``S3`` rows read (no ``optimize`` step; ``cache_files=True``), in
+  the plain shuffled ``DataLoader`` its docs pair it with, likewise: the peer for that
+  layout, beside which batchd's ``S3`` rows are also compared.
 
 Columns: samples/s; MB fetched from the store per epoch (response bytes the proxy passed,
 headers included); S3 requests per epoch (SeaweedFS's own counter); the training process's
@@ -80,6 +84,7 @@ from _objstore_peers import (
     Decode,
     allow_plain_http_for_litdata,
     litdata_loader,
+    litdata_raw_loader,
     mosaic_loader,
     torchvision_shim,
     upload_tree,
@@ -110,6 +115,9 @@ LEASE_TIMEOUT_S = 3600
 RESULTS = Path(__file__).with_name("results") / "object_store.json"
 DATASETS = {"S3": "bench-s3-images", "tar": "bench-s3-tars", "Parquet": "bench-s3-parquet"}
 """batchd's datasets in the store: one object per image, WebDataset tars, the Parquet export."""
+PEER_NAMES = {"Mosaic": "Mosaic Streaming", "LitData": "LitData", "LitData raw": "LitData raw"}
+"""The peers' families and their names in the report. LitData raw is its
+``StreamingRawDataset`` on the one-object-per-image layout (no ``optimize`` step)."""
 
 
 # ---------------------------------------------------------------------------------- data
@@ -349,9 +357,15 @@ def peer_config(
             "aws_secret_access_key": store.env()["AWS_SECRET_ACCESS_KEY"],
             "region_name": "us-east-1",
         }
+        if family == "LitData raw":
+            remote = f"s3://{BUCKET}/images"
+            return litdata_raw_loader(
+                remote, cache, storage_options=options, label_of=image_label, **common
+            )
         return litdata_loader(f"s3://{BUCKET}/litdata", cache, storage_options=options, **common)
 
-    label = f"{'Mosaic Streaming' if family == 'Mosaic' else 'LitData'}, {state}, {latency:g} ms"
+    name = PEER_NAMES[family]
+    label = f"{name}, {state}, {latency:g} ms"
     contender = Contender(label, family, None, None)
     config = Config(label, family, state, latency, contender)
 
@@ -368,6 +382,11 @@ def peer_config(
     if family == "Mosaic":
         config.finish = close_peer
     return config
+
+
+def image_label(url: str) -> int:
+    """The label of ``s3://BUCKET/images/cNN/IIIII.jpg``: ``NN`` (``write_images``'s layout)."""
+    return int(url.rsplit("/", 2)[-2][1:])
 
 
 def close_peer(cfg: Config) -> None:
@@ -435,7 +454,7 @@ def main() -> None:
                 print(line)
             rounds(configs, store, args.reps)
             for cfg in configs:  # before the servers stop: batchd Loaders close their sessions
-                if cfg.contender.loader is not None and cfg.family in ("Mosaic", "LitData"):
+                if cfg.contender.loader is not None and cfg.family in PEER_NAMES:
                     shutdown_dataloader(cfg.contender.loader)
                 cfg.contender.close()
     local = configs[0]
@@ -475,7 +494,9 @@ def data_lines(args: argparse.Namespace, data: Data) -> list[str]:
         "its open Loaders; cold: a new server on an empty --cache-dir each epoch)",
         f"peers: DataLoader / StreamingDataLoader with {cores()} workers (fork), prefetch 4, "
         "persistent workers; Mosaic via boto3 at S3_ENDPOINT_URL, LitData via obstore/boto3 "
-        "with storage_options endpoint",
+        "with storage_options endpoint; LitData raw: StreamingRawDataset(cache_files=True) over "
+        "the one-object-per-image keys in a shuffled DataLoader (its index listed with boto3 "
+        "before the timing)",
     ]
 
 
@@ -545,9 +566,7 @@ def build_configs(
                     continue
                 configs.append(batchd_config(name, state, latency, args, warm, cold))
             if not args.no_peers:
-                configs += [
-                    peer_config(f, state, latency, root, args, store) for f in ("Mosaic", "LitData")
-                ]
+                configs += [peer_config(f, state, latency, root, args, store) for f in PEER_NAMES]
     return configs, notes
 
 
