@@ -289,28 +289,26 @@ class CacheManager:
         for k in range(reading.cursor, max(end, reading.cursor), stride):
             complete = True
             for source, rows in self._rows(reading, plan.batch(k)):
-                for obj in np.unique(source.objects[rows]).tolist():
+                # The batch's blocks in one pass; the per-object work only where some are
+                # missing (a warm cache's round is a stat per block and little else).
+                uses = upcoming_uses(source, rows, np.zeros(len(rows), np.int64))
+                absent: dict[int, set[BlockKey]] = {}
+                for obj, b in set(zip(uses.objects.tolist(), uses.blocks.tolist(), strict=True)):
+                    key = BlockKey(source.hashes[obj], b)
+                    if not os.path.exists(self.store.file(key)):
+                        absent.setdefault(obj, set()).add(key)
+                if not absent:
+                    continue
+                complete = False
+                if k < reading.ahead:
+                    continue
+                distance = (k - reading.cursor) // stride
+                for obj in sorted(absent):
+                    missing |= absent[obj]
                     mine = rows[source.objects[rows] == obj]
-                    uses = upcoming_uses(source, mine, np.zeros(len(mine), np.int64))
-                    absent = {
-                        BlockKey(source.hashes[obj], b)
-                        for b in set(uses.blocks.tolist())
-                        if not os.path.exists(self.store.file(BlockKey(source.hashes[obj], b)))
-                    }
-                    if not absent:
-                        continue
-                    complete = False
-                    if k >= reading.ahead:
-                        missing |= absent
-                        ranges = list(
-                            zip(
-                                source.offsets[mine].tolist(),
-                                source.lengths[mine].tolist(),
-                                strict=True,
-                            )
-                        )
-                        distance = (k - reading.cursor) // stride
-                        jobs.append(_Job(distance, source.urls[obj], ranges, frozenset(absent)))
+                    offsets, lengths = source.offsets[mine].tolist(), source.lengths[mine].tolist()
+                    ranges = list(zip(offsets, lengths, strict=True))
+                    jobs.append(_Job(distance, source.urls[obj], ranges, frozenset(absent[obj])))
             counting = counting and complete
             lead += int(counting)
         return lead, jobs
