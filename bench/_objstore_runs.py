@@ -162,7 +162,8 @@ def results_table(configs: list[Config], local: Config) -> str:
             peer = peer_of(configs, cfg, family)
             mine = cfg.family.startswith("batchd") and cfg.state != "local"
             same = family != "LitData raw" or cfg.family == "batchd S3"
-            row.append(f"{rate(cfg) / rate(peer):.2f}x" if peer and mine and same else "")
+            ran = peer is not None and bool(peer.contender.runs)  # else every epoch failed
+            row.append(f"{rate(cfg) / rate(peer):.2f}x" if peer and ran and mine and same else "")
         local_row = cfg.state == "local"
         row.append("-" if local_row else f"{_median(cfg.fetched_bytes) / 1e6:,.1f}")
         row.append("-" if local_row else f"{_median(cfg.requests):,.0f}")
