@@ -179,11 +179,7 @@ class CachingFetcher:
             TooLarge: the object has more than ``max_bytes``.
             BadSample: as :meth:`fetch`.
         """
-        size = self._sizes.get(url)
-        if size is None:
-            meta = self.store.meta(url)
-            if meta is not None:
-                size = self._remember(url, meta.size)
+        size = self._recorded_size(url)
         if size is None and isinstance(self.inner, WholeFetcher):
             return self._get_whole(self.inner, url, max_bytes)
         if size is None:
@@ -210,11 +206,12 @@ class CachingFetcher:
         """
         if self.has_whole(url):
             return 0
-        size = self._sizes.get(url)
-        if size is None and self.store.meta(url) is None and isinstance(self.inner, WholeFetcher):
+        size = self._recorded_size(url)
+        if size is None and isinstance(self.inner, WholeFetcher):
             data = self._get_whole(self.inner, url, max_bytes, prefetch=True)
             return -(-len(data) // self.store.block_bytes)
-        size = self.size(url)
+        if size is None:
+            size = self.size(url)
         if size > max_bytes:
             raise TooLarge(url, size)
         return self.prefetch(url, [(0, size)]) if size else 0
@@ -224,12 +221,9 @@ class CachingFetcher:
         on disk): a reader then reads it where it is, rather than handing it to a prefetch
         thread, whose handoff costs more than the read. Not a promise: the block may be
         evicted before it is read, and is then fetched."""
-        size = self._sizes.get(url)
+        size = self._recorded_size(url)
         if size is None:
-            meta = self.store.meta(url)
-            if meta is None:
-                return False
-            size = self._remember(url, meta.size)
+            return False
         return size <= self.store.block_bytes and self.has_ranges(url, [(0, size)])
 
     def has_ranges(self, url: str, ranges: Sequence[tuple[int, int]]) -> bool:
@@ -265,6 +259,16 @@ class CachingFetcher:
             self.store.write(BlockKey(h, i), view[i * b : (i + 1) * b])
         return data
 
+    def _recorded_size(self, url: str) -> int | None:
+        """``url``'s size as this process or the cache's record knows it (no request);
+        None when neither does."""
+        size = self._sizes.get(url)
+        if size is None:
+            meta = self.store.meta(url)
+            if meta is not None:
+                size = self._remember(url, meta.size)
+        return size
+
     def _remember(self, url: str, size: int) -> int:
         if len(self._sizes) >= _MAX_SIZES:
             self._sizes.clear()
@@ -288,19 +292,14 @@ class CachingFetcher:
 
     def known_size(self, url: str) -> int:
         """As :meth:`size`, but -1 when the inner fetcher cannot tell sizes."""
-        size = self._sizes.get(url)
+        size = self._recorded_size(url)
         if size is not None:
             return size
-        meta = self.store.meta(url)
-        if meta is None and isinstance(self.inner, SizesObjects):
-            meta = ObjectMeta(url, self.inner.size(url))
-            self.store.record(meta)
-        if meta is None:
+        if not isinstance(self.inner, SizesObjects):
             return -1
-        if len(self._sizes) >= _MAX_SIZES:
-            self._sizes.clear()
-        self._sizes[url] = meta.size
-        return meta.size
+        meta = ObjectMeta(url, self.inner.size(url))
+        self.store.record(meta)
+        return self._remember(url, meta.size)
 
     def _blocks(
         self, url: str, ranges: Sequence[tuple[int, int]], *, prefetch: bool
