@@ -165,11 +165,19 @@ def mosaic_loader(
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers else None,
-        multiprocessing_context="fork" if workers else None,
+        **_pool(workers),
     )
+
+
+def _pool(workers: int) -> dict[str, Any]:
+    """Every peer's DataLoader pool: ``workers`` forked processes kept across epochs (the
+    warm runs), 4 batches prefetched each."""
+    return {
+        "num_workers": workers,
+        "persistent_workers": workers > 0,
+        "prefetch_factor": 4 if workers else None,
+        "multiprocessing_context": "fork" if workers else None,
+    }
 
 
 def allow_plain_http_for_litdata() -> str:
@@ -228,10 +236,7 @@ def litdata_loader(
     return StreamingDataLoader(
         dataset,
         batch_size=batch_size,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers else None,
-        multiprocessing_context="fork" if workers else None,
+        **_pool(workers),
     )
 
 
@@ -309,8 +314,5 @@ def litdata_raw_loader(
         batch_size=batch_size,
         shuffle=True,
         generator=torch.Generator().manual_seed(0),
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers else None,
-        multiprocessing_context="fork" if workers else None,
+        **_pool(workers),
     )
