@@ -16,7 +16,13 @@ from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage import cache_metrics
-from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, BlockStore, object_hash
+from batchd_server.storage.blocks import (
+    DIGEST_BYTES,
+    HEADER_BYTES,
+    BlockKey,
+    BlockStore,
+    object_hash,
+)
 from batchd_server.storage.cache import CacheStats, CachingFetcher
 from batchd_server.storage.cache_manager import CacheManager, Reading, SourceRef
 from batchd_server.storage.eviction import next_uses, victims
@@ -236,7 +242,7 @@ def test_a_full_cache_gives_up_unread_blocks_then_the_farthest_never_the_window(
     late = sorted((b for b in first_read if b not in window), key=first_read.__getitem__)
     soon, last = late[:2], late[-2:]
     assert first_read[soon[1]] < first_read[last[0]] < first_read[last[1]]
-    per_block = HEADER_BYTES + 4 + BLOCK  # one chunk a block: a 4-byte chunk table
+    per_block = HEADER_BYTES + DIGEST_BYTES + BLOCK  # one chunk a block: one digest
     capacity = (len(window) + 4) * per_block
     urls = {object_hash(u): u for u in (f"{ROOT_URL}/s{i}.bin" for i in range(3))}
     for manager in make_manager(shards, tmp_path / "c", capacity, [reading], prefetch=2):
@@ -357,7 +363,7 @@ def test_a_cache_too_small_for_the_window_prefetches_only_what_fits(
 ) -> None:
     """Room for two blocks and a window of more, none of them evictable: the prefetch stops
     at two blocks and asks the store for nothing more, round after round."""
-    per_block = HEADER_BYTES + 4 + BLOCK
+    per_block = HEADER_BYTES + DIGEST_BYTES + BLOCK
     for manager in make_manager(shards, tmp_path / "c", 2 * per_block, [reading], prefetch=2):
         inner = manager.fetcher.inner
         assert isinstance(inner, StatDirFetcher)

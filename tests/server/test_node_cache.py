@@ -121,13 +121,13 @@ def test_blocks_outlive_the_fetcher_that_wrote_them(objects: Path, tmp_path: Pat
     assert second.fetch(url, [(5, 100)]) == [(objects / "shard2.bin").read_bytes()[5:105]]
 
 
-@pytest.mark.parametrize("damage", ["flip", "table", "truncate", "empty", "header"])
+@pytest.mark.parametrize("damage", ["flip", "table", "truncate", "empty", "header", "older"])
 def test_a_corrupt_or_truncated_block_file_is_fetched_again(
     objects: Path, tmp_path: Path, damage: str
 ) -> None:
     """A block file with a flipped byte in a chunk read or in the chunk table, cut short,
-    emptied or with a wrong header is detected, deleted and fetched again; the answer is
-    right."""
+    emptied, with a wrong header or of the earlier format (CRC-32s, magic ``batchdB2``) is
+    detected, deleted and fetched again; the answer is right."""
     fetcher, inner = make(objects, tmp_path / "cache")
     url = inner.url("shard3.bin")
     data = (objects / "shard3.bin").read_bytes()
@@ -142,6 +142,8 @@ def test_a_corrupt_or_truncated_block_file_is_fetched_again(
         raw = raw[:-1]
     elif damage == "empty":
         raw = bytearray()
+    elif damage == "older":
+        raw[:8] = b"batchdB2"
     else:
         raw[0] ^= 0xFF
     path.write_bytes(bytes(raw))

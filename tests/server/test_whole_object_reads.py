@@ -12,7 +12,13 @@ import pytest
 from s3server import ThrowawayS3, store_env, throwaway_s3
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, BlockStore, object_hash
+from batchd_server.storage.blocks import (
+    DIGEST_BYTES,
+    HEADER_BYTES,
+    BlockKey,
+    BlockStore,
+    object_hash,
+)
 from batchd_server.storage.cache import CacheStats, CachingFetcher
 from batchd_server.storage.objects import ObjectFiles
 from batchd_server.storage.s3 import S3Fetcher
@@ -102,7 +108,7 @@ def test_a_cached_object_is_read_without_the_store_and_a_bad_one_is_fetched_agai
     assert (counts.hits, counts.misses, counts.fetched_bytes) == (1, 0, 0)
     path = second.store.path(BlockKey(object_hash(url), 0))
     raw = bytearray(path.read_bytes())
-    raw[HEADER_BYTES + 4 * 5 + 40_000] ^= 0xFF
+    raw[HEADER_BYTES + DIGEST_BYTES * 5 + 40_000] ^= 0xFF  # in the content's third chunk
     path.write_bytes(bytes(raw))
     assert second.fetch_whole(url, 1 << 20) == want
     counts = second.stats.take()
