@@ -56,9 +56,11 @@ class Counting(S3Fetcher):
 
 def _batch() -> tuple[list[str], Any, Any, Any]:
     paths = sorted(SHARDS)
-    files = np.array([0, 1, 0, 1, 0], np.intp)
-    offsets = np.array([1000, 5000, 200_000, 100, 50_000], np.int64)
-    lengths = np.array([2000, 3000, 1000, 4000, 10_000], np.int64)
+    # Overlapping ranges share a run (the fourth inside the first), and an empty one is in
+    # the batch (the last), so every sample's place in its run is exercised.
+    files = np.array([0, 1, 0, 0, 1, 0, 1], np.intp)
+    offsets = np.array([1000, 5000, 200_000, 1500, 100, 50_000, 7000], np.int64)
+    lengths = np.array([2000, 3000, 1000, 1000, 4000, 10_000, 0], np.int64)
     return paths, files, offsets, lengths
 
 
@@ -138,4 +140,31 @@ def test_objects_on_the_nodes_disk_are_read_in_the_readers_thread(
     assert got == _expected(paths, which, offsets, lengths)
     assert threads[f"{ROOT}/{paths[0]}"] == threading.current_thread().name
     assert threads[f"{ROOT}/{paths[1]}"].startswith("batchd-fetch")
+    files.close()
+
+
+def test_a_batch_staged_from_the_nodes_disk_is_views_of_its_reads_not_a_copy(
+    s3: ThrowawayS3, tmp_path: Path
+) -> None:
+    """Warm, a staged batch asks the store nothing, and each sample is a view of the bytes
+    read from its block's file (no second copy of the batch into one buffer)."""
+    inner = Counting()
+    store = BlockStore(tmp_path / "cache", capacity_bytes=1 << 30)
+    files = ObjectFiles(
+        ROOT, CachingFetcher(inner, store, stats=CacheStats()), inner.size, max_sample_bytes=1 << 20
+    )
+    paths, which, offsets, lengths = _batch()
+    files.begin_batch()
+    files.stage(paths, which, offsets, lengths)
+    before = len(inner.calls)
+    files.begin_batch()
+    files.stage(paths, which, offsets, lengths)
+    assert len(inner.calls) == before
+    views = [
+        files.read(paths[f], o, n)
+        for f, o, n in zip(which.tolist(), offsets.tolist(), lengths.tolist(), strict=True)
+    ]
+    assert [bytes(v) for v in views] == _expected(paths, which, offsets, lengths)
+    assert len(inner.calls) == before
+    assert all(isinstance(v.obj, bytes) for v in views if len(v))
     files.close()

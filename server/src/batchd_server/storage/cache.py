@@ -147,6 +147,10 @@ class CachingFetcher:
         self, inner: RangeFetcher, store: BlockStore, *, stats: CacheStats | None = None
     ) -> None:
         self.inner = inner
+        # What the inner fetcher can do, asked once (a runtime Protocol check is slow).
+        self._whole = inner if isinstance(inner, WholeFetcher) else None
+        self._sizer = inner if isinstance(inner, SizesObjects) else None
+        self._streams = inner if isinstance(inner, StreamsRanges) else None
         self.store = store
         self.stats = STATS if stats is None else stats
         self._sizes: dict[str, int] = {}
@@ -180,8 +184,8 @@ class CachingFetcher:
             BadSample: as :meth:`fetch`.
         """
         size = self._recorded_size(url)
-        if size is None and isinstance(self.inner, WholeFetcher):
-            return self._get_whole(self.inner, url, max_bytes)
+        if size is None and self._whole is not None:
+            return self._get_whole(self._whole, url, max_bytes)
         if size is None:
             size = self.size(url)
         if size > max_bytes:
@@ -207,8 +211,8 @@ class CachingFetcher:
         if self.has_whole(url):
             return 0
         size = self._recorded_size(url)
-        if size is None and isinstance(self.inner, WholeFetcher):
-            data = self._get_whole(self.inner, url, max_bytes, prefetch=True)
+        if size is None and self._whole is not None:
+            data = self._get_whole(self._whole, url, max_bytes, prefetch=True)
             return -(-len(data) // self.store.block_bytes)
         if size is None:
             size = self.size(url)
@@ -295,9 +299,9 @@ class CachingFetcher:
         size = self._recorded_size(url)
         if size is not None:
             return size
-        if not isinstance(self.inner, SizesObjects):
+        if self._sizer is None:
             return -1
-        meta = ObjectMeta(url, self.inner.size(url))
+        meta = ObjectMeta(url, self._sizer.size(url))
         self.store.record(meta)
         return self._remember(url, meta.size)
 
@@ -387,8 +391,8 @@ class CachingFetcher:
             return min((i + 1) * b, size) if size >= 0 else i * b + max(hi for _, hi in need[i])
 
         spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
-        if isinstance(self.inner, StreamsRanges):
-            return self._stream_missing(self.inner, url, runs, spans, need, short, prefetch)
+        if self._streams is not None:
+            return self._stream_missing(self._streams, url, runs, spans, need, short, prefetch)
         started = time.perf_counter()
         datas = self.inner.fetch(url, spans)
         self.stats.latency(time.perf_counter() - started)

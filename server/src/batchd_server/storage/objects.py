@@ -41,7 +41,7 @@ import numpy.typing as npt
 from batchd._wire.lifetime import Closeable
 from batchd_server.limits import INT64_MAX
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.ranges import plan_reads
+from batchd_server.pipelines.ranges import ReadPlan, plan_reads
 from batchd_server.shm.space import format_bytes
 from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
 from batchd_server.storage.s3 import join_url
@@ -89,6 +89,9 @@ class ObjectFiles(Closeable):
         self.root = root.rstrip("/")
         self.max_sample_bytes = max_sample_bytes
         self._fetcher = fetcher
+        self._whole = fetcher if isinstance(fetcher, WholeFetcher) else None
+        """The fetcher, when it reads a whole object in one GET (asked once: a check against
+        a runtime Protocol costs microseconds, and a warm image's read is not much more)."""
         self._size_of = size_of
         self.cached: bool = getattr(fetcher, "coalesces", False)
         """Whether reads go through the node cache (a small read is then a file read)."""
@@ -128,18 +131,22 @@ class ObjectFiles(Closeable):
         if not len(offsets) or int(lengths.sum()) > PREFETCH_BYTES:
             return
         try:
-            data, starts = self.read_ranges(paths, files, offsets, lengths)
+            groups, plans, fetched = self._fetch_planned(paths, files, offsets, lengths)
         except BadSample:
             return
-        view = data.data
-        for path, offset, length, start in zip(
-            [paths[int(f)] for f in files.tolist()],
-            offsets.tolist(),
-            lengths.tolist(),
-            starts.tolist(),
-            strict=True,
-        ):
-            self._staged[(path, offset, length)] = view[start : start + length]
+        # Each sample is a view of the run its bytes came in (no copy into one buffer, as
+        # read_ranges makes: warm from the node cache, that copy was most of what a batch
+        # cost beyond local files' reads).
+        names = [paths[int(f)] for f in files.tolist()]
+        for rows, plan, runs in zip(groups, plans, fetched, strict=True):
+            views = [memoryview(run).cast("B") for run in runs]
+            run_of = np.searchsorted(plan.run_starts, plan.starts, side="right") - 1
+            for row, start, r in zip(
+                rows.tolist(), plan.starts.tolist(), run_of.tolist(), strict=True
+            ):
+                at = start - int(plan.run_starts[r])
+                offset, length = int(offsets[row]), int(lengths[row])
+                self._staged[(names[row], offset, length)] = views[r][at : at + length]
 
     def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview:
         """The bytes of one sample (``offset``/``length`` -1: the whole object, or to its
@@ -188,6 +195,29 @@ class ObjectFiles(Closeable):
         Raises:
             BadSample: as :meth:`read`; which sample is at fault is not said.
         """
+        groups, plans, fetched = self._fetch_planned(paths, files, offsets, lengths)
+        total = sum(p.total_bytes for p in plans)
+        data = np.empty(total, np.uint8)
+        starts = np.empty(len(offsets), np.int64)
+        base = 0
+        for rows, plan, chunks in zip(groups, plans, fetched, strict=True):
+            at = base
+            for chunk in chunks:
+                data[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
+                at += len(chunk)
+            starts[rows] = plan.starts + base
+            base = at
+        return data, starts
+
+    def _fetch_planned(
+        self,
+        paths: Sequence[str],
+        files: npt.NDArray[np.intp],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> tuple[list[npt.NDArray[np.intp]], list[ReadPlan], list[list[bytes | memoryview]]]:
+        """The ranges' rows of each object, its read plan and the bytes of each of its runs,
+        fetched several objects at once (as :meth:`read_ranges`)."""
         n = len(offsets)
         if n and (offsets.min() < 0 or lengths.min() < 0):
             raise BadSample("unreadable", "a byte range has a negative offset or length")
@@ -222,18 +252,7 @@ class ObjectFiles(Closeable):
                 self._fetch(u, r) if f is None else f.result()
                 for u, r, f in zip(urls, runs, futures, strict=True)
             ]
-        total = sum(p.total_bytes for p in plans)
-        data = np.empty(total, np.uint8)
-        starts = np.empty(n, np.int64)
-        base = 0
-        for rows, plan, chunks in zip(groups, plans, fetched, strict=True):
-            at = base
-            for chunk in chunks:
-                data[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
-                at += len(chunk)
-            starts[rows] = plan.starts + base
-            base = at
-        return data, starts
+        return groups, plans, fetched
 
     def warm(
         self,
@@ -370,8 +389,8 @@ class ObjectFiles(Closeable):
         return size
 
     def _fetch_whole(self, url: str) -> bytes | memoryview:
-        if isinstance(self._fetcher, WholeFetcher):
-            return self._get_whole(self._fetcher, url)
+        if self._whole is not None:
+            return self._get_whole(self._whole, url)
         size = self._size(url)
         self._check_size(url, size)
         return self._fetch(url, [(0, size)])[0] if size else b""
