@@ -39,8 +39,8 @@ class WholeFetcher(Protocol):
     """A fetcher that reads a whole object in one request, without asking its size first
     (a HEAD before each GET costs a round trip per object: most of a small image's time)."""
 
-    def fetch_whole(self, url: str, max_bytes: int) -> bytes:
-        """The whole object at ``url``.
+    def fetch_whole(self, url: str, max_bytes: int) -> bytes | memoryview:
+        """The whole object at ``url`` (memory of its own, not reused by a later call).
 
         Raises:
             TooLarge: it has more than ``max_bytes`` (found before its body is read).

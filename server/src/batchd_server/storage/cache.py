@@ -174,7 +174,7 @@ class CachingFetcher:
         """
         return self._blocks(url, ranges, prefetch=True)[1]
 
-    def fetch_whole(self, url: str, max_bytes: int) -> bytes:
+    def fetch_whole(self, url: str, max_bytes: int) -> bytes | memoryview:
         """The whole object: from its cached blocks when its size is recorded, else in one
         GET without a HEAD first (when the inner fetcher can), its size then recorded and its
         blocks kept from the bytes in hand.
@@ -243,7 +243,7 @@ class CachingFetcher:
 
     def _get_whole(
         self, inner: WholeFetcher, url: str, max_bytes: int, *, prefetch: bool = False
-    ) -> bytes:
+    ) -> bytes | memoryview:
         """A whole object not known here: one GET, then its record and its blocks."""
         started = time.perf_counter()
         data = inner.fetch_whole(url, max_bytes)

@@ -395,7 +395,7 @@ class ObjectFiles(Closeable):
         self._check_size(url, size)
         return self._fetch(url, [(0, size)])[0] if size else b""
 
-    def _get_whole(self, fetcher: WholeFetcher, url: str) -> bytes:
+    def _get_whole(self, fetcher: WholeFetcher, url: str) -> bytes | memoryview:
         """One GET of the whole object, no HEAD first; the size comes with the answer."""
         down = self._down
         if down is not None:

@@ -309,7 +309,7 @@ class S3Fetcher:
         except Exception as e:
             raise classify(url, e) from None
 
-    def fetch_whole(self, url: str, max_bytes: int) -> bytes:
+    def fetch_whole(self, url: str, max_bytes: int) -> memoryview:
         """The whole object, in one GET: its size comes with the answer's headers, so no HEAD
         goes first, and an object over ``max_bytes`` is refused before its body is read.
 
@@ -323,7 +323,7 @@ class S3Fetcher:
             size = int(result.meta["size"])
             if size > max_bytes:
                 raise TooLarge(url, size)  # the body is dropped unread with the result
-            data = bytes(result.bytes())
+            data = memoryview(result.bytes())  # the client's buffer, not a copy of it
         except TooLarge:
             raise
         except Exception as e:
