@@ -66,6 +66,15 @@ from typing import Final
 
 import xxhash
 
+from batchd_server.storage.block_format import (
+    CHUNK_BYTES,
+    DIGEST_BYTES,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    chunks_match,
+    table_check,
+)
 from batchd_server.storage.fetch_locks import FetchLocks
 
 __all__ = [
@@ -86,38 +95,6 @@ logger = logging.getLogger(__name__)
 BLOCK_BYTES: Final = 4 << 20
 """A block's bytes at most: large enough that one GET of a block costs little more than
 its latency, small enough that a sample's block is not mostly other samples."""
-CHUNK_BYTES: Final = 16 << 10
-"""Each chunk of a block has its own digest, so a read of a few records of a block checks
-(and reads) those records' chunks, not 4 MiB. A batch of 64 random 128-byte records over
-64 cached blocks took about 3 ms with 16 KiB chunks, 6 ms with 64 KiB and 30 ms reading
-whole blocks (one run on the development machine, page cache warm; noisy)."""
-HEADER_BYTES: Final = 32
-_HEADER: Final = struct.Struct("<8sQQII")
-_MAGIC: Final = b"batchdB3"
-"""B3: XXH3-64 digests. (B2 files, with CRC-32s, are read as bad: fetched again.)"""
-DIGEST_BYTES: Final = 8
-"""Each chunk's digest in the table: XXH3-64, which checks a warm read's bytes at about 15
-GB/s on the development VM, where zlib's CRC-32 managed about 4 (in a warm epoch of a tar
-dataset the CRC-32 took 3.6% of the workers' CPU)."""
-_digest: Final = xxhash.xxh3_64_intdigest
-
-
-def _table_check(table: bytes | memoryview) -> int:
-    """The header's check of the chunk table (32 bits of its digest)."""
-    return _digest(table) & 0xFFFFFFFF
-
-
-def _chunks_match(
-    view: memoryview, digests: Sequence[int], first: int, last: int, chunk: int
-) -> bool:
-    """Whether chunks ``first`` .. ``last - 1``, whose bytes ``view`` holds from the first
-    one's start, have the table's digests."""
-    return all(
-        _digest(view[(c - first) * chunk : (c + 1 - first) * chunk]) == digests[c]
-        for c in range(first, last)
-    )
-
-
 _STALE_TMP_S: Final = 600.0
 """A file under tmp/ older than this was left by a crashed writer."""
 
@@ -326,19 +303,19 @@ class BlockStore:
             os.close(fd)
         if len(head) != HEADER_BYTES + DIGEST_BYTES * n or len(data) != length:
             return None
-        magic, offset, stored, stored_chunk, table_check = _HEADER.unpack_from(head)
+        magic, offset, stored, stored_chunk, checked = HEADER.unpack_from(head)
         if (magic, offset, stored, stored_chunk) != (
-            _MAGIC,
+            MAGIC,
             key.index * self.block_bytes,
             length,
             chunk,
         ):
             return None
         table = memoryview(head)[HEADER_BYTES:]
-        if _table_check(table) != table_check:
+        if table_check(table) != checked:
             return None
         digests = struct.unpack(f"<{n}Q", table)
-        return data if _chunks_match(memoryview(data), digests, 0, n, chunk) else None
+        return data if chunks_match(memoryview(data), digests, 0, n, chunk) else None
 
     def _read(self, fd: int, key: BlockKey, spans: Sequence[tuple[int, int]]) -> BlockRead | None:
         """As :meth:`read`; None for a bad file."""
@@ -346,8 +323,8 @@ class BlockStore:
         head = os.pread(fd, HEADER_BYTES, 0)
         if len(head) < HEADER_BYTES:
             return None
-        magic, offset, length, chunk, table_check = _HEADER.unpack(head)
-        if magic != _MAGIC or offset != key.index * self.block_bytes:
+        magic, offset, length, chunk, checked = HEADER.unpack(head)
+        if magic != MAGIC or offset != key.index * self.block_bytes:
             return None
         if chunk != self.chunk_bytes or length > self.block_bytes:
             return None
@@ -355,7 +332,7 @@ class BlockStore:
             return None
         n = -(-length // chunk)
         table = os.pread(fd, DIGEST_BYTES * n, HEADER_BYTES)
-        if len(table) != DIGEST_BYTES * n or _table_check(table) != table_check:
+        if len(table) != DIGEST_BYTES * n or table_check(table) != checked:
             return None
         if max(hi for _, hi in spans) > length:
             return BlockRead(length, None)
@@ -374,7 +351,7 @@ class BlockStore:
             if len(data) != end - start:
                 return None
             view = memoryview(data)  # a reader's cut of it is a view, not another copy
-            if not _chunks_match(view, digests, first, last, chunk):
+            if not chunks_match(view, digests, first, last, chunk):
                 return None
             parts.append((start, view))
         return BlockRead(length, parts)
@@ -415,7 +392,7 @@ class BlockStore:
         """A block file's header and chunk table."""
         table = struct.pack(f"<{len(digests)}Q", *digests)
         offset = key.index * self.block_bytes
-        header = _HEADER.pack(_MAGIC, offset, length, self.chunk_bytes, _table_check(table))
+        header = HEADER.pack(MAGIC, offset, length, self.chunk_bytes, table_check(table))
         return header, table
 
     def _link(self, tmp: str, key: BlockKey, nbytes: int, *, replace: bool) -> None:
