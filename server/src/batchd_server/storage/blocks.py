@@ -56,7 +56,6 @@ import json
 import logging
 import os
 import secrets
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -64,16 +63,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import xxhash
-
 from batchd_server.storage.block_format import (
     CHUNK_BYTES,
     DIGEST_BYTES,
     HEADER,
     HEADER_BYTES,
     MAGIC,
+    chunk_hasher,
     chunks_match,
+    pack_table,
     table_check,
+    unpack_table,
 )
 from batchd_server.storage.fetch_locks import FetchLocks
 
@@ -314,7 +314,7 @@ class BlockStore:
         table = memoryview(head)[HEADER_BYTES:]
         if table_check(table) != checked:
             return None
-        digests = struct.unpack(f"<{n}Q", table)
+        digests = unpack_table(table, n)
         return data if chunks_match(memoryview(data), digests, 0, n, chunk) else None
 
     def _read(self, fd: int, key: BlockKey, spans: Sequence[tuple[int, int]]) -> BlockRead | None:
@@ -343,7 +343,7 @@ class BlockStore:
                 runs[-1][1] = c + 1
             else:
                 runs.append([c, c + 1])
-        digests = struct.unpack_from(f"<{n}Q", table)
+        digests = unpack_table(table, n)
         parts = []
         for first, last in runs:
             start, end = first * chunk, min(last * chunk, length)
@@ -390,7 +390,7 @@ class BlockStore:
 
     def _head(self, key: BlockKey, length: int, digests: list[int]) -> tuple[bytes, bytes]:
         """A block file's header and chunk table."""
-        table = struct.pack(f"<{len(digests)}Q", *digests)
+        table = pack_table(digests)
         offset = key.index * self.block_bytes
         header = HEADER.pack(MAGIC, offset, length, self.chunk_bytes, table_check(table))
         return header, table
@@ -518,7 +518,7 @@ class BlockWriter:
         self._base = HEADER_BYTES + DIGEST_BYTES * -(-length // store.chunk_bytes)
         self._at = 0
         self._digests: list[int] = []
-        self._hash = xxhash.xxh3_64()  # of the chunk being written, so far
+        self._hash = chunk_hasher()  # of the chunk being written, so far
 
     def add(self, piece: memoryview) -> None:
         """The next bytes of the content.

@@ -183,13 +183,9 @@ class CachingFetcher:
             TooLarge: the object has more than ``max_bytes``.
             BadSample: as :meth:`fetch`.
         """
-        size = self._recorded_size(url)
-        if size is None and self._whole is not None:
-            return self._get_whole(self._whole, url, max_bytes)
-        if size is None:
-            size = self.size(url)
-        if size > max_bytes:
-            raise TooLarge(url, size)
+        size, data = self._whole_size(url, max_bytes, prefetch=False)
+        if data is not None:
+            return data
         if not size:
             return b""
         if size <= self.store.block_bytes:
@@ -210,15 +206,26 @@ class CachingFetcher:
         """
         if self.has_whole(url):
             return 0
+        size, data = self._whole_size(url, max_bytes, prefetch=True)
+        if data is not None:
+            return -(-len(data) // self.store.block_bytes)
+        return self.prefetch(url, [(0, size)]) if size else 0
+
+    def _whole_size(
+        self, url: str, max_bytes: int, *, prefetch: bool
+    ) -> tuple[int, bytes | memoryview | None]:
+        """A whole object's size, checked against ``max_bytes``, and its bytes when learning
+        the size meant fetching it (an object never seen, through a fetcher that reads whole
+        objects: one GET, no HEAD first; its blocks are then kept)."""
         size = self._recorded_size(url)
         if size is None and self._whole is not None:
-            data = self._get_whole(self._whole, url, max_bytes, prefetch=True)
-            return -(-len(data) // self.store.block_bytes)
+            data = self._get_whole(self._whole, url, max_bytes, prefetch=prefetch)
+            return len(data), data
         if size is None:
             size = self.size(url)
         if size > max_bytes:
             raise TooLarge(url, size)
-        return self.prefetch(url, [(0, size)]) if size else 0
+        return size, None
 
     def has_whole(self, url: str) -> bool:
         """Whether the whole object looks cached (its size recorded, a small object's block

@@ -137,16 +137,17 @@ class ObjectFiles(Closeable):
         # Each sample is a view of the run its bytes came in (no copy into one buffer, as
         # read_ranges makes: warm from the node cache, that copy was most of what a batch
         # cost beyond local files' reads).
-        names = [paths[int(f)] for f in files.tolist()]
+        names = [paths[f] for f in files.tolist()]
+        offset_of, length_of = offsets.tolist(), lengths.tolist()
         for rows, plan, runs in zip(groups, plans, fetched, strict=True):
             views = [memoryview(run).cast("B") for run in runs]
+            run_starts = plan.run_starts.tolist()
             run_of = np.searchsorted(plan.run_starts, plan.starts, side="right") - 1
             for row, start, r in zip(
                 rows.tolist(), plan.starts.tolist(), run_of.tolist(), strict=True
             ):
-                at = start - int(plan.run_starts[r])
-                offset, length = int(offsets[row]), int(lengths[row])
-                self._staged[(names[row], offset, length)] = views[r][at : at + length]
+                at, length = start - run_starts[r], length_of[row]
+                self._staged[(names[row], offset_of[row], length)] = views[r][at : at + length]
 
     def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview:
         """The bytes of one sample (``offset``/``length`` -1: the whole object, or to its
