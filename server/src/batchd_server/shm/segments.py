@@ -13,9 +13,14 @@ and ``Attachment.close`` therefore close the mapping when they can and otherwise
 reference to it: every view holds the mapping, and the last one to die unmaps it. Views stay
 valid until then. Make views with ``ndarray()`` (or ``np.frombuffer``), never with
 ``np.ndarray(buffer=buf)``: that one takes no export, so a close unmaps under it and the next
-access is a segmentation fault. A released segment's file is unlinked at once
-and its bytes leave the budget; the kernel frees its pages when the last mapping anywhere
-goes. After either call, ``buf`` raises ``FailedPrecondition``.
+access is a segmentation fault.
+
+What each call does besides: ``ShmRegistry.release`` also unlinks the segment's file at once
+(only in the process that created it) and gives its bytes back to the shm budget, so a new
+segment may take them while old views still read the old pages; the kernel frees those pages
+when the last mapping in any process goes. ``Attachment.close`` unlinks nothing: the segment
+is its creator's. After either call this object's ``buf`` raises ``FailedPrecondition``;
+views made before it keep working.
 """
 
 from __future__ import annotations
@@ -103,7 +108,8 @@ class MappedSegment:
                 f"[{offset}, {end}); segment {self.name} has {self.nbytes}"
             )
         # frombuffer, unlike np.ndarray(buffer=...), holds a buffer export for the view's life,
-        # which is what keeps close() from unmapping under it: NOTE [ Closing mappings ...].
+        # which is what keeps close() from unmapping under it: NOTE [ Closing mappings with live
+        # views ].
         return np.frombuffer(self.buf, dt, math.prod(dims), offset).reshape(dims)
 
     def unmap(self) -> None:

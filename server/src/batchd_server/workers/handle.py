@@ -6,10 +6,12 @@ A :class:`Worker` is one process with its pipe, the thread that writes to that p
 the dispatcher's bookkeeping: the tasks it holds, whether it said ready, since when it is
 busy, and, for a dead worker whose replacement waits for its backoff, when that starts.
 
-:func:`end_processes` escalates as STYLE.md asks (the caller has asked already): terminate,
-kill, reap, all within the deadline the caller derives from its grace, plus :data:`REAP_S`
-for SIGKILL to land. A process that does not go even then (stuck in the kernel) is left
-with a warning rather than hanging shutdown.
+:func:`end_processes` escalates, as a shutdown of child processes must: ask, terminate, kill,
+reap, each step for all of them before the next, never waiting on one process before signalling
+the others (the caller has asked already, so it starts at terminate). All of it runs within the
+deadline the caller derives from its grace, plus :data:`REAP_S` for SIGKILL to land. A process
+that does not go even then (stuck in the kernel) is left with a warning rather than hanging
+shutdown.
 """
 
 from __future__ import annotations
