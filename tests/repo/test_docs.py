@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -27,6 +28,21 @@ _ISSUE_WORD = re.compile(r"\b(?:issues?|PRs?|pull requests?)[\s-]*#?\d+", re.I)
 _HASH_NUMBER = re.compile(r"(?<![\w&/#(])#\d+(?![\w-])")
 _OUTSIDE_DOCS = re.compile(r"\.\./shared/|\b(?:DESIGN|STYLE)\.md\b|perf-baselines")
 _MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+class _MkdocsYaml(yaml.SafeLoader):
+    """``yaml.safe_load`` plus the ``!!python/name:`` tags mkdocs.yml uses to name a Markdown
+    extension's hook (the Mermaid fence), read as their dotted names; nothing is imported."""
+
+
+_MkdocsYaml.add_multi_constructor(
+    "tag:yaml.org,2002:python/name:", lambda _loader, suffix, _node: suffix
+)
+
+
+def _mkdocs_config() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=_MkdocsYaml)
+    return config
 
 
 def _user_docs() -> list[Path]:
@@ -64,7 +80,7 @@ def test_the_docs_site_builds_in_strict_mode_without_a_warning(tmp_path: Path) -
 def test_mkdocs_config_is_strict_and_turns_every_broken_reference_into_a_warning() -> None:
     """mkdocs.yml sets strict mode and ``warn`` for every link and nav check, and its nav
     names the generated settings page at its fixed path."""
-    config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    config = _mkdocs_config()
     assert config["strict"] is True
     validation = config["validation"]
     assert validation["nav"] == dict.fromkeys(
@@ -136,3 +152,82 @@ def test_no_user_facing_doc_cites_a_document_outside_the_repository() -> None:
         if _OUTSIDE_DOCS.search(path.read_text())
     }
     assert not offenders, f"cite only what the repository holds: {offenders}"
+
+
+_FENCE_LINE = re.compile(r"^(```|~~~)\s*(\S*)")
+_ASCII_PICTURE_LINE = re.compile(r"^\s*[+|].*-{3,}.*[+|]\s*$|-{3,}>|<-{3,}|[─│┌┐└┘▶▼]", re.M)
+
+
+def _plain_fences(markdown: str) -> list[str]:
+    """The bodies of a page's fenced blocks with no language or ``text``: where a picture
+    drawn in characters would be."""
+    bodies: list[str] = []
+    body: list[str] | None = None
+    plain = False
+    for line in markdown.splitlines():
+        fence = _FENCE_LINE.match(line)
+        if body is None:
+            if fence:
+                body, plain = [], fence[2] in ("", "text")
+        elif fence and not fence[2]:
+            if plain:
+                bodies.append("\n".join(body))
+            body = None
+        else:
+            body.append(line)
+    return bodies
+
+
+def _ascii_pictures(markdown: str) -> list[str]:
+    """The first line of each plain or ``text`` fence in a page that draws boxes or arrows."""
+    return [
+        body.splitlines()[0] for body in _plain_fences(markdown) if _ASCII_PICTURE_LINE.search(body)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("```\n a\n+-----+\n| box |\n+-----+\n```\n", [" a"]),
+        ("```text\nclient --- batch ---> server\n```\n", ["client --- batch ---> server"]),
+        ("```\nLoader ── gRPC ──▶ api/\n```\n", ["Loader ── gRPC ──▶ api/"]),
+        ("```bash\necho '--->'\n```\n", []),
+        ("```mermaid\nflowchart LR\n  a --> b\n```\n", []),
+        ("```\n.venv/bin/python bench/chaos.py --quick   # 15 s each\n```\n", []),
+        ("| a | b |\n| --- | --- |\n", []),
+    ],
+)
+def test_the_ascii_picture_check_finds_boxes_and_arrows_in_plain_fences_only(
+    text: str, found: list[str]
+) -> None:
+    """The check below finds drawn boxes and arrows in plain fences, not in code or tables."""
+    assert _ascii_pictures(text) == found
+
+
+def test_no_user_facing_doc_draws_a_picture_in_ascii() -> None:
+    """Pictures are Mermaid diagrams, which the site and GitHub draw to the reader's width;
+    a picture drawn in characters is cut off on a laptop's screen."""
+    offenders = {
+        str(path.relative_to(REPO)): pictures
+        for path in _user_docs()
+        if (pictures := _ascii_pictures(path.read_text()))
+    }
+    assert not offenders, f"draw these as ```mermaid diagrams: {offenders}"
+
+
+def test_mermaid_fences_are_drawn_by_the_site() -> None:
+    """Every page with a ```mermaid block is built with superfences' mermaid fence, which
+    Material turns into a diagram (without it the block shows as code)."""
+    pages = [path for path in _user_docs() if re.search(r"^```mermaid\s*$", path.read_text(), re.M)]
+    assert pages, "no page has a Mermaid diagram; the home page's picture should be one"
+    extensions = _mkdocs_config()["markdown_extensions"]
+    fences = next(
+        ext["pymdownx.superfences"]["custom_fences"]
+        for ext in extensions
+        if isinstance(ext, dict) and "pymdownx.superfences" in ext
+    )
+    assert {
+        "name": "mermaid",
+        "class": "mermaid",
+        "format": "pymdownx.superfences.fence_code_format",
+    } in fences
