@@ -46,6 +46,7 @@ from _common import (
     own_cpu_s,
 )
 from loader_vs_dataloader import IMAGE_H, IMAGE_W, write_images
+from plots import recorded
 
 import batchd
 from batchd_server.catalog import migrate
@@ -268,4 +269,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("autoscale"):
+        main()

@@ -39,6 +39,7 @@ import numpy as np
 from _common import batchd_server, closing_line, cores, machine_busy_s, machine_lines, own_cpu_s
 from _common import markdown_table as table
 from loader_vs_dataloader import write_images
+from plots import recorded
 
 import batchd
 from batchd_server.catalog import migrate
@@ -184,4 +185,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("decode_cache"):
+        main()

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import torch
+from plots import recorded
 
 
 def make_ring(slots: int, slot_bytes: int) -> tuple[mmap.mmap, np.ndarray, str]:
@@ -117,4 +118,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("h2d_paths"):
+        main()

@@ -66,6 +66,7 @@ from _common import (
 )
 from loader_vs_dataloader import IMAGE_H, IMAGE_W, SIZE, TutorialImages, write_images
 from PIL import Image
+from plots import recorded
 from torch.utils.data import DataLoader
 
 import batchd
@@ -366,4 +367,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("image_floor"):
+        main()

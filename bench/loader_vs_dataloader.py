@@ -60,6 +60,7 @@ from _common import (
     results_table,
 )
 from PIL import Image, ImageDraw
+from plots import recorded
 from torch.utils.data import DataLoader, Dataset
 
 import batchd
@@ -493,4 +494,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("loader_vs_dataloader"):
+        main()

@@ -102,6 +102,7 @@ from _objstore_runs import (
 )
 from _objstore_s3 import Store, object_store
 from loader_vs_dataloader import CLASSES, IMAGE_H, IMAGE_W, write_images
+from plots import recorded
 
 import batchd
 from batchd_server.catalog import migrate
@@ -600,4 +601,5 @@ def batchd_config(
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("object_store"):
+        main()

@@ -44,6 +44,7 @@ from batchd_server.planning.packing import PackOptions, pack_documents
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import batchd_server, cores, machine_lines, markdown_table, self_cpu_s
+from plots import recorded
 
 BATCH = 8
 METHODS = ("best_fit", "first_fit", "concat")
@@ -257,4 +258,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("packing"):
+        main()

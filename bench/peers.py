@@ -66,6 +66,7 @@ from _common import (
     ratio,
     spread,
 )
+from plots import recorded
 from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
 from worker_path import write_shard
 
@@ -356,4 +357,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("peers"):
+        main()

@@ -4,8 +4,9 @@ For each workload and each worker count ``W`` (1 up to the machine's cores, or `
 a fresh ``batchd-server serve --workers W`` runs as its own process and one ``batchd.Loader``
 at its defaults reads whole epochs (timed from ``iter()``, so each epoch's start counts). The
 table puts the median beside ``W x`` the one-worker median — what perfect scaling would give —
-and their ratio (the efficiency). The plot (``--plot``, default
-``bench/results/scaling.png``, matplotlib from ``requirements/bench.txt``) draws both.
+and their ratio (the efficiency). The output is saved to ``bench/results/scaling.md`` and its
+chart drawn into ``docs/img/bench/scaling.png`` (``plots.py``; matplotlib from
+``requirements/bench.txt``).
 
 Workloads (``--only`` picks some):
 
@@ -45,6 +46,7 @@ from _common import (
     spread,
 )
 from loader_vs_dataloader import write_images
+from plots import recorded
 from worker_path import write_shard
 
 import batchd
@@ -53,7 +55,6 @@ from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.ingest import ingest_imagefolder, ingest_manifest
 
 LEASE_TIMEOUT_S = 3600
-DEFAULT_PLOT = Path(__file__).resolve().parent / "results" / "scaling.png"
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,7 +65,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--records", type=int, default=500_000, help="records in the npy shard")
     p.add_argument("--reps", type=int, default=5, help="timed epochs per worker count")
     p.add_argument("--workers", type=int, nargs="+", help="worker counts (default 1..cores)")
-    p.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="where the PNG goes")
     args = p.parse_args()
     if args.quick:
         args.images, args.records, args.reps = 200, 10_000, 1
@@ -122,33 +122,6 @@ def workload_rows(
     return rows, medians
 
 
-def plot(path: Path, workers: list[int], results: dict[str, list[float]]) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install -r requirements/bench.txt)"
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
-    for ax, (name, medians) in zip(axes[0], results.items(), strict=True):
-        ax.plot(workers, medians, "o-", label="batchd (median)")
-        ax.plot(workers, [w * medians[0] for w in workers], "--", label="W x one worker")
-        ax.set_title(name)
-        ax.set_xlabel("decode workers (W)")
-        ax.set_ylabel("samples/s")
-        ax.set_xticks(workers)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"batchd scaling, {cores()} cores")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return f"plot: {path}"
-
-
 def main() -> None:
     args = parse_args()
     print("## batchd scaling with decode workers\n")
@@ -162,7 +135,6 @@ def main() -> None:
     )
     started, busy0, own0 = time.perf_counter(), machine_busy_s(), own_cpu_s()
     table: list[list[str]] = []
-    results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="batchd-scaling-") as tmp:
         root = Path(tmp)
         url = f"sqlite:///{root / 'catalog.db'}"
@@ -198,14 +170,13 @@ def main() -> None:
             },
         }
         for name in args.only:
-            rows, medians = workload_rows(name, url, root, workloads[name], args)
+            rows, _ = workload_rows(name, url, root, workloads[name], args)
             table += rows
-            results[name] = medians
     header = ["workload", "workers", "samples/s", "W x one worker", "efficiency", "cores busy"]
     print("\n" + markdown_table(header, table))
-    print("\n" + plot(args.plot, args.workers, results))
     print(closing_line(started, busy0, own0))
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("scaling"):
+        main()

@@ -44,6 +44,7 @@ from _common import (
     own_cpu_s,
 )
 from loader_vs_dataloader import IMAGE_H, IMAGE_W, write_images
+from plots import recorded
 
 import batchd
 from batchd_server.catalog import migrate
@@ -240,4 +241,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("share"):
+        main()

@@ -40,6 +40,7 @@ from _common import (
     results_table,
 )
 from loader_vs_dataloader import IMAGE_H, IMAGE_W, write_images
+from plots import recorded
 
 import batchd
 from batchd_server.catalog import migrate
@@ -146,4 +147,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("striping"):
+        main()
