@@ -21,6 +21,7 @@ import io
 import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -136,14 +137,20 @@ def _figure(rows: int, cols: int, width: float, height: float) -> tuple[Any, Any
 
 def plot_loader_vs_dataloader(found: list[Table]) -> Any:
     """samples/s of every DataLoader setting and batchd, one panel per workload."""
+    from matplotlib.ticker import MaxNLocator
+
     panels = [t for t in found if t.columns[0] == "config"]
-    fig, axes = _figure(len(panels), 1, 9, 2.6 * len(panels))
-    for ax, table in zip(axes[:, 0], panels, strict=True):
+    rows = (len(panels) + 1) // 2
+    fig, axes = _figure(rows, 2, 14, 3.0 * rows)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, table in zip(axes.flat, panels, strict=False):
         labels = table.labels()
         _bars(ax, labels, table.values("samples/s"), [_colour(x) for x in labels])
-        ax.set_title(table.heading.split(":")[0], fontsize=10)
+        ax.set_title(textwrap.fill(table.heading.split(":")[0], 60), fontsize=10)
         ax.set_xlabel("samples/s, median (higher is better)")
         ax.xaxis.set_major_formatter("{x:,.0f}")
+        ax.xaxis.set_major_locator(MaxNLocator(5))
     return fig
 
 
@@ -156,7 +163,7 @@ def plot_peers(found: list[Table]) -> Any:
         _bars(ax, labels, table.values("samples/s"), [_colour(x) for x in labels])
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter("{x:,.0f}")
-        ax.set_title(table.heading.split(":")[0] + " records", fontsize=10)
+        ax.set_title(textwrap.fill(table.heading, 50), fontsize=10)
         ax.set_xlabel("samples/s, median (log scale)")
     for ax in axes[0][1:]:
         ax.set_yticklabels([])
