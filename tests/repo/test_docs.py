@@ -231,3 +231,29 @@ def test_mermaid_fences_are_drawn_by_the_site() -> None:
         "class": "mermaid",
         "format": "pymdownx.superfences.fence_code_format",
     } in fences
+
+
+def _bench_plots() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_plots", REPO / "bench" / "plots.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)  # matplotlib is imported only when a chart is drawn
+    return module
+
+
+def test_every_benchmark_chart_is_drawn_by_its_bench_from_saved_results() -> None:
+    """Each chart the Benchmarks page shows is a bench's: the bench records its output, its
+    results are saved in bench/results/, and bench/plots.py has a chart for it whose tables
+    are in those results, so ``python bench/plots.py`` can redraw every one."""
+    charts = re.findall(r"\]\(img/bench/(\w+)\.png\)", (REPO / "docs/benchmarks.md").read_text())
+    assert len(charts) >= 10, "the Benchmarks page lost its charts"
+    plots = _bench_plots()
+    for name in charts:
+        assert (REPO / f"docs/img/bench/{name}.png").is_file(), f"{name}.png was never drawn"
+        assert name in plots.PLOTTERS, f"bench/plots.py has no chart for {name}"
+        script = (REPO / f"bench/{name}.py").read_text()
+        assert f'recorded("{name}")' in script, f"bench/{name}.py does not record its results"
+        saved = REPO / f"bench/results/{name}.md"
+        assert saved.is_file(), f"bench/results/{name}.md is missing: the chart cannot be redrawn"
+        assert plots.tables(saved.read_text()), f"bench/results/{name}.md holds no table"
