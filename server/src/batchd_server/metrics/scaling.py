@@ -1,16 +1,11 @@
-"""The worker autoscaler's metrics (``--workers MIN..MAX``, see ``workers/sizing.py``), in the
-process's registry beside the rest (``metrics.py``)."""
+"""The worker autoscaler (``--workers MIN..MAX``, see ``workers/sizing.py``): its bounds, its
+target, its changes and the signals it decided on."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from prometheus_client import Counter, Gauge
 
-from batchd_server.metrics import REGISTRY
-
-if TYPE_CHECKING:
-    from batchd_server.workers.sizing import Signals
+from batchd_server.metrics.registry import REGISTRY
 
 __all__ = [
     "SCALING_SIGNAL",
@@ -54,14 +49,17 @@ def record_worker_scaling(direction: str, reason: str) -> None:
     WORKER_SCALING.labels(direction=direction, reason=reason).inc()
 
 
-def record_scaling_signals(signals: Signals) -> None:
-    """The signals of the autoscaler's latest growth window."""
-    stall = -1.0 if signals.stall_ratio is None else signals.stall_ratio
+def record_scaling_signals(
+    *, busy: float, queued: float, idle_cores: float, stall_ratio: float | None, ceiling: int
+) -> None:
+    """The signals of the autoscaler's latest growth window (``workers.sizing.Signals``);
+    ``stall_ratio`` None (no client reported) is shown as -1."""
+    stall = -1.0 if stall_ratio is None else stall_ratio
     for name, value in (
-        ("busy", signals.busy),
-        ("queued", signals.queued_share),
-        ("idle_cores", signals.idle_cores),
+        ("busy", busy),
+        ("queued", queued),
+        ("idle_cores", idle_cores),
         ("stall_ratio", stall),
-        ("ceiling", float(signals.ceiling)),
+        ("ceiling", float(ceiling)),
     ):
         SCALING_SIGNAL.labels(signal=name).set(value)

@@ -44,19 +44,19 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd_server import metrics
+from batchd_server.cache_policy.eviction import next_uses, victims
+from batchd_server.cache_policy.plan_blocks import SourceBlocks, Uses, upcoming_uses
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
+from batchd_server.metrics import node_cache as cache_metrics
+from batchd_server.metrics.registry import dataset_label
 from batchd_server.pipelines.base import BadSample
 from batchd_server.planning.sampling import EpochPlan
-from batchd_server.storage import cache_metrics
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.blocks import BlockKey
-from batchd_server.storage.cache import CachingFetcher
-from batchd_server.storage.eviction import next_uses, victims
-from batchd_server.storage.plan_blocks import SourceBlocks, Uses, upcoming_uses
+from batchd_server.storage.cache import CachingFetcher, NodeCacheCounts
 
-__all__ = ["CacheManager", "Reading", "SourceRef"]
+__all__ = ["CacheManager", "Reading", "SourceRef", "record_node_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class CacheManager:
         lead_by_dataset: dict[str, int] = {}
         for reading in readings:
             lead, jobs = self._window(reading, missing)
-            label = metrics.dataset_label(reading.dataset)
+            label = dataset_label(reading.dataset)
             lead_by_dataset[label] = min(lead, lead_by_dataset.get(label, lead))
             wanted += jobs
         for label, lead in lead_by_dataset.items():
@@ -248,7 +248,7 @@ class CacheManager:
             future = self._pool.submit(self._prefetch, job.url, job.ranges)
             running += 1
             self._in_flight.update((key, future) for key in job.blocks)
-        cache_metrics.record_cache(None, self.fetcher.stats.take())
+        record_node_cache(None, self.fetcher.stats.take())
         if time.monotonic() - self._scanned_at >= _RESCAN_S:
             self.store.scan()  # what crashed writers left reserved comes back
             self._scanned_at = time.monotonic()
@@ -369,3 +369,19 @@ class CacheManager:
                     yield upcoming_uses(source, positions[chosen] - ref.start, when[chosen])
             if budget <= 0:
                 break
+
+
+def record_node_cache(dataset: str | None, counts: NodeCacheCounts | None) -> None:
+    """Add a process's node cache counts to the metrics: a worker's with its task's
+    ``dataset`` (the pool's result hook), the manager's own prefetches with None."""
+    if counts is None:
+        return
+    cache_metrics.record_cache(
+        dataset,
+        hits=counts.hits,
+        misses=counts.misses,
+        fetched_bytes=counts.fetched_bytes,
+        prefetched_bytes=counts.prefetched_bytes,
+        corrupt=counts.corrupt,
+        get_seconds=counts.get_seconds,
+    )

@@ -1,23 +1,17 @@
-"""The node cache's metrics (``batchd_cache_*``, ``batchd_object_get_seconds``), in the
-server's one registry (:data:`batchd_server.metrics.REGISTRY`) beside the rest; kept here
-because ``metrics.py`` is at its size limit.
+"""The node cache of object-store bytes (``batchd_cache_*``, ``batchd_object_get_seconds``).
 
 Workers count what they read through the cache (``storage.cache.STATS``) and send the counts
-with each result (``StageTimes.node_cache``); the pool's result hook adds them here
-(:func:`observe_worker_cache`), and the cache manager adds its prefetches' own.
+with each result (``StageTimes.node_cache``); the pool's result hook unpacks them into
+:func:`record_cache`, and the cache manager adds its prefetches' own.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from batchd_server.metrics import _STAGE_BUCKETS, REGISTRY, dataset_label
-
-if TYPE_CHECKING:
-    from batchd_server.storage.cache import NodeCacheCounts
-    from batchd_server.workers.task import BatchResult, BatchTask
+from batchd_server.metrics.registry import REGISTRY, STAGE_BUCKETS, dataset_label
 
 __all__ = [
     "CACHE_CAPACITY_BYTES",
@@ -29,7 +23,6 @@ __all__ = [
     "CACHE_MISSES",
     "CACHE_PREFETCH_LEAD",
     "CACHE_USED_BYTES",
-    "observe_worker_cache",
     "record_cache",
 ]
 
@@ -64,7 +57,7 @@ CACHE_EVICTED = Counter(
 CACHE_GET_SECONDS = Histogram(
     "batchd_object_get_seconds",
     "Latency of one request (GET of byte ranges) to the object store.",
-    buckets=_STAGE_BUCKETS,
+    buckets=STAGE_BUCKETS,
     registry=REGISTRY,
 )
 CACHE_PREFETCH_LEAD = Gauge(
@@ -82,31 +75,31 @@ CACHE_CAPACITY_BYTES = Gauge(
 )
 
 
-def record_cache(dataset: str | None, counts: NodeCacheCounts | None) -> None:
-    """Add a process's cache counts: a worker's with its task's ``dataset``, the cache
-    manager's prefetches with None."""
-    if counts is None:
-        return
+def record_cache(
+    dataset: str | None,
+    *,
+    hits: int,
+    misses: int,
+    fetched_bytes: int,
+    prefetched_bytes: int,
+    corrupt: int,
+    get_seconds: Sequence[float],
+) -> None:
+    """Add what a process read through the cache since it last counted: a worker's, with its
+    task's ``dataset``; the cache manager's prefetches, with None. ``fetched_bytes`` are all
+    the bytes it received from the store, ``prefetched_bytes`` of them fetched ahead."""
     if dataset is not None:
         label = dataset_label(dataset)
-        if counts.hits:
-            CACHE_HITS.labels(dataset=label).inc(counts.hits)
-        if counts.misses:
-            CACHE_MISSES.labels(dataset=label).inc(counts.misses)
-    worker = counts.fetched_bytes - counts.prefetched_bytes
+        if hits:
+            CACHE_HITS.labels(dataset=label).inc(hits)
+        if misses:
+            CACHE_MISSES.labels(dataset=label).inc(misses)
+    worker = fetched_bytes - prefetched_bytes
     if worker:
         CACHE_FETCHED_BYTES.labels(reader="worker").inc(worker)
-    if counts.prefetched_bytes:
-        CACHE_FETCHED_BYTES.labels(reader="prefetch").inc(counts.prefetched_bytes)
-    if counts.corrupt:
-        CACHE_CORRUPT.inc(counts.corrupt)
-    for seconds in counts.get_seconds:
+    if prefetched_bytes:
+        CACHE_FETCHED_BYTES.labels(reader="prefetch").inc(prefetched_bytes)
+    if corrupt:
+        CACHE_CORRUPT.inc(corrupt)
+    for seconds in get_seconds:
         CACHE_GET_SECONDS.observe(max(0.0, seconds))
-
-
-def observe_worker_cache(
-    task: BatchTask, result: BatchResult, queued_s: float, latency_s: float
-) -> None:
-    """Add a worker's cache counts of one batch (beside ``metrics.observe_worker_result``)."""
-    del queued_s, latency_s
-    record_cache(task.spec.dataset, result.times.node_cache)
