@@ -10,6 +10,11 @@
 5. No import cycle: ``test_codebase.py``.
 6. ``batchd._wire`` imports nothing of the client but ``batchd.errors``, ``batchd._proto``
    and itself, and neither grpc nor torch.
+7. Floors: the server's rooms (its top-level modules and packages) stand in one order from
+   the ground up, :data:`FLOORS`, one room a floor; a room imports only itself and the rooms
+   below it, never one above. Of any two rooms one is above the other, so two rooms never
+   import each other and the rooms' graph has no cycle (within a room, ``test_codebase.py``
+   finds any). A new room fails the rule until it is given its floor.
 
 The import rules read every import statement (``tests/import_graph.py``): under
 ``if TYPE_CHECKING:`` and inside functions too. A broken rule fails naming each offending
@@ -23,6 +28,7 @@ import ast
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -107,16 +113,119 @@ WIRE_STANDS_ALONE = ImportRule(
         or is_grpc(name)
     ),
 )
-IMPORT_RULES = {
+
+FLOORS = (
+    "__init__",
+    "errors",
+    "limits",
+    "logs",
+    "settings",
+    "metrics",
+    "shm",
+    "pipelines",
+    "storage",
+    "parquet",
+    "catalog",
+    "catalog_cache",
+    "planning",
+    "cache_policy",
+    "decode_cache",
+    "workers",
+    "sessions",
+    "delivery",
+    "health",
+    "config",
+    "assembly",
+    "api",
+    "demo_data",
+    "cli_catalog",
+    "cli_serve",
+    "cli",
+    "migrations",
+)
+"""batchd_server's rooms from the ground up (rule 7): ``__init__`` is the package's own module
+(its version). A room moves only with the imports it has: a room may import those listed
+before it, never one after. To add a room, put it above every room it imports and below every
+room that imports it."""
+
+
+@dataclass(frozen=True)
+class FloorRule:
+    """Under ``package``, a module of room ``rooms[i]`` imports no module of ``rooms[j > i]``,
+    and every room is in ``rooms``. A name one level under ``package`` that is neither a
+    module of the tree nor a room (``batchd_server.__version__``) is in the package's own
+    room, ``__init__``."""
+
+    says: str
+    rooms: tuple[str, ...]
+    package: str = "batchd_server"
+
+    def breaches(self, roots: Iterable[Path]) -> list[str]:
+        """Each import into a higher room or a room on no floor, ``path:line: the import
+        (the name: where it is)``, and each module of a room on no floor, ``path: ...``."""
+        found = []
+        for root in roots:
+            modules = module_names(root)
+            rooms = {n.split(".")[1] for n in modules if n.startswith(f"{self.package}.")}
+            rooms |= set(self.rooms)
+            for module, path in modules.items():
+                if under(module, self.package):
+                    found += self._breaches_of(module, path, rooms)
+        return found
+
+    def _room_of(self, name: str, rooms: set[str]) -> str:
+        parts = name.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in rooms else "__init__"
+
+    def _breaches_of(self, module: str, path: Path, rooms: set[str]) -> list[str]:
+        floor = {room: i for i, room in enumerate(self.rooms)}
+        room = self._room_of(module, rooms)
+        if room not in floor:
+            where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+            return [f"{where}: {room} is on no floor; give it one in FLOORS"]
+        found = []
+        for statement in statements_of(module, path):
+            bad: dict[str, list[str]] = {}  # why -> the names
+            for name in statement.names:
+                target = self._room_of(name, rooms)
+                if not under(name, self.package):
+                    continue
+                if target not in floor:
+                    bad.setdefault(f"{target} is on no floor", []).append(name)
+                elif floor[target] > floor[room]:
+                    bad.setdefault(f"{target} is above {room}", []).append(name)
+            if bad:
+                why = "; ".join(f"{', '.join(names)}: {w}" for w, names in bad.items())
+                found.append(f"{statement}  ({why})")
+        return found
+
+
+SERVER_FLOORS = FloorRule(
+    "an import runs down the server's floors (FLOORS in tests/repo/test_layout.py), never up; "
+    "move what the lower room needs down into it, or take a "
+    "callback or plain values from the room above (the composition root wires them)",
+    FLOORS,
+)
+
+
+class Rule(Protocol):
+    @property
+    def says(self) -> str: ...
+
+    def breaches(self, roots: Iterable[Path]) -> list[str]: ...
+
+
+IMPORT_RULES: dict[str, Rule] = {
     "server_enters_client_by_contract": SERVER_ENTERS_CLIENT_BY_CONTRACT,
     "grpc_only_in_api": GRPC_ONLY_IN_API,
     "api_only_from_cli": API_ONLY_FROM_CLI,
     "sql_only_in_catalog": SQL_ONLY_IN_CATALOG,
     "wire_stands_alone": WIRE_STANDS_ALONE,
+    "server_floors": SERVER_FLOORS,
 }
 
 
-def _assert_kept(rule: ImportRule) -> None:
+def _assert_kept(rule: Rule) -> None:
     breaches = rule.breaches(SOURCE_ROOTS)
     assert not breaches, f"{rule.says}:\n" + "\n".join(f"  {b}" for b in breaches)
 
@@ -145,6 +254,28 @@ def test_the_wire_contract_imports_nothing_of_the_client_but_errors_and_proto() 
     """Rule 6: batchd._wire depends on batchd.errors, batchd._proto, itself and third-party
     code other than grpc and torch."""
     _assert_kept(WIRE_STANDS_ALONE)
+
+
+def test_the_server_imports_only_down_its_floors() -> None:
+    """Rule 7: no module of batchd_server imports a room above its own (TYPE_CHECKING and
+    function-level imports included), and every room has a floor."""
+    _assert_kept(SERVER_FLOORS)
+
+
+def test_every_floor_is_a_room_of_the_server_and_the_order_is_what_the_imports_need() -> None:
+    """FLOORS names each room once and no room that is gone; the rule sees today's imports
+    (the floors upside down break it)."""
+    server = SOURCE_ROOTS[0] / "batchd_server"
+    rooms = {p.stem for p in server.glob("*.py")} | {
+        p.name for p in server.iterdir() if p.is_dir() and any(p.glob("**/*.py"))
+    }
+    assert len(set(FLOORS)) == len(FLOORS), "a room is on two floors"
+    assert set(FLOORS) == rooms, (
+        f"rooms on no floor: {sorted(rooms - set(FLOORS))}; "
+        f"floors of no room: {sorted(set(FLOORS) - rooms)}"
+    )
+    upside_down = FloorRule("", tuple(reversed(FLOORS)))
+    assert upside_down.breaches(SOURCE_ROOTS), "the floor checker no longer sees the imports"
 
 
 def _write_tree(root: Path, files: dict[str, str]) -> None:
@@ -222,6 +353,51 @@ BREACHES: dict[str, tuple[dict[str, str], list[str]]] = {
             "batchd/_wire/frames.py:5: import torch  (torch)",
             "batchd/_wire/ring.py:2: from batchd._channel import open_channel  "
             "(batchd._channel.open_channel)",
+        ],
+    ),
+    "server_floors": (
+        {
+            "batchd_server/__init__.py": "__version__ = '0'\n",
+            "batchd_server/errors.py": "class Fail(Exception): ...\n",
+            "batchd_server/metrics/workers.py": (
+                "from batchd_server.errors import Fail\n"
+                "from batchd_server.workers.task import BatchTask\n"
+            ),
+            "batchd_server/storage/cache.py": (
+                "from batchd_server import __version__, errors\n"
+                "from batchd_server.planning.sampling import EpochPlan\n"
+            ),
+            "batchd_server/planning/sampling.py": (
+                "import batchd_server.catalog.types\nfrom batchd_server.storage import cache\n"
+            ),
+            "batchd_server/sessions/session.py": (
+                _TC + "    from batchd_server.delivery import doorbell\n"
+            ),
+            "batchd_server/sessions/manager.py": "from batchd_server import delivery, workers\n",
+            "batchd_server/workers/task.py": (
+                "def f():\n    from batchd_server.sessions.options import Options\n"
+            ),
+            "batchd_server/annex.py": "from batchd_server.errors import Fail\n",
+            "batchd_server/api/rpcs.py": "from batchd_server.annex import thing\n",
+            "batchd_server/cli.py": (
+                "from batchd_server import __version__\nimport batchd_server.api\n"
+            ),
+            "batchd/_loader.py": "from batchd_server.api import rpcs\n",
+        },
+        [
+            "batchd_server/annex.py: annex is on no floor; give it one in FLOORS",
+            "batchd_server/api/rpcs.py:1: from batchd_server.annex import thing  "
+            "(batchd_server.annex.thing: annex is on no floor)",
+            "batchd_server/metrics/workers.py:2: from batchd_server.workers.task import "
+            "BatchTask  (batchd_server.workers.task.BatchTask: workers is above metrics)",
+            "batchd_server/sessions/manager.py:1: from batchd_server import delivery, workers  "
+            "(batchd_server.delivery: delivery is above sessions)",
+            "batchd_server/sessions/session.py:3: from batchd_server.delivery import doorbell  "
+            "(batchd_server.delivery.doorbell: delivery is above sessions)",
+            "batchd_server/storage/cache.py:2: from batchd_server.planning.sampling import "
+            "EpochPlan  (batchd_server.planning.sampling.EpochPlan: planning is above storage)",
+            "batchd_server/workers/task.py:2: from batchd_server.sessions.options import "
+            "Options  (batchd_server.sessions.options.Options: sessions is above workers)",
         ],
     ),
 }
