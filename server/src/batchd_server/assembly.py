@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batchd_server.cache_policy.manager import CacheManager, record_node_cache
+from batchd_server.cache_policy.manager import CacheManager
 from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, ping
 from batchd_server.catalog.sample_errors import SampleErrorWriter
 from batchd_server.catalog_cache import CatalogCache
@@ -29,6 +29,7 @@ from batchd_server.errors import FailedPrecondition
 from batchd_server.health import HealthMonitor, HealthReport
 from batchd_server.metrics import admission as admission_metrics
 from batchd_server.metrics import decode_cache as decode_cache_metrics
+from batchd_server.metrics import node_cache as node_cache_metrics
 from batchd_server.metrics import scaling as scaling_metrics
 from batchd_server.metrics import stall as stall_metrics
 from batchd_server.metrics import workers as worker_metrics
@@ -41,7 +42,7 @@ from batchd_server.shm.space import shm_space
 from batchd_server.storage.open import make_fetcher
 from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.pool import WorkerPool
-from batchd_server.workers.sizing import Autoscaler, Signals
+from batchd_server.workers.sizing import Autoscaler
 from batchd_server.workers.task import BatchResult, BatchTask
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
@@ -115,7 +116,8 @@ def _observe_result(
     task: BatchTask, result: BatchResult, queued_s: float, latency_s: float
 ) -> None:
     """The pool's result hook: a batch's timings, its decode cache lookups and what its
-    worker read through the node cache, unpacked into the metrics' plain values."""
+    worker read through the node cache, taken out of the task and its result here (the
+    metrics know neither)."""
     dataset = task.spec.dataset
     times = result.times
     worker_metrics.observe_batch(
@@ -127,26 +129,8 @@ def _observe_result(
         latency_s=latency_s,
     )
     if task.spec.decode_cache is not None:
-        cache = result.cache
-        decode_cache_metrics.record_lookups(
-            dataset,
-            hits=cache.hits,
-            misses=cache.misses,
-            corrupt=cache.corrupt,
-            written_bytes=cache.written_bytes,
-        )
-    record_node_cache(dataset, times.node_cache)
-
-
-def _observe_signals(signals: Signals) -> None:
-    """The autoscaler's hook: the signals of its latest growth window, for the metrics."""
-    scaling_metrics.record_scaling_signals(
-        busy=signals.busy,
-        queued=signals.queued_share,
-        idle_cores=signals.idle_cores,
-        stall_ratio=signals.stall_ratio,
-        ceiling=signals.ceiling,
-    )
+        decode_cache_metrics.record_lookups(dataset, result.cache)
+    node_cache_metrics.record_cache(dataset, times.node_cache)
 
 
 def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
@@ -308,7 +292,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
                 cpus=available_cpus(),
                 stall_ratio=stall_metrics.RECENT_STALL.current,
                 on_change=scaling_metrics.record_worker_scaling,
-                on_signals=_observe_signals,
+                on_signals=scaling_metrics.record_scaling_signals,
             )
             parts.autoscaler.start()
         parts.cache = start_cache_manager(

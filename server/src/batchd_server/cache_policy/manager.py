@@ -54,9 +54,9 @@ from batchd_server.pipelines.base import BadSample
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.blocks import BlockKey
-from batchd_server.storage.cache import CachingFetcher, NodeCacheCounts
+from batchd_server.storage.cache import CachingFetcher
 
-__all__ = ["CacheManager", "Reading", "SourceRef", "record_node_cache"]
+__all__ = ["CacheManager", "Reading", "SourceRef"]
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class CacheManager:
             future = self._pool.submit(self._prefetch, job.url, job.ranges)
             running += 1
             self._in_flight.update((key, future) for key in job.blocks)
-        record_node_cache(None, self.fetcher.stats.take())
+        cache_metrics.record_cache(None, self.fetcher.stats.take())
         if time.monotonic() - self._scanned_at >= _RESCAN_S:
             self.store.scan()  # what crashed writers left reserved comes back
             self._scanned_at = time.monotonic()
@@ -369,19 +369,3 @@ class CacheManager:
                     yield upcoming_uses(source, positions[chosen] - ref.start, when[chosen])
             if budget <= 0:
                 break
-
-
-def record_node_cache(dataset: str | None, counts: NodeCacheCounts | None) -> None:
-    """Add a process's node cache counts to the metrics: a worker's with its task's
-    ``dataset`` (the pool's result hook), the manager's own prefetches with None."""
-    if counts is None:
-        return
-    cache_metrics.record_cache(
-        dataset,
-        hits=counts.hits,
-        misses=counts.misses,
-        fetched_bytes=counts.fetched_bytes,
-        prefetched_bytes=counts.prefetched_bytes,
-        corrupt=counts.corrupt,
-        get_seconds=counts.get_seconds,
-    )

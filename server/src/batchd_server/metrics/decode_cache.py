@@ -3,6 +3,8 @@ holds, may hold and evicts."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import Counter, Gauge
 
 from batchd_server.metrics.registry import REGISTRY, dataset_label
@@ -13,8 +15,24 @@ __all__ = [
     "DECODE_CACHE_LIMIT_BYTES",
     "DECODE_CACHE_LOOKUPS",
     "DECODE_CACHE_WRITTEN_BYTES",
+    "Lookups",
     "record_lookups",
 ]
+
+
+class Lookups(Protocol):
+    """One batch's lookups in the decode cache, as these metrics read them
+    (``decode_cache.worker.CacheCounts`` is one; described here, not imported)."""
+
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def corrupt(self) -> int: ...
+    @property
+    def written_bytes(self) -> int: ...
+
 
 DECODE_CACHE_LOOKUPS = Counter(
     "batchd_decode_cache_lookups",
@@ -48,13 +66,11 @@ DECODE_CACHE_EVICTIONS = Counter(
 )
 
 
-def record_lookups(
-    dataset: str, *, hits: int, misses: int, corrupt: int, written_bytes: int
-) -> None:
-    """Add one batch's lookups in the decode cache of a session of ``dataset``."""
+def record_lookups(dataset: str, lookups: Lookups) -> None:
+    """Add one batch's ``lookups`` in the decode cache of a session of ``dataset``."""
     label = dataset_label(dataset)
-    for outcome, count in (("hit", hits), ("miss", misses)):
+    for outcome, count in (("hit", lookups.hits), ("miss", lookups.misses)):
         DECODE_CACHE_LOOKUPS.labels(dataset=label, result=outcome).inc(count)
-    if corrupt:
-        DECODE_CACHE_LOOKUPS.labels(dataset=label, result="corrupt").inc(corrupt)
-    DECODE_CACHE_WRITTEN_BYTES.inc(written_bytes)
+    if lookups.corrupt:
+        DECODE_CACHE_LOOKUPS.labels(dataset=label, result="corrupt").inc(lookups.corrupt)
+    DECODE_CACHE_WRITTEN_BYTES.inc(lookups.written_bytes)

@@ -1,13 +1,14 @@
 """The node cache of object-store bytes (``batchd_cache_*``, ``batchd_object_get_seconds``).
 
 Workers count what they read through the cache (``storage.cache.STATS``) and send the counts
-with each result (``StageTimes.node_cache``); the pool's result hook unpacks them into
-:func:`record_cache`, and the cache manager adds its prefetches' own.
+with each result (``StageTimes.node_cache``); the pool's result hook adds them here
+(:func:`record_cache`), and the cache manager adds its prefetches' own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -23,8 +24,32 @@ __all__ = [
     "CACHE_MISSES",
     "CACHE_PREFETCH_LEAD",
     "CACHE_USED_BYTES",
+    "CacheCounts",
     "record_cache",
 ]
+
+
+class CacheCounts(Protocol):
+    """What a process read through the node cache since it last counted, as these metrics
+    read it (``storage.cache.NodeCacheCounts`` is one; described here, not imported, so the
+    metrics stay below the rooms they count)."""
+
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes received from the store, prefetches included."""
+        ...
+
+    @property
+    def prefetched_bytes(self) -> int: ...
+    @property
+    def corrupt(self) -> int: ...
+    @property
+    def get_seconds(self) -> Sequence[float]: ...
+
 
 CACHE_HITS = Counter(
     "batchd_cache_hits",
@@ -75,31 +100,23 @@ CACHE_CAPACITY_BYTES = Gauge(
 )
 
 
-def record_cache(
-    dataset: str | None,
-    *,
-    hits: int,
-    misses: int,
-    fetched_bytes: int,
-    prefetched_bytes: int,
-    corrupt: int,
-    get_seconds: Sequence[float],
-) -> None:
-    """Add what a process read through the cache since it last counted: a worker's, with its
-    task's ``dataset``; the cache manager's prefetches, with None. ``fetched_bytes`` are all
-    the bytes it received from the store, ``prefetched_bytes`` of them fetched ahead."""
+def record_cache(dataset: str | None, counts: CacheCounts | None) -> None:
+    """Add a process's cache counts: a worker's with its task's ``dataset``, the cache
+    manager's prefetches with None."""
+    if counts is None:
+        return
     if dataset is not None:
         label = dataset_label(dataset)
-        if hits:
-            CACHE_HITS.labels(dataset=label).inc(hits)
-        if misses:
-            CACHE_MISSES.labels(dataset=label).inc(misses)
-    worker = fetched_bytes - prefetched_bytes
+        if counts.hits:
+            CACHE_HITS.labels(dataset=label).inc(counts.hits)
+        if counts.misses:
+            CACHE_MISSES.labels(dataset=label).inc(counts.misses)
+    worker = counts.fetched_bytes - counts.prefetched_bytes
     if worker:
         CACHE_FETCHED_BYTES.labels(reader="worker").inc(worker)
-    if prefetched_bytes:
-        CACHE_FETCHED_BYTES.labels(reader="prefetch").inc(prefetched_bytes)
-    if corrupt:
-        CACHE_CORRUPT.inc(corrupt)
-    for seconds in get_seconds:
+    if counts.prefetched_bytes:
+        CACHE_FETCHED_BYTES.labels(reader="prefetch").inc(counts.prefetched_bytes)
+    if counts.corrupt:
+        CACHE_CORRUPT.inc(counts.corrupt)
+    for seconds in counts.get_seconds:
         CACHE_GET_SECONDS.observe(max(0.0, seconds))

@@ -3,6 +3,8 @@ target, its changes and the signals it decided on."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import Counter, Gauge
 
 from batchd_server.metrics.registry import REGISTRY
@@ -12,9 +14,27 @@ __all__ = [
     "WORKERS_MIN",
     "WORKERS_TARGET",
     "WORKER_SCALING",
+    "Signals",
     "record_scaling_signals",
     "record_worker_scaling",
 ]
+
+
+class Signals(Protocol):
+    """What the autoscaler decided on, as these metrics read it (``workers.sizing.Signals``
+    is one; described here, not imported, so the metrics stay below the workers)."""
+
+    @property
+    def busy(self) -> float: ...
+    @property
+    def queued_share(self) -> float: ...
+    @property
+    def idle_cores(self) -> float: ...
+    @property
+    def stall_ratio(self) -> float | None: ...
+    @property
+    def ceiling(self) -> int: ...
+
 
 WORKERS_MIN = Gauge(
     "batchd_workers_min",
@@ -49,17 +69,14 @@ def record_worker_scaling(direction: str, reason: str) -> None:
     WORKER_SCALING.labels(direction=direction, reason=reason).inc()
 
 
-def record_scaling_signals(
-    *, busy: float, queued: float, idle_cores: float, stall_ratio: float | None, ceiling: int
-) -> None:
-    """The signals of the autoscaler's latest growth window (``workers.sizing.Signals``);
-    ``stall_ratio`` None (no client reported) is shown as -1."""
-    stall = -1.0 if stall_ratio is None else stall_ratio
+def record_scaling_signals(signals: Signals) -> None:
+    """The signals of the autoscaler's latest growth window."""
+    stall = -1.0 if signals.stall_ratio is None else signals.stall_ratio
     for name, value in (
-        ("busy", busy),
-        ("queued", queued),
-        ("idle_cores", idle_cores),
+        ("busy", signals.busy),
+        ("queued", signals.queued_share),
+        ("idle_cores", signals.idle_cores),
         ("stall_ratio", stall),
-        ("ceiling", float(ceiling)),
+        ("ceiling", float(signals.ceiling)),
     ):
         SCALING_SIGNAL.labels(signal=name).set(value)

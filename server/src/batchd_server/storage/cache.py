@@ -23,7 +23,7 @@ or a new cache directory): see the node cache's page in the docs.
 
 What a process read through its fetchers (hits, misses, bytes, the latency of each request
 to the store) is counted in :data:`STATS`; a worker sends its counts back with each result
-and the server adds them to its metrics (``cache_policy.manager.record_node_cache``).
+and the server adds them to its metrics (``metrics.node_cache.record_cache``).
 """
 
 from __future__ import annotations
