@@ -118,9 +118,9 @@ WIRE_STANDS_ALONE = ImportRule(
 FLOORS = (
     "__init__",
     "errors",
+    "settings",
     "limits",
     "logs",
-    "settings",
     "metrics",
     "shm",
     "pipelines",
