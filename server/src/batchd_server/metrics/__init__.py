@@ -12,9 +12,10 @@
 - ``decode_cache`` and ``node_cache``: the two caches;
 - ``endpoint``: ``/metrics`` over HTTP.
 
-They take plain values (a dataset's name, counts, seconds), never a task or a result of the
-rooms that record them: those are unpacked where they are observed (``assembly.py``), so
-this package imports nothing of the server but itself.
+They take plain values (a dataset's name, counts, seconds), or a record of them whose fields
+they describe as a Protocol; never a task or a result of the rooms that record them (those
+are taken apart where they are observed, ``assembly.py``), so this package imports nothing
+of the server but itself and stands on a low floor.
 """
 
 from __future__ import annotations
