@@ -19,8 +19,8 @@ import batchd
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd._wire.metadata import CLIENT_ID_KEY
-from batchd_server import metrics
 from batchd_server.api import RunningServer
+from batchd_server.metrics.admission import REFUSED
 
 from serving import RECORD_FLOATS, image_dataset, record_dataset, serve
 
@@ -204,7 +204,7 @@ def _refused(limit: str = "", before: dict[str, float] | None = None) -> Any:
 def _refused_samples() -> list[tuple[str, float]]:
     return [
         (sample.labels["limit"], sample.value)
-        for family in metrics.REFUSED.collect()
+        for family in REFUSED.collect()
         for sample in family.samples
         if sample.name.endswith("_total")
     ]

@@ -24,7 +24,7 @@ from batchd_server.catalog import migrate
 from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.ingest import ingest_imagefolder
 from batchd_server.demo_data import write_demo_images
-from batchd_server.storage import cache_metrics
+from batchd_server.metrics import node_cache as cache_metrics
 
 from chaos_harness import wait_until
 from serving import RECORD_FLOATS, record_dataset, serve

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._proto.batchd.v1 import loader_pb2_grpc
 from batchd._wire.frames import HELLO, RELEASE, WELCOME, FrameReader, encode_frame
-from batchd_server import metrics
+from batchd_server.metrics import stall
 
 from chaos_harness import wait_until
 from serving import RECORD_FLOATS, record_dataset, serve
@@ -82,7 +82,7 @@ def test_an_ack_the_server_fails_to_apply_is_a_warning_not_silence(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("stall metrics exploded")
 
-    monkeypatch.setattr(metrics, "record_client_timings", broken)
+    monkeypatch.setattr(stall, "record_client_timings", broken)
     record_dataset(engine, tmp_path / "r", n=32)
     url = engine.url.render_as_string(hide_password=False)
     with serve(url, tmp_path, workers=1) as srv, grpc.insecure_channel(srv.address) as channel:

@@ -1,4 +1,5 @@
-"""The layout's rules, checked on the source: who may import what, and who may touch /dev/shm.
+"""The layout's rules, checked on the source: who may import what (and, in
+``test_shm_segments.py``, who may touch /dev/shm).
 
 1. The server enters the client distribution only through ``batchd._wire``, ``batchd._proto``
    and ``batchd.errors`` (Python runs the package ``batchd`` first, as their parent).
@@ -6,10 +7,16 @@
    (``batchd_server.cli`` and ``cli_serve``) imports: domain code and the decode workers
    never load it.
 3. SQLAlchemy and alembic are imported only by ``batchd_server.catalog`` and its migrations.
-4. Only ``batchd_server.shm`` creates or unlinks shared-memory segments.
+4. Only ``batchd_server.shm`` creates or unlinks shared-memory segments:
+   ``test_shm_segments.py``.
 5. No import cycle: ``test_codebase.py``.
 6. ``batchd._wire`` imports nothing of the client but ``batchd.errors``, ``batchd._proto``
    and itself, and neither grpc nor torch.
+7. Floors: the server's rooms (its top-level modules and packages) stand in one order from
+   the ground up, :data:`FLOORS`, one room a floor; a room imports only itself and the rooms
+   below it, never one above. Of any two rooms one is above the other, so two rooms never
+   import each other and the rooms' graph has no cycle (within a room, ``test_codebase.py``
+   finds any). A new room fails the rule until it is given its floor.
 
 The import rules read every import statement (``tests/import_graph.py``): under
 ``if TYPE_CHECKING:`` and inside functions too. A broken rule fails naming each offending
@@ -19,10 +26,10 @@ so a checker that can no longer fail does not go unnoticed.
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -107,16 +114,119 @@ WIRE_STANDS_ALONE = ImportRule(
         or is_grpc(name)
     ),
 )
-IMPORT_RULES = {
+
+FLOORS = (
+    "__init__",
+    "errors",
+    "settings",
+    "limits",
+    "logs",
+    "metrics",
+    "shm",
+    "pipelines",
+    "storage",
+    "parquet",
+    "catalog",
+    "catalog_cache",
+    "planning",
+    "cache_policy",
+    "decode_cache",
+    "workers",
+    "sessions",
+    "delivery",
+    "health",
+    "config",
+    "assembly",
+    "api",
+    "demo_data",
+    "cli_catalog",
+    "cli_serve",
+    "cli",
+    "migrations",
+)
+"""batchd_server's rooms from the ground up (rule 7): ``__init__`` is the package's own module
+(its version). A room moves only with the imports it has: a room may import those listed
+before it, never one after. To add a room, put it above every room it imports and below every
+room that imports it."""
+
+
+@dataclass(frozen=True)
+class FloorRule:
+    """Under ``package``, a module of room ``rooms[i]`` imports no module of ``rooms[j > i]``,
+    and every room is in ``rooms``. A name one level under ``package`` that is neither a
+    module of the tree nor a room (``batchd_server.__version__``) is in the package's own
+    room, ``__init__``."""
+
+    says: str
+    rooms: tuple[str, ...]
+    package: str = "batchd_server"
+
+    def breaches(self, roots: Iterable[Path]) -> list[str]:
+        """Each import into a higher room or a room on no floor, ``path:line: the import
+        (the name: where it is)``, and each module of a room on no floor, ``path: ...``."""
+        found = []
+        for root in roots:
+            modules = module_names(root)
+            rooms = {n.split(".")[1] for n in modules if n.startswith(f"{self.package}.")}
+            rooms |= set(self.rooms)
+            for module, path in modules.items():
+                if under(module, self.package):
+                    found += self._breaches_of(module, path, rooms)
+        return found
+
+    def _room_of(self, name: str, rooms: set[str]) -> str:
+        parts = name.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in rooms else "__init__"
+
+    def _breaches_of(self, module: str, path: Path, rooms: set[str]) -> list[str]:
+        floor = {room: i for i, room in enumerate(self.rooms)}
+        room = self._room_of(module, rooms)
+        if room not in floor:
+            where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+            return [f"{where}: {room} is on no floor; give it one in FLOORS"]
+        found = []
+        for statement in statements_of(module, path):
+            bad: dict[str, list[str]] = {}  # why -> the names
+            for name in statement.names:
+                target = self._room_of(name, rooms)
+                if not under(name, self.package):
+                    continue
+                if target not in floor:
+                    bad.setdefault(f"{target} is on no floor", []).append(name)
+                elif floor[target] > floor[room]:
+                    bad.setdefault(f"{target} is above {room}", []).append(name)
+            if bad:
+                why = "; ".join(f"{', '.join(names)}: {w}" for w, names in bad.items())
+                found.append(f"{statement}  ({why})")
+        return found
+
+
+SERVER_FLOORS = FloorRule(
+    "an import runs down the server's floors (FLOORS in tests/repo/test_layout.py), never up; "
+    "move what the lower room needs down into it, or take a "
+    "callback or plain values from the room above (the composition root wires them)",
+    FLOORS,
+)
+
+
+class Rule(Protocol):
+    @property
+    def says(self) -> str: ...
+
+    def breaches(self, roots: Iterable[Path]) -> list[str]: ...
+
+
+IMPORT_RULES: dict[str, Rule] = {
     "server_enters_client_by_contract": SERVER_ENTERS_CLIENT_BY_CONTRACT,
     "grpc_only_in_api": GRPC_ONLY_IN_API,
     "api_only_from_cli": API_ONLY_FROM_CLI,
     "sql_only_in_catalog": SQL_ONLY_IN_CATALOG,
     "wire_stands_alone": WIRE_STANDS_ALONE,
+    "server_floors": SERVER_FLOORS,
 }
 
 
-def _assert_kept(rule: ImportRule) -> None:
+def _assert_kept(rule: Rule) -> None:
     breaches = rule.breaches(SOURCE_ROOTS)
     assert not breaches, f"{rule.says}:\n" + "\n".join(f"  {b}" for b in breaches)
 
@@ -145,6 +255,28 @@ def test_the_wire_contract_imports_nothing_of_the_client_but_errors_and_proto() 
     """Rule 6: batchd._wire depends on batchd.errors, batchd._proto, itself and third-party
     code other than grpc and torch."""
     _assert_kept(WIRE_STANDS_ALONE)
+
+
+def test_the_server_imports_only_down_its_floors() -> None:
+    """Rule 7: no module of batchd_server imports a room above its own (TYPE_CHECKING and
+    function-level imports included), and every room has a floor."""
+    _assert_kept(SERVER_FLOORS)
+
+
+def test_every_floor_is_a_room_of_the_server_and_the_order_is_what_the_imports_need() -> None:
+    """FLOORS names each room once and no room that is gone; the rule sees today's imports
+    (the floors upside down break it)."""
+    server = SOURCE_ROOTS[0] / "batchd_server"
+    rooms = {p.stem for p in server.glob("*.py")} | {
+        p.name for p in server.iterdir() if p.is_dir() and any(p.glob("**/*.py"))
+    }
+    assert len(set(FLOORS)) == len(FLOORS), "a room is on two floors"
+    assert set(FLOORS) == rooms, (
+        f"rooms on no floor: {sorted(rooms - set(FLOORS))}; "
+        f"floors of no room: {sorted(set(FLOORS) - rooms)}"
+    )
+    upside_down = FloorRule("", tuple(reversed(FLOORS)))
+    assert upside_down.breaches(SOURCE_ROOTS), "the floor checker no longer sees the imports"
 
 
 def _write_tree(root: Path, files: dict[str, str]) -> None:
@@ -224,6 +356,51 @@ BREACHES: dict[str, tuple[dict[str, str], list[str]]] = {
             "(batchd._channel.open_channel)",
         ],
     ),
+    "server_floors": (
+        {
+            "batchd_server/__init__.py": "__version__ = '0'\n",
+            "batchd_server/errors.py": "class Fail(Exception): ...\n",
+            "batchd_server/metrics/workers.py": (
+                "from batchd_server.errors import Fail\n"
+                "from batchd_server.workers.task import BatchTask\n"
+            ),
+            "batchd_server/storage/cache.py": (
+                "from batchd_server import __version__, errors\n"
+                "from batchd_server.planning.sampling import EpochPlan\n"
+            ),
+            "batchd_server/planning/sampling.py": (
+                "import batchd_server.catalog.types\nfrom batchd_server.storage import cache\n"
+            ),
+            "batchd_server/sessions/session.py": (
+                _TC + "    from batchd_server.delivery import doorbell\n"
+            ),
+            "batchd_server/sessions/manager.py": "from batchd_server import delivery, workers\n",
+            "batchd_server/workers/task.py": (
+                "def f():\n    from batchd_server.sessions.options import Options\n"
+            ),
+            "batchd_server/annex.py": "from batchd_server.errors import Fail\n",
+            "batchd_server/api/rpcs.py": "from batchd_server.annex import thing\n",
+            "batchd_server/cli.py": (
+                "from batchd_server import __version__\nimport batchd_server.api\n"
+            ),
+            "batchd/_loader.py": "from batchd_server.api import rpcs\n",
+        },
+        [
+            "batchd_server/annex.py: annex is on no floor; give it one in FLOORS",
+            "batchd_server/api/rpcs.py:1: from batchd_server.annex import thing  "
+            "(batchd_server.annex.thing: annex is on no floor)",
+            "batchd_server/metrics/workers.py:2: from batchd_server.workers.task import "
+            "BatchTask  (batchd_server.workers.task.BatchTask: workers is above metrics)",
+            "batchd_server/sessions/manager.py:1: from batchd_server import delivery, workers  "
+            "(batchd_server.delivery: delivery is above sessions)",
+            "batchd_server/sessions/session.py:3: from batchd_server.delivery import doorbell  "
+            "(batchd_server.delivery.doorbell: delivery is above sessions)",
+            "batchd_server/storage/cache.py:2: from batchd_server.planning.sampling import "
+            "EpochPlan  (batchd_server.planning.sampling.EpochPlan: planning is above storage)",
+            "batchd_server/workers/task.py:2: from batchd_server.sessions.options import "
+            "Options  (batchd_server.sessions.options.Options: sessions is above workers)",
+        ],
+    ),
 }
 
 
@@ -238,249 +415,3 @@ def test_each_import_rule_names_every_breach_in_a_tree_that_has_one(
     _write_tree(tmp_path, files)
     found = IMPORT_RULES[rule_name].breaches([tmp_path])
     assert [b.removeprefix(f"{tmp_path}/") for b in found] == expected
-
-
-# -- rule 4: segments are created and unlinked only in shm/ ---------------------------------
-
-SHM_HOME = "batchd_server.shm"
-_SHM_WORDS = ("shm", "segment")
-_ALWAYS = {
-    "posix_fallocate": "reserves a segment's pages",
-    "shm_open": "creates a segment",
-    "shm_unlink": "unlinks a segment",
-    "SharedMemory": "makes a segment that the resource tracker may unlink",
-    "ShareableList": "makes a segment that the resource tracker may unlink",
-}
-"""Calls that touch shared memory whatever their arguments. ``SharedMemory`` counts even
-without ``create=True``: on Python 3.11 attaching registers the name with the resource
-tracker, which unlinks it when the attaching process exits."""
-_CREATES = ("touch", "write_bytes", "write_text")
-
-
-def _tags(expr: ast.AST, tainted: dict[str, set[str]]) -> set[str]:
-    """What ``expr`` may be: "shm" (a path in /dev/shm or of a segment), "creat" (flags with
-    O_CREAT). A name or attribute tells by its spelling or by what was assigned to it."""
-    tags: set[str] = set()
-    for node in ast.walk(expr):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if "/dev/shm" in node.value:
-                tags.add("shm")
-        elif isinstance(node, ast.Name | ast.Attribute):
-            spelled = node.id if isinstance(node, ast.Name) else node.attr
-            if any(word in spelled.lower() for word in _SHM_WORDS):
-                tags.add("shm")
-            if spelled == "O_CREAT":
-                tags.add("creat")
-            tags |= tainted.get(ast.unparse(node), set())
-    return tags
-
-
-def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
-    """The nodes of ``scope``, not descending into nested functions and classes."""
-    for child in ast.iter_child_nodes(scope):
-        yield child
-        if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            yield from _own_nodes(child)
-
-
-def _assignments(node: ast.AST) -> list[tuple[ast.expr, ast.expr]]:
-    if isinstance(node, ast.Assign):
-        return [(target, node.value) for target in node.targets]
-    if isinstance(node, ast.AnnAssign | ast.AugAssign) and node.value is not None:
-        return [(node.target, node.value)]
-    if isinstance(node, ast.NamedExpr):
-        return [(node.target, node.value)]
-    if isinstance(node, ast.For | ast.AsyncFor):
-        return [(node.target, node.iter)]
-    if isinstance(node, ast.withitem) and node.optional_vars is not None:
-        return [(node.optional_vars, node.context_expr)]
-    return []
-
-
-def _taint(scope: ast.AST, inherited: dict[str, set[str]]) -> dict[str, set[str]]:
-    """``inherited`` plus what assignments in ``scope`` tag, to a fixed point."""
-    tainted = {key: set(tags) for key, tags in inherited.items()}
-    pairs = [pair for node in _own_nodes(scope) for pair in _assignments(node)]
-    changed = True
-    while changed:
-        changed = False
-        for target, value in pairs:
-            tags = _tags(value, tainted)
-            elements = target.elts if isinstance(target, ast.Tuple | ast.List) else [target]
-            for element in elements:
-                key = ast.unparse(element)
-                if not tags <= tainted.get(key, set()):
-                    tainted[key] = tainted.get(key, set()) | tags
-                    changed = True
-    return tainted
-
-
-def _operation(call: ast.Call, tainted: dict[str, set[str]]) -> str | None:
-    """What ``call`` does to a segment, or None if it creates and unlinks none."""
-    func = call.func
-    name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
-    on = ast.unparse(func.value) if isinstance(func, ast.Attribute) else None
-    args = call.args
-    if name in _ALWAYS:
-        return _ALWAYS[name]
-    first_shm = bool(args) and "shm" in _tags(args[0], tainted)
-    if name == "open" and on == "os" and len(args) >= 2 and first_shm:
-        return "creates a file in /dev/shm" if "creat" in _tags(args[1], tainted) else None
-    if name == "open" and on is None and first_shm:
-        modes = [*args[1:2], *(k.value for k in call.keywords if k.arg == "mode")]
-        mode = modes[0] if modes else None
-        if isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wxa"):
-            return "creates a file in /dev/shm"
-        return None
-    if name in ("unlink", "remove", "rmtree") and on in ("os", "shutil") and first_shm:
-        return "unlinks a file in /dev/shm"
-    on_shm_path = (
-        isinstance(func, ast.Attribute)
-        and on not in ("os", "shutil")
-        and "shm" in _tags(func.value, tainted)
-    )
-    if on_shm_path and name == "unlink":
-        return "unlinks a file in /dev/shm"
-    if on_shm_path and name in _CREATES:
-        return "creates a file in /dev/shm"
-    return None
-
-
-def segment_operations(path: Path) -> list[tuple[int, str, str]]:
-    """``(line, call, what it does)`` for each call in ``path`` that creates or unlinks a
-    segment or another file in /dev/shm (see ``_operation``).
-
-    A path counts as one in /dev/shm when its expression says so: a name or attribute
-    spelled with "shm" or "segment", "/dev/shm", or a variable (``self.<attribute>`` across
-    a class's methods) assigned from such an expression. A path handed to a helper under a
-    neutral parameter name is not followed into the helper.
-    """
-    found: list[tuple[int, str, str]] = []
-
-    def scan(scope: ast.AST, inherited: dict[str, set[str]]) -> None:
-        tainted = _taint(scope, inherited)
-        for node in _own_nodes(scope):
-            if isinstance(node, ast.Call) and (what := _operation(node, tainted)):
-                written = ast.get_source_segment(source, node) or ast.unparse(node)
-                found.append((node.lineno, " ".join(written.split()), what))
-            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                scan(node, tainted)
-            elif isinstance(node, ast.ClassDef):
-                scan_class(node, tainted)
-
-    def scan_class(cls: ast.ClassDef, inherited: dict[str, set[str]]) -> None:
-        methods = [n for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
-        shared = dict(inherited)
-        while True:  # self.<attribute> tagged in one method is tagged in all of them
-            grown = dict(shared)
-            for method in methods:
-                for key, tags in _taint(method, shared).items():
-                    if key.startswith("self."):
-                        grown[key] = grown.get(key, set()) | tags
-            if grown == shared:
-                break
-            shared = grown
-        scan(cls, shared)
-
-    source = path.read_text()
-    scan(ast.parse(source, str(path)), {})
-    return sorted(found)
-
-
-def segment_breaches(roots: Iterable[Path]) -> list[str]:
-    """Each call outside batchd_server.shm that creates or unlinks a segment: ``path:line``."""
-    found = []
-    for root in roots:
-        for module, path in module_names(root).items():
-            if under(module, SHM_HOME):
-                continue
-            where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
-            found += [
-                f"{where}:{line}: {call}  ({what})" for line, call, what in segment_operations(path)
-            ]
-    return found
-
-
-def test_only_shm_creates_or_unlinks_shared_memory_segments() -> None:
-    """Rule 4: no module of either distribution outside batchd_server.shm creates, reserves or
-    unlinks a file in /dev/shm (os.open with O_CREAT, posix_fallocate, SharedMemory, unlink)."""
-    breaches = segment_breaches(SOURCE_ROOTS)
-    assert not breaches, (
-        "only batchd_server.shm creates or unlinks segments; ask its ShmRegistry instead:\n"
-        + "\n".join(f"  {b}" for b in breaches)
-    )
-
-
-def test_the_segment_check_recognises_how_shm_creates_and_unlinks_segments_today() -> None:
-    """The check sees shm/'s own ways: the O_CREAT open of a segment and of the instance
-    lock, posix_fallocate, and the sweep's unlinks of segments and lock files."""
-    shm = REPO / "server/src/batchd_server/shm"
-    seen = {
-        (name, call.split("(")[0])
-        for name in ("registry.py", "instance.py")
-        for _, call, _ in segment_operations(shm / name)
-    }
-    assert {
-        ("registry.py", "os.open"),
-        ("registry.py", "os.posix_fallocate"),
-        ("instance.py", "os.open"),
-        ("instance.py", "os.unlink"),
-        ("instance.py", "lock_path.unlink"),
-    } <= seen
-
-
-LEAK = """\
-import os
-import shutil
-from multiprocessing import shared_memory
-from pathlib import Path
-
-from batchd_server.shm import SHM_DIR
-
-
-def make(name, nbytes):
-    path = SHM_DIR / name
-    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
-    fd = os.open(path, flags, 0o600)
-    os.posix_fallocate(fd, 0, nbytes)
-    with open(Path("/dev/shm") / name, "wb") as out:
-        out.write(b"x")
-    return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-
-
-def drop(segment, config):
-    segment.path.unlink(missing_ok=True)
-    os.unlink(config.shm_dir / "batchd-0")
-    shutil.rmtree("/dev/shm/batchd")
-
-
-class Holder:
-    def __init__(self, base):
-        self.file = base.shm_dir / "batchd-1"
-
-    def close(self):
-        self.file.unlink()
-
-
-def harmless(path, items, shm_dir):
-    os.close(os.open(shm_dir / "batchd-2", os.O_RDONLY))
-    Path(path).unlink()
-    items.remove(3)
-    with open(shm_dir / "batchd-3", "rb") as f:
-        return f.read()
-"""
-"""Every way of touching a segment that the check knows, and (``harmless``) what it must let
-pass: attaching read-only, unlinking a path outside /dev/shm, ``list.remove``."""
-
-
-def test_the_segment_check_names_every_breach_in_a_tree_that_has_them(tmp_path: Path) -> None:
-    """Outside shm/ each way of creating, reserving or unlinking a segment is reported by
-    file:line and call; the same code inside batchd_server.shm is not."""
-    _write_tree(tmp_path, {"batchd_server/sessions/leak.py": LEAK, "batchd_server/shm/ok.py": LEAK})
-    found = [b.removeprefix(f"{tmp_path}/") for b in segment_breaches([tmp_path])]
-    lines = [int(b.split(":")[1]) for b in found]
-    assert lines == [12, 13, 14, 16, 20, 21, 22, 30], "\n".join(found)
-    assert found[0] == (
-        "batchd_server/sessions/leak.py:12: os.open(path, flags, 0o600)  "
-        "(creates a file in /dev/shm)"
-    )

@@ -12,10 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchd_server.cache_policy.eviction import next_uses, victims
+from batchd_server.cache_policy.manager import CacheManager, Reading, SourceRef
+from batchd_server.cache_policy.plan_blocks import SourceBlocks, Uses, upcoming_uses
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
+from batchd_server.metrics import node_cache as cache_metrics
 from batchd_server.planning.sampling import EpochPlan
-from batchd_server.storage import cache_metrics
 from batchd_server.storage.blocks import (
     DIGEST_BYTES,
     HEADER_BYTES,
@@ -24,9 +27,6 @@ from batchd_server.storage.blocks import (
     object_hash,
 )
 from batchd_server.storage.cache import CacheStats, CachingFetcher
-from batchd_server.storage.cache_manager import CacheManager, Reading, SourceRef
-from batchd_server.storage.eviction import next_uses, victims
-from batchd_server.storage.plan_blocks import SourceBlocks, Uses, upcoming_uses
 from tests.cache_support import ROOT_URL, StatDirFetcher
 
 BLOCK = 1024

@@ -31,23 +31,23 @@ _FILL = """
 import json
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
-from batchd_server import metrics
+from batchd_server.metrics import delivery, registry, stall
 
-n = metrics.MAX_DATASET_LABELS + 50
+n = registry.MAX_DATASET_LABELS + 50
 for i in range(n):
     name = f"dataset_{i}"
-    metrics.record_delivery(name, 4, since_open_s=0.5)
-    metrics.record_client_timings(name, [0.1], [0.3], now=1.0)
+    delivery.record_delivery(name, 4, since_open_s=0.5)
+    stall.record_client_timings(name, [0.1], [0.3], now=1.0)
 values = set()
-for family in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
+for family in text_string_to_metric_families(generate_latest(registry.REGISTRY).decode()):
     for sample in family.samples:
         if "dataset" in sample.labels:
             values.add(sample.labels["dataset"])
 print(json.dumps({
-    "cap": metrics.MAX_DATASET_LABELS,
+    "cap": registry.MAX_DATASET_LABELS,
     "values": len(values),
     "other": int("other" in values),
-    "windows": len(metrics.STALL_RATIOS),
+    "windows": len(stall.STALL_RATIOS),
 }))
 """
 
@@ -56,18 +56,18 @@ _AGE = """
 import json
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from batchd_server import metrics
+from batchd_server.metrics import REGISTRY, stall
 
 for name in ("gone_a", "gone_b", "gone_c"):
-    metrics.record_client_timings(name, [0.2], [0.2], now=100.0)
-metrics.record_client_timings("current", [0.1], [0.3], now=100.0 + 61.0)
+    stall.record_client_timings(name, [0.2], [0.2], now=100.0)
+stall.record_client_timings("current", [0.1], [0.3], now=100.0 + 61.0)
 ratios = [
     s.labels["dataset"]
-    for f in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode())
+    for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
     for s in f.samples
     if s.name == "batchd_data_stall_ratio"
 ]
-print(json.dumps({"ratios": sorted(ratios), "windows": len(metrics.STALL_RATIOS)}))
+print(json.dumps({"ratios": sorted(ratios), "windows": len(stall.STALL_RATIOS)}))
 """
 
 
@@ -97,20 +97,20 @@ _SOURCES = """
 import json
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from batchd_server import metrics
+from batchd_server.metrics import REGISTRY, mixing
 
-n = metrics.MAX_SOURCE_LABELS + 20
+n = mixing.MAX_SOURCE_LABELS + 20
 for i in range(n):
-    metrics.record_mix_batch("a+b", [f"s{i}:train"], [3], [7], [2.5])
+    mixing.record_mix_batch("a+b", [f"s{i}:train"], [3], [7], [2.5])
 values = set()
-for family in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
+for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
     for sample in family.samples:
         if "source" in sample.labels:
             values.add(sample.labels["source"])
-total = metrics.REGISTRY.get_sample_value(
+total = REGISTRY.get_sample_value(
     "batchd_mix_samples_total", {"dataset": "a+b", "source": "other"}
 )
-print(json.dumps({"cap": metrics.MAX_SOURCE_LABELS, "values": len(values), "other": total}))
+print(json.dumps({"cap": mixing.MAX_SOURCE_LABELS, "values": len(values), "other": total}))
 """
 
 

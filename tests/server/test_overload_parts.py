@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from batchd_server import cli, cli_serve, metrics
+from batchd_server import cli, cli_serve
 from batchd_server.api.admission import Admission
 from batchd_server.config import ServerConfig
 from batchd_server.errors import ResourceExhausted
+from batchd_server.metrics.admission import REFUSED
 from batchd_server.workers.fair_queue import FairQueue
 
 from chaos_harness import tally
@@ -90,7 +91,7 @@ def test_serve_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path:
 def test_admission_counts_calls_in_all_and_per_client() -> None:
     """A client stops at its own limit while others go on; the server stops at its limit;
     a ticket given back twice counts once; each refusal is counted by the limit it hit."""
-    refused = {k: metrics.REFUSED.labels(k)._value.get() for k in LIMITS}
+    refused = {k: REFUSED.labels(k)._value.get() for k in LIMITS}
     admission = Admission(max_calls=5, client_max_calls=2)
     a1, a2 = admission.admit("a", "M"), admission.admit("a", "M")
     with pytest.raises(ResourceExhausted, match="client 'a' has 2 calls in progress"):
@@ -99,7 +100,7 @@ def test_admission_counts_calls_in_all_and_per_client() -> None:
     with pytest.raises(ResourceExhausted, match=r"serving 5 calls.*--max-concurrent-rpcs"):
         admission.admit("e", "M")
     assert admission.calls == 5
-    assert {k: metrics.REFUSED.labels(k)._value.get() - refused[k] for k in LIMITS} == {
+    assert {k: REFUSED.labels(k)._value.get() - refused[k] for k in LIMITS} == {
         "max_concurrent_rpcs": 1,
         "client_max_calls": 1,
     }

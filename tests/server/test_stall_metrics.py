@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
 import batchd
-from batchd_server.metrics import MAX_CLIENT_SECONDS, StallWindow, clamp_client_seconds
+from batchd_server.metrics.stall import MAX_CLIENT_SECONDS, StallWindow, clamp_client_seconds
 
 from serving import RECORD_FLOATS, record_dataset, serve
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batchd_server import metrics, metrics_scaling
+from batchd_server.cache_policy.manager import CacheManager
 from batchd_server.catalog.db import SERVING_STATEMENT_TIMEOUT_S, make_engine, ping
 from batchd_server.catalog.sample_errors import SampleErrorWriter
 from batchd_server.catalog_cache import CatalogCache
@@ -27,13 +27,18 @@ from batchd_server.decode_cache import DecodeCacheOwner
 from batchd_server.delivery.doorbell import DoorbellServer
 from batchd_server.errors import FailedPrecondition
 from batchd_server.health import HealthMonitor, HealthReport
+from batchd_server.metrics import admission as admission_metrics
+from batchd_server.metrics import decode_cache as decode_cache_metrics
+from batchd_server.metrics import node_cache as node_cache_metrics
+from batchd_server.metrics import scaling as scaling_metrics
+from batchd_server.metrics import stall as stall_metrics
+from batchd_server.metrics import workers as worker_metrics
+from batchd_server.metrics.endpoint import MetricsEndpoint, serve
 from batchd_server.sessions import SessionManager
 from batchd_server.sessions.cache_reads import start_cache_manager
 from batchd_server.settings import setting_of
 from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.shm.space import shm_space
-from batchd_server.storage import cache_metrics
-from batchd_server.storage.cache_manager import CacheManager
 from batchd_server.storage.open import make_fetcher
 from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.pool import WorkerPool
@@ -61,7 +66,7 @@ class Parts:
     doorbell: DoorbellServer
     monitor: HealthMonitor
     sample_errors: SampleErrorWriter
-    metrics_endpoint: metrics.MetricsEndpoint | None = None
+    metrics_endpoint: MetricsEndpoint | None = None
     cache: CacheManager | None = None
     """The node cache's manager (``--cache-dir``)."""
     autoscaler: Autoscaler | None = None
@@ -110,28 +115,41 @@ class Parts:
 def _observe_result(
     task: BatchTask, result: BatchResult, queued_s: float, latency_s: float
 ) -> None:
-    """The pool's result hook: a batch's timings, and what its worker read through the cache."""
-    metrics.observe_worker_result(task, result, queued_s, latency_s)
-    cache_metrics.observe_worker_cache(task, result, queued_s, latency_s)
+    """The pool's result hook: a batch's timings, its decode cache lookups and what its
+    worker read through the node cache, taken out of the task and its result here (the
+    metrics know neither)."""
+    dataset = task.spec.dataset
+    times = result.times
+    worker_metrics.observe_batch(
+        dataset,
+        read_s=times.read_s,
+        decode_s=times.decode_s,
+        collate_s=times.collate_s,
+        queued_s=queued_s,
+        latency_s=latency_s,
+    )
+    if task.spec.decode_cache is not None:
+        decode_cache_metrics.record_lookups(dataset, result.cache)
+    node_cache_metrics.record_cache(dataset, times.node_cache)
 
 
 def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     pool = WorkerPool(
         config.workers.min,
         task_timeout_s=config.task_timeout_s,
-        on_restart=metrics.WORKER_RESTARTS.inc,
-        on_timeout=metrics.WORKER_TIMEOUTS.inc,
+        on_restart=worker_metrics.WORKER_RESTARTS.inc,
+        on_timeout=worker_metrics.WORKER_TIMEOUTS.inc,
         on_result=_observe_result,
     )
     pool.start()
-    metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
-    metrics.WORKERS_CONFIGURED.set(config.workers.max)
-    metrics_scaling.WORKERS_MIN.set(config.workers.min)
-    metrics_scaling.WORKERS_TARGET.set_function(lambda: pool.size)
-    metrics.WORKERS_CRASH_LOOP.set_function(lambda: pool.crash_loop is not None)
-    metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
-    metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
-    metrics.SHM_BUDGET_BYTES.set_function(registry.effective_budget_bytes)
+    worker_metrics.WORKERS_ALIVE.set_function(lambda: pool.alive)
+    worker_metrics.WORKERS_CONFIGURED.set(config.workers.max)
+    scaling_metrics.WORKERS_MIN.set(config.workers.min)
+    scaling_metrics.WORKERS_TARGET.set_function(lambda: pool.size)
+    worker_metrics.WORKERS_CRASH_LOOP.set_function(lambda: pool.crash_loop is not None)
+    admission_metrics.SHM_RESERVED_BYTES.set_function(registry.reserved_bytes)
+    admission_metrics.SHM_FREE_BYTES.set_function(registry.free_bytes)
+    admission_metrics.SHM_BUDGET_BYTES.set_function(registry.effective_budget_bytes)
     return pool
 
 
@@ -140,13 +158,14 @@ def _start_decode_cache(config: ServerConfig, registry: ShmRegistry) -> DecodeCa
     size = config.decode_cache_bytes
     if not size:
         return None
+    evictions = decode_cache_metrics.DECODE_CACHE_EVICTIONS
     owner = DecodeCacheOwner(
         shm_dir=registry.shm_dir,
         instance=registry.instance,
         size_bytes=size,
         disk_dir=config.decode_cache_dir,
         disk_bytes=config.decode_cache_dir_bytes or 4 * size,
-        on_evict=lambda tier, n: metrics.DECODE_CACHE_EVICTIONS.labels(tier=tier).inc(n),
+        on_evict=lambda tier, n: evictions.labels(tier=tier).inc(n),
     )
     try:
         registry.set_aside(
@@ -158,10 +177,10 @@ def _start_decode_cache(config: ServerConfig, registry: ShmRegistry) -> DecodeCa
     for tier in ("shm", "disk") if owner.disk is not None else ("shm",):
         bound = owner.shm if tier == "shm" else owner.disk
         assert bound is not None
-        metrics.DECODE_CACHE_BYTES.labels(tier=tier).set_function(
+        decode_cache_metrics.DECODE_CACHE_BYTES.labels(tier=tier).set_function(
             functools.partial(owner.used_bytes, tier)
         )
-        metrics.DECODE_CACHE_LIMIT_BYTES.labels(tier=tier).set(bound.limit_bytes)
+        decode_cache_metrics.DECODE_CACHE_LIMIT_BYTES.labels(tier=tier).set(bound.limit_bytes)
     owner.start()
     return owner
 
@@ -259,7 +278,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         address = config.metrics_address()
         if address is not None:
             try:
-                parts.metrics_endpoint = metrics.serve(*address)
+                parts.metrics_endpoint = serve(*address)
             except OSError as e:
                 flag = setting_of(ServerConfig, "metrics_listen").flag
                 raise FailedPrecondition(
@@ -271,9 +290,9 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
                 pool,
                 config.workers,
                 cpus=available_cpus(),
-                stall_ratio=metrics.RECENT_STALL.current,
-                on_change=metrics_scaling.record_worker_scaling,
-                on_signals=metrics_scaling.record_scaling_signals,
+                stall_ratio=stall_metrics.RECENT_STALL.current,
+                on_change=scaling_metrics.record_worker_scaling,
+                on_signals=scaling_metrics.record_scaling_signals,
             )
             parts.autoscaler.start()
         parts.cache = start_cache_manager(

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batchd_server import metrics
 from batchd_server.catalog.reader import current_snapshot, load_split
 from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays
 from batchd_server.errors import ResourceExhausted
+from batchd_server.metrics.delivery import record_catalog_load
 from batchd_server.shm import Segment, ShmRegistry
 from batchd_server.shm.arrays import pack_arrays
 
@@ -132,7 +132,7 @@ class CatalogCache:
         the entry already there), referenced once."""
         started = time.monotonic()
         arrays = load_split(self._engine, dataset, split, version=ref.version, snapshot=wanted)
-        metrics.record_catalog_load(ref.name, time.monotonic() - started)
+        record_catalog_load(ref.name, time.monotonic() - started)
         pins = _pinned_by(arrays)
         canonical = (ref.id, split, pins.token())
         if canonical != key:

@@ -41,8 +41,8 @@ from typing import Any, Final, NoReturn
 import grpc
 
 from batchd._wire.metadata import CLIENT_ID_KEY, ERROR_CLASS_KEY
-from batchd_server import metrics
 from batchd_server.errors import ResourceExhausted
+from batchd_server.metrics.admission import REFUSED
 
 __all__ = [
     "CLIENT_ID_KEY",
@@ -151,14 +151,14 @@ class PeerLimit:
         with self._lock:
             mine = self._by_peer[peer]
             if mine >= self.per_peer:
-                metrics.REFUSED.labels("open_calls_per_peer").inc()
+                REFUSED.labels("open_calls_per_peer").inc()
                 raise ResourceExhausted(
                     f"{peer} has {mine} health calls in progress, the most one address may "
                     f"have; {method} was refused. Close the Watch streams it does not need, "
                     "or probe with Check"
                 )
             if self._by_peer.total() >= self.total:
-                metrics.REFUSED.labels("open_calls").inc()
+                REFUSED.labels("open_calls").inc()
                 raise ResourceExhausted(
                     f"the server has {self.total} health calls in progress, its limit; "
                     f"{method} was refused. Retry later"
@@ -211,7 +211,7 @@ class Admission:
         """
         with self._lock:
             if self._total >= self.max_calls:
-                metrics.REFUSED.labels("max_concurrent_rpcs").inc()
+                REFUSED.labels("max_concurrent_rpcs").inc()
                 raise ResourceExhausted(
                     f"the server is serving {self._total} calls, its limit (--max-concurrent-"
                     "rpcs, BATCHD_MAX_CONCURRENT_RPCS, less the places kept for CloseSession "
@@ -221,7 +221,7 @@ class Admission:
                 )
             mine = self._by_client[client]
             if mine >= self.client_max_calls:
-                metrics.REFUSED.labels("client_max_calls").inc()
+                REFUSED.labels("client_max_calls").inc()
                 raise ResourceExhausted(
                     f"client {client!r} has {mine} calls in progress (an open inline stream "
                     "is one for its whole life), its limit (--client-max-calls, "

@@ -32,10 +32,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._wire.tls import speaks_tls, tcp_host_port
-from batchd_server import metrics
 from batchd_server.api.admission import PeerLimit, Ticket, peer_address, refuse
 from batchd_server.config import ServerConfig
 from batchd_server.errors import ResourceExhausted
+from batchd_server.metrics.admission import READY
 from batchd_server.settings import setting_of
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class HealthService(health.HealthServicer):
         status = _SERVING if report.ready else _NOT_SERVING
         for service in READINESS_SERVICES:
             self.set(service, status)
-        metrics.READY.set(1 if report.ready else 0)
+        READY.set(1 if report.ready else 0)
 
     def _admit(self, context: grpc.ServicerContext, method: str) -> Ticket:
         try:

@@ -14,12 +14,12 @@ import grpc
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._wire.schedule import WeightSchedule
 from batchd._wire.specs import IMAGE_DEFAULT_RATIO, IMAGE_DEFAULT_SCALE
-from batchd_server import metrics
 from batchd_server.api.admission import client_identity
 from batchd_server.delivery.messages import inline_messages, ring_layout, start_stream
 from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.limits import check_name
 from batchd_server.logs import session_log_id
+from batchd_server.metrics import stall
 from batchd_server.planning.mixing import MixOptions, MixSourceOptions
 from batchd_server.planning.packing import PackOptions
 from batchd_server.planning.sampling import SamplerOptions
@@ -264,7 +264,7 @@ def _read_acks(
                 )
                 continue
             session.ack(stream, list(request.ack.batch_indices))
-            metrics.record_client_timings(
+            stall.record_client_timings(
                 session.options.dataset,
                 request.ack.batch_wait_s,
                 request.ack.batch_step_s,

@@ -55,11 +55,11 @@ from batchd._wire.frames import (
 )
 from batchd._wire.status import status_name_for
 from batchd.errors import BatchdError
-from batchd_server import metrics
 from batchd_server.delivery.messages import shm_notice, start_stream
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound
 from batchd_server.limits import MAX_CLIENT_FRAME_BYTES, MAX_UNIX_PATH_BYTES
 from batchd_server.logs import session_log_id
+from batchd_server.metrics import stall
 from batchd_server.sessions import Session, SessionManager, Stream
 
 __all__ = ["MAX_PENDING_HELLOS", "DoorbellServer", "ServerBell"]
@@ -420,7 +420,7 @@ class DoorbellServer:
                 if kind == RELEASE:
                     ack = parse(pb.Ack, payload)
                     session.release(list(ack.leases))
-                    metrics.record_client_timings(
+                    stall.record_client_timings(
                         session.options.dataset,
                         ack.batch_wait_s,
                         ack.batch_step_s,

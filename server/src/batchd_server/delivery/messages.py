@@ -12,7 +12,7 @@ from typing import Final
 
 from batchd._proto.batchd.v1 import loader_pb2 as pb
 from batchd._wire.ring import HEADER_BYTES, pack
-from batchd_server import metrics
+from batchd_server.metrics.delivery import BYTES_SERVED
 from batchd_server.sessions import ReadyBatch, RingRef, Session, Stream
 
 __all__ = ["INLINE_CHUNK_BYTES", "inline_messages", "ring_layout", "shm_notice", "start_stream"]
@@ -44,7 +44,7 @@ def start_stream(session: Session, start: pb.StreamStart, *, shm: bool) -> Strea
 def shm_notice(ready: ReadyBatch, seq: int) -> pb.StreamBatchesResponse:
     """The doorbell notice of an shm batch of the stream ``seq`` (counted as served)."""
     views, total = _views(ready, inline=False)
-    metrics.BYTES_SERVED.labels(transport="shm").inc(total)
+    BYTES_SERVED.labels(transport="shm").inc(total)
     notice = pb.StreamBatchesResponse(
         batch_index=ready.batch_index,
         slot=ready.slot,
@@ -98,7 +98,7 @@ def inline_messages(session: Session, ready: ReadyBatch) -> Iterator[pb.StreamBa
     for f, view in zip(ready.fields, views, strict=True):
         payload[view.offset : view.offset + f.nbytes] = memory[f.offset : f.offset + f.nbytes]
     del memory
-    metrics.BYTES_SERVED.labels(transport="inline").inc(total)
+    BYTES_SERVED.labels(transport="inline").inc(total)
     for start in range(0, max(total, 1), INLINE_CHUNK_BYTES):
         chunk = bytes(payload[start : start + INLINE_CHUNK_BYTES])
         more = start + INLINE_CHUNK_BYTES < total

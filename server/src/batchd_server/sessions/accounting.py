@@ -4,7 +4,7 @@ A mix's batch says which source each row came from (its ``source`` field, which 
 write) and, for token pipelines, each row's tokens before padding (its ``length`` field).
 When a batch is ready, the session reads those two columns from its slot and counts them
 per source, beside the samples the weights in force at the batch's step expected
-(``metrics.record_mix_batch``); the step is ``batchd._wire.schedule.global_step``'s, as the
+(``metrics.mixing.record_mix_batch``); the step is ``batchd._wire.schedule.global_step``'s, as the
 client counts it.
 """
 
@@ -15,7 +15,7 @@ from typing import Final, Protocol
 
 import numpy as np
 
-from batchd_server import metrics
+from batchd_server.metrics.mixing import record_mix_batch
 from batchd_server.planning.mixing import MixOptions
 
 __all__ = ["MixAccount"]
@@ -74,6 +74,6 @@ class MixAccount:
         # No view of the ring may outlive the call (the ring's buffer is released on close).
         del source, valid, index
         shares = self.shares_at(step)
-        metrics.record_mix_batch(
+        record_mix_batch(
             self._label, self._names, samples, tokens, [rows * share for share in shares]
         )

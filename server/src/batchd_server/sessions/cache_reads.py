@@ -1,15 +1,15 @@
 """What the node cache's manager needs to know of the live sessions: where each stream is
-and what it will read (NOTE [ Cache manager ] in ``storage/cache_manager.py``)."""
+and what it will read (NOTE [ Cache manager ] in ``cache_policy/manager.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from batchd_server.cache_policy.manager import CacheManager, Reading, SourceRef
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.session import Session
 from batchd_server.storage.base import RangeFetcher
 from batchd_server.storage.cache import CachingFetcher
-from batchd_server.storage.cache_manager import CacheManager, Reading, SourceRef
 
 __all__ = ["readings_of", "start_cache_manager"]
 

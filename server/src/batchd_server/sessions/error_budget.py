@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchd_server import metrics
 from batchd_server.errors import DataLoss
 from batchd_server.logs import session_log_id
+from batchd_server.metrics.delivery import record_sample_error
 from batchd_server.workers.task import BatchResult
 
 __all__ = ["ErrorBudget"]
@@ -60,7 +60,7 @@ class ErrorBudget:
                 passed ``max_error_fraction``.
         """
         for failure in result.failures:
-            metrics.record_sample_error(self.dataset, failure.kind)
+            record_sample_error(self.dataset, failure.kind)
             logger.warning(
                 "session %s: sample %d (%s) failed: %s: %s%s",
                 session_log_id(self.session_id),

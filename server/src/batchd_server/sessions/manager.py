@@ -15,12 +15,12 @@ from typing import Final
 
 from batchd._wire.ring import slot_offset
 from batchd._wire.share import LOANS_OUT
-from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from batchd_server.limits import MAX_SLOT_BYTES
 from batchd_server.logs import session_log_id
+from batchd_server.metrics.admission import REFUSED, SESSIONS
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
@@ -168,7 +168,7 @@ class SessionManager:
     def _check_limits(self, client: str, ring_bytes: int) -> None:
         """Refuse an open past the server's or the client's limits (caller holds the lock)."""
         if len(self._sessions) + self._opening >= self._max_sessions:
-            metrics.REFUSED.labels("max_sessions").inc()
+            REFUSED.labels("max_sessions").inc()
             raise ResourceExhausted(
                 f"the server has {len(self._sessions)} open sessions and "
                 f"{self._opening} opening, its limit (--max-sessions, BATCHD_MAX_SESSIONS="
@@ -176,7 +176,7 @@ class SessionManager:
             )
         usage = self._usage.get(client, _Usage())
         if usage.sessions >= self._client_max_sessions:
-            metrics.REFUSED.labels("client_max_sessions").inc()
+            REFUSED.labels("client_max_sessions").inc()
             raise ResourceExhausted(
                 f"client {client!r} holds {usage.sessions} sessions (open or opening), its "
                 f"limit (--client-max-sessions, BATCHD_CLIENT_MAX_SESSIONS="
@@ -184,7 +184,7 @@ class SessionManager:
                 "or raise the limit"
             )
         if usage.ring_bytes + ring_bytes > self._client_shm_quota:
-            metrics.REFUSED.labels("client_shm_quota").inc()
+            REFUSED.labels("client_shm_quota").inc()
             raise ResourceExhausted(self._over_quota(client, usage, ring_bytes))
 
     def _over_quota(self, client: str, usage: _Usage, ring_bytes: int) -> str:
@@ -289,7 +289,7 @@ class SessionManager:
             self._opening -= 1
             self._sessions[session_id] = session
             self._owners[session_id] = (client, ring_bytes)
-            metrics.SESSIONS.set(len(self._sessions))
+            SESSIONS.set(len(self._sessions))
         logger.info(
             "session %s opened for %s: %s, %d batches of %d on rank %d/%d, ring %s",
             session_log_id(session_id),
@@ -403,7 +403,7 @@ class SessionManager:
         """Remove ``session`` and give back its share of its client's quota (caller holds the
         lock)."""
         del self._sessions[session.id]
-        metrics.SESSIONS.set(len(self._sessions))
+        SESSIONS.set(len(self._sessions))
         self._drop_usage(*self._owners.pop(session.id))
 
     def _finish(self, sessions: list[Session], *, timeout_s: float, reason: str | None) -> None:
@@ -468,7 +468,7 @@ class SessionManager:
             self._sessions.clear()
             self._owners.clear()
             self._usage.clear()
-            metrics.SESSIONS.set(0)
+            SESSIONS.set(0)
         self._finish(sessions, timeout_s=timeout_s, reason=None)
         if sessions:
             logger.info("closed %d session(s) at server shutdown", len(sessions))

@@ -24,11 +24,11 @@ import numpy as np
 
 from batchd._wire.ring import HEADER_BYTES, slot_offset
 from batchd._wire.schedule import global_step
-from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
+from batchd_server.metrics import admission, delivery
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import EpochStart, source_starts
 from batchd_server.planning.packing import packed_mixing
@@ -356,7 +356,7 @@ class Session:
             )
             self._stream = stream
             self.last_used = time.monotonic()
-        metrics.STREAMS.inc()
+        admission.STREAMS.inc()
         return stream
 
     def ack(self, stream: Stream, batch_indices: list[int]) -> None:
@@ -404,7 +404,7 @@ class Session:
                 self._stream = None
             self.last_used = time.monotonic()
             self._cond.notify_all()
-        metrics.STREAMS.dec()
+        admission.STREAMS.dec()
 
     def _slot_done(self, slot: int, _future: Future[BatchResult]) -> None:
         with self._cond:
@@ -543,7 +543,7 @@ class Session:
             views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
         first, self._delivered_any = not self._delivered_any, True
         since_open_s = time.monotonic() - self.opened_at if first else None
-        metrics.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
+        delivery.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
         if self._account is not None:
             sampler = self.options.sampler
             step = global_step(

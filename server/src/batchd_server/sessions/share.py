@@ -102,8 +102,8 @@ from concurrent.futures import Future
 import numpy as np
 
 from batchd._wire.share import LOANS_OUT
-from batchd_server import metrics
 from batchd_server.logs import session_log_id
+from batchd_server.metrics.delivery import record_shared_batch
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.share_parts import (
@@ -314,7 +314,7 @@ class ShareGroup:
             loan.sent = True
             self.read += 1
             self._totals.add(read=1)
-            metrics.record_shared_batch(self.dataset, how="read")
+            record_shared_batch(self.dataset, how="read")
             return owner, at
 
     def _unlend(self, loan: Loan) -> list[Callable[[], object]]:
@@ -379,7 +379,7 @@ class ShareGroup:
             into[f.offset : f.offset + nbytes] = out[f.offset : f.offset + nbytes]
         self.copied += 1
         self._totals.add(copied=1)
-        metrics.record_shared_batch(self.dataset, how="copied")
+        record_shared_batch(self.dataset, how="copied")
         copy = dataclasses.replace(result, slot=slot)
         held: Future[BatchResult] = Future()
         held.set_result(copy)

@@ -8,7 +8,7 @@ kept, and the asked ranges cut out of them. A store that streams (``StreamsRange
 has each run's answer written to its blocks' files as it arrives (``BlockWriter``), and the
 reader keeps copies of only its ranges: no buffer per block. Nothing in a worker decides
 what leaves the cache: the cache manager in the server's main process does, from the plans
-of the live sessions (``storage/cache_manager.py``), and prefetches through a fetcher of
+of the live sessions (``cache_policy/manager.py``), and prefetches through a fetcher of
 this class too.
 
 An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
@@ -23,7 +23,7 @@ or a new cache directory): see the node cache's page in the docs.
 
 What a process read through its fetchers (hits, misses, bytes, the latency of each request
 to the store) is counted in :data:`STATS`; a worker sends its counts back with each result
-and the server adds them to its metrics (``metrics.record_cache``).
+and the server adds them to its metrics (``metrics.node_cache.record_cache``).
 """
 
 from __future__ import annotations

@@ -44,17 +44,17 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd_server import metrics
+from batchd_server.cache_policy.eviction import next_uses, victims
+from batchd_server.cache_policy.plan_blocks import SourceBlocks, Uses, upcoming_uses
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
+from batchd_server.metrics import node_cache as cache_metrics
+from batchd_server.metrics.registry import dataset_label
 from batchd_server.pipelines.base import BadSample
 from batchd_server.planning.sampling import EpochPlan
-from batchd_server.storage import cache_metrics
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.blocks import BlockKey
 from batchd_server.storage.cache import CachingFetcher
-from batchd_server.storage.eviction import next_uses, victims
-from batchd_server.storage.plan_blocks import SourceBlocks, Uses, upcoming_uses
 
 __all__ = ["CacheManager", "Reading", "SourceRef"]
 
@@ -222,7 +222,7 @@ class CacheManager:
         lead_by_dataset: dict[str, int] = {}
         for reading in readings:
             lead, jobs = self._window(reading, missing)
-            label = metrics.dataset_label(reading.dataset)
+            label = dataset_label(reading.dataset)
             lead_by_dataset[label] = min(lead, lead_by_dataset.get(label, lead))
             wanted += jobs
         for label, lead in lead_by_dataset.items():

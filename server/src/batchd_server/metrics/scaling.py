@@ -1,25 +1,40 @@
-"""The worker autoscaler's metrics (``--workers MIN..MAX``, see ``workers/sizing.py``), in the
-process's registry beside the rest (``metrics.py``)."""
+"""The worker autoscaler (``--workers MIN..MAX``, see ``workers/sizing.py``): its bounds, its
+target, its changes and the signals it decided on."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
-from batchd_server.metrics import REGISTRY
-
-if TYPE_CHECKING:
-    from batchd_server.workers.sizing import Signals
+from batchd_server.metrics.registry import REGISTRY
 
 __all__ = [
     "SCALING_SIGNAL",
     "WORKERS_MIN",
     "WORKERS_TARGET",
     "WORKER_SCALING",
+    "Signals",
     "record_scaling_signals",
     "record_worker_scaling",
 ]
+
+
+class Signals(Protocol):
+    """What the autoscaler decided on, as these metrics read it (``workers.sizing.Signals``
+    is one; described here, not imported, so the metrics stay below the workers)."""
+
+    @property
+    def busy(self) -> float: ...
+    @property
+    def queued_share(self) -> float: ...
+    @property
+    def idle_cores(self) -> float: ...
+    @property
+    def stall_ratio(self) -> float | None: ...
+    @property
+    def ceiling(self) -> int: ...
+
 
 WORKERS_MIN = Gauge(
     "batchd_workers_min",

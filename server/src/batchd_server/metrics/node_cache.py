@@ -1,23 +1,18 @@
-"""The node cache's metrics (``batchd_cache_*``, ``batchd_object_get_seconds``), in the
-server's one registry (:data:`batchd_server.metrics.REGISTRY`) beside the rest; kept here
-because ``metrics.py`` is at its size limit.
+"""The node cache of object-store bytes (``batchd_cache_*``, ``batchd_object_get_seconds``).
 
 Workers count what they read through the cache (``storage.cache.STATS``) and send the counts
 with each result (``StageTimes.node_cache``); the pool's result hook adds them here
-(:func:`observe_worker_cache`), and the cache manager adds its prefetches' own.
+(:func:`record_cache`), and the cache manager adds its prefetches' own.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from batchd_server.metrics import _STAGE_BUCKETS, REGISTRY, dataset_label
-
-if TYPE_CHECKING:
-    from batchd_server.storage.cache import NodeCacheCounts
-    from batchd_server.workers.task import BatchResult, BatchTask
+from batchd_server.metrics.registry import REGISTRY, STAGE_BUCKETS, dataset_label
 
 __all__ = [
     "CACHE_CAPACITY_BYTES",
@@ -29,9 +24,32 @@ __all__ = [
     "CACHE_MISSES",
     "CACHE_PREFETCH_LEAD",
     "CACHE_USED_BYTES",
-    "observe_worker_cache",
+    "CacheCounts",
     "record_cache",
 ]
+
+
+class CacheCounts(Protocol):
+    """What a process read through the node cache since it last counted, as these metrics
+    read it (``storage.cache.NodeCacheCounts`` is one; described here, not imported, so the
+    metrics stay below the rooms they count)."""
+
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes received from the store, prefetches included."""
+        ...
+
+    @property
+    def prefetched_bytes(self) -> int: ...
+    @property
+    def corrupt(self) -> int: ...
+    @property
+    def get_seconds(self) -> Sequence[float]: ...
+
 
 CACHE_HITS = Counter(
     "batchd_cache_hits",
@@ -64,7 +82,7 @@ CACHE_EVICTED = Counter(
 CACHE_GET_SECONDS = Histogram(
     "batchd_object_get_seconds",
     "Latency of one request (GET of byte ranges) to the object store.",
-    buckets=_STAGE_BUCKETS,
+    buckets=STAGE_BUCKETS,
     registry=REGISTRY,
 )
 CACHE_PREFETCH_LEAD = Gauge(
@@ -82,7 +100,7 @@ CACHE_CAPACITY_BYTES = Gauge(
 )
 
 
-def record_cache(dataset: str | None, counts: NodeCacheCounts | None) -> None:
+def record_cache(dataset: str | None, counts: CacheCounts | None) -> None:
     """Add a process's cache counts: a worker's with its task's ``dataset``, the cache
     manager's prefetches with None."""
     if counts is None:
@@ -102,11 +120,3 @@ def record_cache(dataset: str | None, counts: NodeCacheCounts | None) -> None:
         CACHE_CORRUPT.inc(counts.corrupt)
     for seconds in counts.get_seconds:
         CACHE_GET_SECONDS.observe(max(0.0, seconds))
-
-
-def observe_worker_cache(
-    task: BatchTask, result: BatchResult, queued_s: float, latency_s: float
-) -> None:
-    """Add a worker's cache counts of one batch (beside ``metrics.observe_worker_result``)."""
-    del queued_s, latency_s
-    record_cache(task.spec.dataset, result.times.node_cache)

@@ -2,7 +2,7 @@
 
 batchd's epoch order is a pure function of the plan (``planning/``), and the catalog says
 where each sample's bytes are (path, offset, length), so the server knows exactly which
-blocks (NOTE [ Cache files ] in ``blocks.py``) each session will read, batch by batch. This
+blocks (NOTE [ Cache files ] in ``storage/blocks.py``) each session will read, batch by batch. This
 module turns a source's catalog rows into each row's object and block span (once per
 catalog entry: :class:`SourceBlocks`), and a session's upcoming batches into ``(block, when)``
 pairs (:func:`upcoming_uses`), ``when`` counted in batches from the session's cursor.

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from batchd_server.cache_policy.plan_blocks import Uses
 from batchd_server.storage.blocks import BlockKey
-from batchd_server.storage.plan_blocks import Uses
 
 __all__ = ["NEVER", "next_uses", "victims"]
 
