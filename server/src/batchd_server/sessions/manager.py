@@ -24,8 +24,9 @@ from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
+from batchd_server.sessions.ring import SessionRing
 from batchd_server.sessions.session import Session
-from batchd_server.sessions.share import ShareGroups
+from batchd_server.sessions.share_groups import ShareGroups
 from batchd_server.sessions.sources import (
     acquire_sources,
     check_source_pipelines,
@@ -115,7 +116,8 @@ class SessionManager:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.shares = ShareGroups(pool)
-        """The share groups of sessions opened with ``share=`` (``sessions/share.py``)."""
+        """The share groups of sessions opened with ``share=`` (``sessions/share.py``); it
+        builds every session's dispatcher."""
         self._reaper = threading.Thread(target=self._reap, name="batchd-lease", daemon=True)
         self._reaper.start()
 
@@ -253,16 +255,15 @@ class SessionManager:
         token = secrets.token_bytes(16)
         ring.buf[: len(token)] = token
         session_id = secrets.token_hex(16)
+        session_ring = SessionRing(session_id, ring, layout, slot_bytes, token)
+        dispatch = self.shares.dispatch(session_ring, options, snapshot_token(options, entries))
         try:
             session = Session(
                 session_id=session_id,
                 options=options,
                 sources=entries,
-                ring=ring,
-                layout=layout,
-                slot_bytes=slot_bytes,
-                token=token,
-                pool=self._pool,
+                ring=session_ring,
+                dispatch=dispatch,
                 record_errors=self._record_errors,
                 max_sample_bytes=self._max_sample_bytes,
                 roots=roots,
@@ -276,13 +277,9 @@ class SessionManager:
                     f"{options.sampler.batch_size}; lower batch_size or set drop_last=False"
                 )
         except BaseException:
-            self._registry.release(ring)
+            dispatch.leave(functools.partial(self._registry.release, ring))
             release_sources(self._catalog, entries)
             raise
-        if options.share:
-            session.share_group = self.shares.join(
-                session, options, snapshot_token(options, entries)
-            )
         with self._lock:
             # Opening to open in one step: a session counted in both would make the
             # max-sessions check refuse an open the limit allows.
@@ -415,12 +412,9 @@ class SessionManager:
             wait_futures(busy, timeout=timeout_s)
         for session in sessions:
             self._pool.forget_session(session.id)
-            release = functools.partial(self._registry.release, session.ring)
-            if session.share_group is not None:
-                # Its ring outlives it while another member's client reads a slot of it.
-                self.shares.leave(session, session.share_group, release)
-            else:
-                release()
+            # A share group's member's ring outlives it while another member's client reads
+            # a slot of it.
+            session.dispatch.leave(functools.partial(self._registry.release, session.ring.segment))
             release_sources(self._catalog, session.catalogs)
             if reason is not None:
                 logger.info("session %s %s; its ring is freed", session_log_id(session.id), reason)

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from batchd_server.sessions.share_parts import RingRef
+from batchd_server.sessions.ring import RingRef
 from batchd_server.workers.task import BatchResult, BatchTask
 
 __all__ = ["Bell", "FieldView", "ReadyBatch", "SubmitsTasks"]

@@ -15,10 +15,9 @@ from typing import NamedTuple
 
 from batchd_server.errors import InvalidArgument
 from batchd_server.planning.sampling import EpochPlan, SamplerOptions
-from batchd_server.sessions.share import ShareGroup
 from batchd_server.workers.task import BatchResult
 
-__all__ = ["Stream", "StreamAt", "stream_plan"]
+__all__ = ["Stream", "StreamAt", "may_join", "stream_plan"]
 
 
 @dataclass(eq=False)
@@ -74,12 +73,30 @@ class StreamAt(NamedTuple):
     rotation: int
 
 
+def may_join(at: StreamAt, sampler: SamplerOptions, *, start_batch: int, stride: int) -> bool:
+    """Whether a stream that asks to start at its share group's position
+    (``StreamStart.join_share``) may: the server's one decision, which a client never makes
+    (it asks at every epoch of a ``share=`` Loader). Only a fresh epoch of the session's own
+    order may (its first batch: not a resume, not a rotation of its own), served whole by
+    this stream (not striped over replicas: their groups are each at their own position),
+    for a job of one rank (the ranks of a larger job are each in their own group, at its own
+    position, and must serve one order); see NOTE [ Share groups ]."""
+    return (
+        at.rotation == 0
+        and at.start_sample == 0
+        and at.order_world_size in (0, sampler.world_size)
+        and start_batch == 0
+        and stride <= 1
+        and sampler.world_size == 1
+    )
+
+
 def stream_plan(
     plan: Callable[[int, int, int, int], EpochPlan],
     sampler: SamplerOptions,
     at: StreamAt,
     *,
-    join: ShareGroup | None,
+    join: Callable[[int, EpochPlan], int] | None,
     slots: int,
 ) -> tuple[EpochPlan, int]:
     """The plan a stream serves, and its rotation in whole batches (``Stream.rotation``);
@@ -89,7 +106,8 @@ def stream_plan(
         plan: The session's ``Session.plan`` (epoch, start, order world size, rotation).
         sampler: The session's sampling.
         at: Where the stream begins.
-        join: The session's share group, when a fresh epoch asks to join its position.
+        join: Where the session's group is in an epoch's plan (``Dispatch.position``), when
+            the stream asked to join it and :func:`may_join`.
         slots: The session's ring slots: a group within that many batches of the epoch's
             start is still in reach of its prefetch, so it starts at the first batch, as a
             lone Loader does, and is not rotated.
@@ -103,11 +121,9 @@ def stream_plan(
         raise InvalidArgument(f"rotation={rotation} must be >= 0")
     if rotation == 0 or start != 0 or not own_order:
         whole = plan(epoch, start, order_world_size, rotation)  # checks them
-        if join is None or rotation != 0 or start != 0 or not own_order:
+        if join is None:
             return whole, 0
-        if sampler.world_size != 1:  # ranks' groups are at their own positions
-            return whole, 0
-        k = join.position(epoch, whole)
+        k = join(epoch, whole)
         return whole, k if slots <= k < whole.num_batches else 0
     # A rotation by whole global batches of the session's own order: the plan's own batches,
     # served from batch rotation / G on (so the group's batches are the same tasks).
