@@ -10,13 +10,16 @@ client counts it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Final, Protocol
 
 import numpy as np
 
+from batchd._wire.schedule import global_step
 from batchd_server import metrics
 from batchd_server.planning.mixing import MixOptions
+from batchd_server.planning.sampling import SamplerOptions
 
 __all__ = ["MixAccount"]
 
@@ -36,13 +39,21 @@ class _View(Protocol):
 class MixAccount:
     """Counts a mixed session's batches per source into the metrics."""
 
-    def __init__(self, mix: MixOptions) -> None:
+    def __init__(self, mix: MixOptions, sampler: SamplerOptions, rows: int) -> None:
+        """``rows``: the samples of one epoch (all ranks), as ``Session.num_rows``."""
         self._label = mix.label
         self._names = tuple(s.name for s in mix.sources)
         weights = [s.weight for s in mix.sources]
         total = sum(weights)
         self._fixed = tuple(w / total for w in weights)
         self._schedule = mix.schedule
+        self._step = functools.partial(
+            global_step,
+            rows=rows,
+            batch_size=sampler.batch_size,
+            world_size=sampler.world_size,
+            drop_last=sampler.drop_last,
+        )
 
     def shares_at(self, step: int) -> Sequence[float]:
         """Each source's share at global ``step``."""
@@ -50,8 +61,21 @@ class MixAccount:
             return self._fixed
         return self._schedule.shares_at(step)
 
-    def record(self, slot: memoryview, views: Sequence[_View], rows: int, step: int) -> None:
-        """Count the batch of ``rows`` whose fields ``views`` place in ``slot``."""
+    def record(
+        self,
+        slot: memoryview,
+        views: Sequence[_View],
+        rows: int,
+        *,
+        epoch: int,
+        batch: int,
+        start: int = 0,
+        order_world_size: int = 0,
+    ) -> None:
+        """Count the batch of ``rows`` whose fields ``views`` place in ``slot``: the plan's
+        ``batch`` of ``epoch`` (from entry ``start`` of an order built for
+        ``order_world_size`` ranks, as the stream's; see ``global_step``)."""
+        step = self._step(epoch, batch, start=start, order_world_size=order_world_size)
         count = len(self._names)
         by_name = {v.name: v for v in views}
         source_view = by_name.get(_SOURCE)

@@ -4,14 +4,18 @@ session sees them."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from batchd_server.sessions.ring import RingRef
-from batchd_server.workers.task import BatchResult, BatchTask
+import numpy as np
 
-__all__ = ["Bell", "FieldView", "ReadyBatch", "SubmitsTasks"]
+from batchd_server.sessions.ring import RingRef
+from batchd_server.workers.task import BatchResult, BatchTask, SlotField
+
+__all__ = ["Bell", "FieldView", "ReadyBatch", "SubmitsTasks", "field_views"]
 
 
 class Bell(Protocol):
@@ -37,6 +41,18 @@ class FieldView:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+
+
+def field_views(
+    layout: Sequence[SlotField], shapes: Mapping[str, Sequence[int]]
+) -> list[FieldView]:
+    """Where each field of a batch lies in its slot, at the ``shapes`` its worker wrote."""
+    views = []
+    for f in layout:
+        shape = shapes[f.name]
+        nbytes = math.prod(shape) * np.dtype(f.dtype).itemsize
+        views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
+    return views
 
 
 @dataclass(frozen=True)

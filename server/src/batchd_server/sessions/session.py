@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -23,24 +22,23 @@ from typing import Final
 import numpy as np
 
 from batchd._wire.ring import HEADER_BYTES
-from batchd._wire.schedule import global_step
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
-from batchd_server.planning.mixing import EpochStart, source_starts
+from batchd_server.planning.mixing import source_starts
 from batchd_server.planning.packing import packed_mixing
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.accounting import MixAccount
 from batchd_server.sessions.dispatch import WAIT, Dispatch, Loaned
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
-from batchd_server.sessions.ready import Bell, FieldView, ReadyBatch
+from batchd_server.sessions.ready import Bell, ReadyBatch, field_views
 from batchd_server.sessions.ring import SessionRing
 from batchd_server.sessions.slots import SlotBook, SlotState
-from batchd_server.sessions.streams import Stream, StreamAt, may_join, stream_plan
+from batchd_server.sessions.streams import EpochPlans, Stream, StreamAt, may_join, stream_plan
 from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
 from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SourceSpec
@@ -51,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_S: Final = 0.25
 """How often a waiting stream re-checks that its client is still there."""
-_MAX_PLANS: Final = 2
 _MAX_STRIDE: Final = 1 << 16
 """More replicas than any pool has; bounds a hostile StreamStart.stride."""
 
@@ -100,14 +97,18 @@ class Session:
         """Samples of one epoch (all ranks, before padding or dropping): the split's rows in
         the catalog snapshot, or a mix's samples per epoch."""
         sampler = options.sampler
-        first = EpochStart(0, 0, sampler.world_size)
-        probe = self._make_plan(first)
+        splits = [entry.arrays for entry in sources]
+        self._plans = EpochPlans(
+            functools.partial(self._mixing.plan, splits, sampler), sampler.world_size
+        )
+        probe = self.plan(0)
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
-        self._plans: dict[EpochStart, EpochPlan] = {first: probe}
-        self._account = None if options.mix is None else MixAccount(options.mix)
+        self._account = (
+            None if options.mix is None else MixAccount(options.mix, sampler, self.num_rows)
+        )
         self.ring = ring
-        self.layout, self.slot_bytes, self.token = ring.layout, ring.slot_bytes, ring.token
+        self.layout, self.token = ring.layout, ring.token
         self.slots = ring.slots
         self.ring_ref = ring.ring_ref
         """The ring as a client maps it: its own (OpenSession) or another member's (a loan)."""
@@ -169,28 +170,13 @@ class Session:
         self.opened_at = self.last_used
         self._delivered_any = False
 
-    def _make_plan(self, at: EpochStart) -> EpochPlan:
-        splits = [entry.arrays for entry in self.catalogs]
-        return self._mixing.plan(splits, self.options.sampler, at)
-
     def plan(
         self, epoch: int, start: int = 0, order_world_size: int = 0, rotation: int = 0
     ) -> EpochPlan:
         """This rank's plan of ``epoch`` from global entry ``start`` on (an elastic resume;
         see ``planning.sampling``), the order built for ``order_world_size`` (0: the
         session's) and rotated to begin at its entry ``rotation``."""
-        key = EpochStart(
-            epoch, start, order_world_size or self.options.sampler.world_size, rotation
-        )
-        with self._cond:
-            plan = self._plans.get(key)
-        if plan is None:
-            plan = self._make_plan(key)
-            with self._cond:
-                while len(self._plans) >= _MAX_PLANS:
-                    self._plans.pop(next(iter(self._plans)))
-                self._plans[key] = plan
-        return plan
+        return self._plans(epoch, start, order_world_size, rotation)
 
     @property
     def streaming(self) -> bool:
@@ -511,28 +497,21 @@ class Session:
         failures = result.failures
         if failures:
             self._errors.account(stream.epoch, result, stream.stride)
-        views = []
-        for f in self.layout:
-            shape = result.shapes[f.name]
-            nbytes = math.prod(shape) * np.dtype(f.dtype).itemsize
-            views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
+        views = field_views(self.layout, result.shapes)
         first, self._delivered_any = not self._delivered_any, True
         since_open_s = time.monotonic() - self.opened_at if first else None
         metrics.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
         if self._account is not None:
-            sampler = self.options.sampler
-            step = global_step(
-                stream.epoch,
-                result.batch_index,
-                rows=self.num_rows,
-                batch_size=sampler.batch_size,
-                world_size=sampler.world_size,
-                drop_last=sampler.drop_last,
+            memory = self.slot_memory(result.slot) if loan is None else loan[0].slot_memory(loan[1])
+            self._account.record(
+                memory,
+                views,
+                result.rows,
+                epoch=stream.epoch,
+                batch=result.batch_index,
                 start=stream.start_sample,
                 order_world_size=stream.order_world_size,
             )
-            memory = self.slot_memory(result.slot) if loan is None else loan[0].slot_memory(loan[1])
-            self._account.record(memory, views, result.rows, step)
         return ReadyBatch(
             result.batch_index,
             result.slot if loan is None else loan[1],

@@ -1,5 +1,6 @@
 """A session's stream (one StreamBatches call), and which plan it serves: the epoch's own,
-the rest of it (an elastic resume), or a rotation of it (NOTE [ Share groups ]).
+the rest of it (an elastic resume), or a rotation of it (NOTE [ Share groups ]); the plans
+a session made of its epochs.
 
 A stream counts its batches from the epoch's first (``Stream.start``, ``next_submit``);
 :meth:`Stream.index` maps that count to the plan's batch index, which is what a task decodes
@@ -8,16 +9,47 @@ and what the client is told. Without a rotation the two are the same number.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from batchd_server.errors import InvalidArgument
+from batchd_server.planning.mixing import EpochStart
 from batchd_server.planning.sampling import EpochPlan, SamplerOptions
 from batchd_server.workers.task import BatchResult
 
-__all__ = ["Stream", "StreamAt", "may_join", "stream_plan"]
+__all__ = ["EpochPlans", "Stream", "StreamAt", "may_join", "stream_plan"]
+
+_MAX_PLANS: Final = 2
+"""Plans a session keeps: the epoch it streams, and the next (or a resume's)."""
+
+
+class EpochPlans:
+    """A session's plans of its epochs, made on demand by ``make``; the last few are kept
+    (a plan is a pure function of where it starts). Thread-safe."""
+
+    def __init__(self, make: Callable[[EpochStart], EpochPlan], world_size: int) -> None:
+        """``world_size``: the session's, what an order built for 0 ranks means."""
+        self._make = make
+        self._world_size = world_size
+        self._lock = threading.Lock()
+        self._plans: dict[EpochStart, EpochPlan] = {}
+
+    def __call__(
+        self, epoch: int, start: int = 0, order_world_size: int = 0, rotation: int = 0
+    ) -> EpochPlan:
+        key = EpochStart(epoch, start, order_world_size or self._world_size, rotation)
+        with self._lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make(key)
+            with self._lock:
+                while len(self._plans) >= _MAX_PLANS:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = plan
+        return plan
 
 
 @dataclass(eq=False)
