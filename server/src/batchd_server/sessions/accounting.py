@@ -20,6 +20,7 @@ from batchd._wire.schedule import global_step
 from batchd_server import metrics
 from batchd_server.planning.mixing import MixOptions
 from batchd_server.planning.sampling import SamplerOptions
+from batchd_server.sessions.streams import Stream
 
 __all__ = ["MixAccount"]
 
@@ -62,20 +63,13 @@ class MixAccount:
         return self._schedule.shares_at(step)
 
     def record(
-        self,
-        slot: memoryview,
-        views: Sequence[_View],
-        rows: int,
-        *,
-        epoch: int,
-        batch: int,
-        start: int = 0,
-        order_world_size: int = 0,
+        self, slot: memoryview, views: Sequence[_View], rows: int, stream: Stream, batch: int
     ) -> None:
-        """Count the batch of ``rows`` whose fields ``views`` place in ``slot``: the plan's
-        ``batch`` of ``epoch`` (from entry ``start`` of an order built for
-        ``order_world_size`` ranks, as the stream's; see ``global_step``)."""
-        step = self._step(epoch, batch, start=start, order_world_size=order_world_size)
+        """Count the batch of ``rows`` whose fields ``views`` place in ``slot``: ``stream``'s
+        plan's ``batch``, at its global step (``global_step``)."""
+        step = self._step(
+            stream.epoch, batch, start=stream.start_sample, order_world_size=stream.order_world_size
+        )
         count = len(self._names)
         by_name = {v.name: v for v in views}
         source_view = by_name.get(_SOURCE)

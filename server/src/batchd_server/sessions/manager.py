@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Final
 
 from batchd._wire.ring import slot_offset
-from batchd._wire.share import LOANS_OUT
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.decode_cache.worker import DecodeCacheSpec
@@ -26,7 +25,7 @@ from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.ring import SessionRing
 from batchd_server.sessions.session import Session
-from batchd_server.sessions.share_groups import ShareGroups
+from batchd_server.sessions.share_groups import ShareGroups, lent_slots
 from batchd_server.sessions.sources import (
     acquire_sources,
     check_source_pipelines,
@@ -147,11 +146,7 @@ class SessionManager:
                 f"one batch would take {format_bytes(slot_bytes)}, more than the "
                 f"{format_bytes(MAX_SLOT_BYTES)} a slot may hold; lower batch_size"
             )
-        slots = ring_slots(options.prefetch, slot_bytes)
-        if options.share:
-            # Room for what another member's client may hold of this ring's slots (loans,
-            # NOTE [ Share groups ]), so that a reader that stalls holds none of its window.
-            slots += LOANS_OUT
+        slots = ring_slots(options.prefetch, slot_bytes) + lent_slots(options)
         ring_bytes = slot_offset(slots, slot_bytes)
         # The checks and the reservation are one step, so that opens racing each other cannot
         # pass a limit together.

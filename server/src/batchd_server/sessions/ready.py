@@ -36,11 +36,17 @@ class SubmitsTasks(Protocol):
 
 @dataclass(frozen=True)
 class FieldView:
+    """One field of one batch, as its slot holds it (its place in every slot is a
+    ``SlotField``)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
+    """This batch's shape of the field, rows first."""
     offset: int
+    """From the slot's start."""
     nbytes: int
+    """What this batch fills of the field's place."""
 
 
 def field_views(

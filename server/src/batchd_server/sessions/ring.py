@@ -8,6 +8,7 @@ copies batches between its members' rings (NOTE [ Share groups ] in ``share.py``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,38 +34,50 @@ class RingRef:
 class ShareMember(Protocol):
     """A session's ring, as its share group sees it."""
 
-    id: str
-    layout: tuple[SlotField, ...]
-    slots: int
-    """Slots in the member's ring."""
-    ring_ref: RingRef
-    """The member's ring, as a client maps it."""
+    @property
+    def id(self) -> str:
+        """The session's id."""
+        ...
+
+    @property
+    def layout(self) -> tuple[SlotField, ...]: ...
+
+    @property
+    def slots(self) -> int:
+        """Slots in the member's ring."""
+        ...
+
+    @property
+    def ring_ref(self) -> RingRef:
+        """The member's ring, as a client maps it."""
+        ...
 
     def slot_memory(self, slot: int) -> memoryview:
         """The bytes of slot ``slot`` of the member's ring."""
         ...
 
 
+@dataclass(frozen=True, eq=False)
 class SessionRing:
-    """Session ``session_id``'s ring: ``segment`` cut into slots of ``slot_bytes`` after the
-    header, each laid out as ``layout``; ``token`` proves a client may map it."""
+    """Session ``id``'s ring: ``segment`` cut into slots of ``slot_bytes`` after the header,
+    each laid out as ``layout``; ``token`` proves a client may map it."""
 
-    def __init__(
-        self,
-        session_id: str,
-        segment: Segment,
-        layout: tuple[SlotField, ...],
-        slot_bytes: int,
-        token: bytes,
-    ) -> None:
-        self.id = session_id
-        self.segment = segment
-        self.layout = layout
-        self.slot_bytes = slot_bytes
-        self.token = token
-        self.slots = (segment.nbytes - HEADER_BYTES) // slot_bytes
+    id: str
+    segment: Segment
+    layout: tuple[SlotField, ...]
+    slot_bytes: int
+    token: bytes
+
+    @functools.cached_property
+    def slots(self) -> int:
         """Slots in the ring (``ring_slots`` decided how many when it was reserved)."""
-        self.ring_ref = RingRef(segment.name, segment.nbytes, slot_bytes, self.slots, token)
+        return (self.segment.nbytes - HEADER_BYTES) // self.slot_bytes
+
+    @functools.cached_property
+    def ring_ref(self) -> RingRef:
+        return RingRef(
+            self.segment.name, self.segment.nbytes, self.slot_bytes, self.slots, self.token
+        )
 
     def slot_memory(self, slot: int) -> memoryview:
         start = slot_offset(slot, self.slot_bytes)

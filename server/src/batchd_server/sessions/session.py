@@ -503,15 +503,7 @@ class Session:
         metrics.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
         if self._account is not None:
             memory = self.slot_memory(result.slot) if loan is None else loan[0].slot_memory(loan[1])
-            self._account.record(
-                memory,
-                views,
-                result.rows,
-                epoch=stream.epoch,
-                batch=result.batch_index,
-                start=stream.start_sample,
-                order_world_size=stream.order_world_size,
-            )
+            self._account.record(memory, views, result.rows, stream, result.batch_index)
         return ReadyBatch(
             result.batch_index,
             result.slot if loan is None else loan[1],

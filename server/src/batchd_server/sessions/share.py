@@ -51,10 +51,11 @@ member's slots at once (``batchd._wire.share``; its loop holds at most ``BORROWE
 them as tensors and copies further ones out), and its stream sends the next loan only once
 it gave one back (:meth:`ShareGroup.lend_out` answers WAIT; the reader waits for its own
 client only); a share group's rings have ``LOANS_OUT`` slots more than a lone session's for
-this, so a stalled reader pins none of the owner's own window; (2) other members' clients
-hold at most half a member's slots (:func:`lend_limit`); past that a reader gets a copy; (3)
-a loan whose notice has not gone out when the owner's client gives the slot back becomes a
-copy then (:meth:`ShareGroup.keep`), so a LENT slot waits only for clients that have it.
+this (``share_groups.lent_slots``), so a stalled reader pins none of the owner's own window;
+(2) other members' clients hold at most half a member's slots (:func:`lend_limit`); past
+that a reader gets a copy; (3) a loan whose notice has not gone out when the owner's client
+gives the slot back becomes a copy then (:meth:`ShareGroup.keep`), so a LENT slot waits only
+for clients that have it.
 
 Every member gets every batch of its epoch exactly once, in its own plan's order (rotated,
 for one that joined late): the group only decides who decodes, and where a batch is read.

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from batchd._wire.share import LOANS_OUT
 from batchd_server.logs import session_log_id
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.dispatch import Dispatch, Loaned, SoloDispatch, Wait
@@ -23,7 +24,7 @@ from batchd_server.sessions.share import ShareGroup
 from batchd_server.sessions.share_records import ShareCounts
 from batchd_server.workers.task import BatchResult, BatchTask
 
-__all__ = ["GroupDispatch", "ShareGroups", "group_key"]
+__all__ = ["GroupDispatch", "ShareGroups", "group_key", "lent_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,13 @@ def group_key(options: SessionOptions, snapshot: str) -> str:
     # and the newest one resolved to it are the same batches.
     batches = dataclasses.replace(options, prefetch=1, snapshot=None, version=None)
     return f"{options.share}\x00{snapshot}\x00{batches!r}"
+
+
+def lent_slots(options: SessionOptions) -> int:
+    """Slots a session's ring has beyond a lone session's: for a share group's member, room
+    for what other members' clients may hold of its slots (loans), so that a reader that
+    stalls holds none of its own window (NOTE [ Share groups ])."""
+    return LOANS_OUT if options.share else 0
 
 
 class ShareGroups:
