@@ -102,23 +102,23 @@ class GroupDispatch:
 
     def __init__(self, groups: ShareGroups, group: ShareGroup, member: ShareMember) -> None:
         self._groups = groups
-        self.group = group
+        self._group = group
         self._member = member
 
     def submit(self, task: BatchTask, *, borrow: bool) -> Future[BatchResult]:
-        return self.group.claim(self._member, task, borrow=borrow)
+        return self._group.claim(self._member, task, borrow=borrow)
 
     def lend(self, slot: int) -> Loaned | Wait | None:
-        return self.group.lend_out(self._member, slot)
+        return self._group.lend_out(self._member, slot)
 
     def keep(self, slot: int, repaid: Callable[[], object]) -> bool:
-        return self.group.keep(self._member, slot, repaid)
+        return self._group.keep(self._member, slot, repaid)
 
     def forget(self, slot: int) -> None:
-        self.group.forget(self._member, slot)
+        self._group.forget(self._member, slot)
 
     def position(self, epoch: int, plan: EpochPlan) -> int:
-        return self.group.position(epoch, plan)
+        return self._group.position(epoch, plan)
 
     def leave(self, release: Callable[[], object]) -> None:
-        self._groups.leave(self._member, self.group, release)
+        self._groups.leave(self._member, self._group, release)
