@@ -264,8 +264,9 @@ class Session:
                 client striping one session's batches over replicas); 0 means 1.
             rotation: A rotated epoch: its global order from this entry on, then its first
                 entries (``StreamStart.rotation``).
-            join_share: Start a fresh epoch at the share group's position (a rotation by
-                whole batches; ``StreamStart.join_share``).
+            join_share: The client asks to start at its share group's position (a rotation
+                by whole batches; ``StreamStart.join_share``), which the stream does only
+                where ``streams.may_join`` says it may.
             read_shared: The (shm) client reads other sessions' rings: the share group may
                 lend it another member's slot (``StreamStart.read_shared``).
         """
