@@ -27,7 +27,8 @@ from _common import machine_lines, markdown_table
 
 from batchd_server.pipelines.base import FieldSpec
 from batchd_server.sessions.options import slot_layout
-from batchd_server.sessions.share import ShareCounts, ShareGroup
+from batchd_server.sessions.share import ShareGroup
+from batchd_server.sessions.share_records import ShareCounts
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
 

@@ -30,6 +30,8 @@ from batchd_server.sessions import (
     Stream,
     slot_layout,
 )
+from batchd_server.sessions.dispatch import SoloDispatch
+from batchd_server.sessions.ring import SessionRing
 from batchd_server.workers.task import BatchResult, BatchTask
 
 FREE, WORKING, DELIVERED, LEASED = (
@@ -95,11 +97,8 @@ def make_session(pool: FakePool, *, samples: int, slots: int) -> Session:
         session_id="s",
         options=options,
         sources=(catalog,),
-        ring=ring,
-        layout=layout,
-        slot_bytes=slot_bytes,
-        token=b"t" * 16,
-        pool=pool,
+        ring=SessionRing("s", ring, layout, slot_bytes, b"t" * 16),
+        dispatch=SoloDispatch(pool),
         record_errors=lambda rows: None,
     )
 

@@ -18,7 +18,10 @@ import pytest
 from batchd._wire.share import LOANS_OUT
 from batchd_server.errors import DataLoss
 from batchd_server.planning.sampling import EpochPlan
-from batchd_server.sessions.share import WAIT, RingRef, ShareCounts, ShareGroup
+from batchd_server.sessions.dispatch import WAIT
+from batchd_server.sessions.ring import RingRef
+from batchd_server.sessions.share import ShareGroup
+from batchd_server.sessions.share_records import ShareCounts
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
 SLOT_BYTES = 8

@@ -363,8 +363,8 @@ class Lanes:
             num_batches: The batches of the epoch's plan on this rank.
             cause: What failed, when striping again after a failure.
             lost_at: When it failed (monotonic).
-            join_share: Ask a fresh epoch to start at the share group's position; only on
-                one lane (replicas' groups are at their own positions).
+            join_share: Ask each lane's server to start the epoch at its share group's
+                position; the server decides whether the stream may (``StreamStart.join_share``).
 
         Raises:
             Unavailable, ResourceExhausted: no replica took a session in time, or the last
@@ -393,7 +393,7 @@ class Lanes:
                                 replace(cursor, next_batch=first),
                                 stride=len(lanes),
                                 timeout_s=self._options.timeout_s,
-                                join_share=join_share and len(lanes) == 1,
+                                join_share=join_share,
                             )
                     return [lane.conn for lane in lanes]
                 except (NotFound, Unavailable) as e:

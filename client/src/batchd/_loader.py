@@ -273,20 +273,11 @@ class Loader(Closeable):
             position.move_to(Cursor(epoch + 1))
             return
         clock.iteration_started()
-        # A fresh epoch in a share group starts at the group's position; the first batch's
-        # index says where (see NOTE [ Share groups ] on the server). Not for a job of
-        # several ranks: each rank's group has its own position, and its ranks must serve
-        # one order (their states are one global cursor).
-        join = (
-            self._options.share is not None
-            and self._options.world_size == 1
-            and reply.rotations
-            and cursor.next_batch == 0
-            and cursor.start == 0
-            and cursor.rotation == 0
-        )
+        # A share group's member asks to start at its group's position; its server decides
+        # whether the stream may, and the first batch's index says where it started (see
+        # NOTE [ Share groups ] on the server).
+        join = self._options.share is not None
         stripes = lanes.stripe(cursor, num_batches, join_share=join)
-        join = join and len(stripes) == 1
         mine = _streams(stripes)
         """This iteration's streams: only those are its to cancel."""
         first, stride = cursor.next_batch, len(stripes)
@@ -317,7 +308,7 @@ class Loader(Closeable):
                     continue
                 if join:
                     join = False
-                    if 0 < batch.index < num_batches:  # joined its group there
+                    if cursor == Cursor(epoch) and 0 < batch.index < num_batches:  # joined there
                         position.joined(batch.index)
                         cursor = position.cursor(reply)
                         plan = (conn.target, position.plan_index(index, reply), num_batches, epoch)

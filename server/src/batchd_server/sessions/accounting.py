@@ -10,13 +10,17 @@ client counts it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Final, Protocol
 
 import numpy as np
 
+from batchd._wire.schedule import global_step
 from batchd_server.metrics.mixing import record_mix_batch
 from batchd_server.planning.mixing import MixOptions
+from batchd_server.planning.sampling import SamplerOptions
+from batchd_server.sessions.streams import Stream
 
 __all__ = ["MixAccount"]
 
@@ -36,13 +40,21 @@ class _View(Protocol):
 class MixAccount:
     """Counts a mixed session's batches per source into the metrics."""
 
-    def __init__(self, mix: MixOptions) -> None:
+    def __init__(self, mix: MixOptions, sampler: SamplerOptions, rows: int) -> None:
+        """``rows``: the samples of one epoch (all ranks), as ``Session.num_rows``."""
         self._label = mix.label
         self._names = tuple(s.name for s in mix.sources)
         weights = [s.weight for s in mix.sources]
         total = sum(weights)
         self._fixed = tuple(w / total for w in weights)
         self._schedule = mix.schedule
+        self._step = functools.partial(
+            global_step,
+            rows=rows,
+            batch_size=sampler.batch_size,
+            world_size=sampler.world_size,
+            drop_last=sampler.drop_last,
+        )
 
     def shares_at(self, step: int) -> Sequence[float]:
         """Each source's share at global ``step``."""
@@ -50,8 +62,14 @@ class MixAccount:
             return self._fixed
         return self._schedule.shares_at(step)
 
-    def record(self, slot: memoryview, views: Sequence[_View], rows: int, step: int) -> None:
-        """Count the batch of ``rows`` whose fields ``views`` place in ``slot``."""
+    def record(
+        self, slot: memoryview, views: Sequence[_View], rows: int, stream: Stream, batch: int
+    ) -> None:
+        """Count the batch of ``rows`` whose fields ``views`` place in ``slot``: ``stream``'s
+        plan's ``batch``, at its global step (``global_step``)."""
+        step = self._step(
+            stream.epoch, batch, start=stream.start_sample, order_world_size=stream.order_world_size
+        )
         count = len(self._names)
         by_name = {v.name: v for v in views}
         source_view = by_name.get(_SOURCE)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Final
 
 from batchd._wire.ring import slot_offset
-from batchd._wire.share import LOANS_OUT
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -24,8 +23,9 @@ from batchd_server.metrics.admission import REFUSED, SESSIONS
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
+from batchd_server.sessions.ring import SessionRing
 from batchd_server.sessions.session import Session
-from batchd_server.sessions.share import ShareGroups
+from batchd_server.sessions.share_groups import ShareGroups, lent_slots
 from batchd_server.sessions.sources import (
     acquire_sources,
     check_source_pipelines,
@@ -115,7 +115,8 @@ class SessionManager:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.shares = ShareGroups(pool)
-        """The share groups of sessions opened with ``share=`` (``sessions/share.py``)."""
+        """The share groups of sessions opened with ``share=`` (``sessions/share.py``); it
+        builds every session's dispatcher."""
         self._reaper = threading.Thread(target=self._reap, name="batchd-lease", daemon=True)
         self._reaper.start()
 
@@ -145,11 +146,7 @@ class SessionManager:
                 f"one batch would take {format_bytes(slot_bytes)}, more than the "
                 f"{format_bytes(MAX_SLOT_BYTES)} a slot may hold; lower batch_size"
             )
-        slots = ring_slots(options.prefetch, slot_bytes)
-        if options.share:
-            # Room for what another member's client may hold of this ring's slots (loans,
-            # NOTE [ Share groups ]), so that a reader that stalls holds none of its window.
-            slots += LOANS_OUT
+        slots = ring_slots(options.prefetch, slot_bytes) + lent_slots(options)
         ring_bytes = slot_offset(slots, slot_bytes)
         # The checks and the reservation are one step, so that opens racing each other cannot
         # pass a limit together.
@@ -253,16 +250,15 @@ class SessionManager:
         token = secrets.token_bytes(16)
         ring.buf[: len(token)] = token
         session_id = secrets.token_hex(16)
+        session_ring = SessionRing(session_id, ring, layout, slot_bytes, token)
+        dispatch = self.shares.dispatch(session_ring, options, snapshot_token(options, entries))
         try:
             session = Session(
                 session_id=session_id,
                 options=options,
                 sources=entries,
-                ring=ring,
-                layout=layout,
-                slot_bytes=slot_bytes,
-                token=token,
-                pool=self._pool,
+                ring=session_ring,
+                dispatch=dispatch,
                 record_errors=self._record_errors,
                 max_sample_bytes=self._max_sample_bytes,
                 roots=roots,
@@ -276,13 +272,9 @@ class SessionManager:
                     f"{options.sampler.batch_size}; lower batch_size or set drop_last=False"
                 )
         except BaseException:
-            self._registry.release(ring)
+            dispatch.leave(functools.partial(self._registry.release, ring))
             release_sources(self._catalog, entries)
             raise
-        if options.share:
-            session.share_group = self.shares.join(
-                session, options, snapshot_token(options, entries)
-            )
         with self._lock:
             # Opening to open in one step: a session counted in both would make the
             # max-sessions check refuse an open the limit allows.
@@ -415,12 +407,9 @@ class SessionManager:
             wait_futures(busy, timeout=timeout_s)
         for session in sessions:
             self._pool.forget_session(session.id)
-            release = functools.partial(self._registry.release, session.ring)
-            if session.share_group is not None:
-                # Its ring outlives it while another member's client reads a slot of it.
-                self.shares.leave(session, session.share_group, release)
-            else:
-                release()
+            # A share group's member's ring outlives it while another member's client reads
+            # a slot of it.
+            session.dispatch.leave(functools.partial(self._registry.release, session.ring.segment))
             release_sources(self._catalog, session.catalogs)
             if reason is not None:
                 logger.info("session %s %s; its ring is freed", session_log_id(session.id), reason)

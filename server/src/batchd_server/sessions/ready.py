@@ -4,14 +4,18 @@ session sees them."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from batchd_server.sessions.share_parts import RingRef
-from batchd_server.workers.task import BatchResult, BatchTask
+import numpy as np
 
-__all__ = ["Bell", "FieldView", "ReadyBatch", "SubmitsTasks"]
+from batchd_server.sessions.ring import RingRef
+from batchd_server.workers.task import BatchResult, BatchTask, SlotField
+
+__all__ = ["Bell", "FieldView", "ReadyBatch", "SubmitsTasks", "field_views"]
 
 
 class Bell(Protocol):
@@ -32,11 +36,29 @@ class SubmitsTasks(Protocol):
 
 @dataclass(frozen=True)
 class FieldView:
+    """One field of one batch, as its slot holds it (its place in every slot is a
+    ``SlotField``)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
+    """This batch's shape of the field, rows first."""
     offset: int
+    """From the slot's start."""
     nbytes: int
+    """What this batch fills of the field's place."""
+
+
+def field_views(
+    layout: Sequence[SlotField], shapes: Mapping[str, Sequence[int]]
+) -> list[FieldView]:
+    """Where each field of a batch lies in its slot, at the ``shapes`` its worker wrote."""
+    views = []
+    for f in layout:
+        shape = shapes[f.name]
+        nbytes = math.prod(shape) * np.dtype(f.dtype).itemsize
+        views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
+    return views
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A session serves one or more sources, each a split at a snapshot (``sources.py``); one split
 is a mix of one (``planning.mixing.Mixing``). Its task positions are global over the sources'
 rows concatenated in order. How slots move between states is NOTE [ Slot lifecycle ] in
-``slots.py``; how many bad samples it lets through, ``error_budget.py``.
+``slots.py``; how many bad samples it lets through, ``error_budget.py``; who decodes its
+batches and who else reads its slots, its dispatcher (``dispatch.py``).
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -22,36 +21,34 @@ from typing import Final
 
 import numpy as np
 
-from batchd._wire.ring import HEADER_BYTES, slot_offset
-from batchd._wire.schedule import global_step
+from batchd._wire.ring import HEADER_BYTES
 from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.metrics import admission, delivery
 from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
-from batchd_server.planning.mixing import EpochStart, source_starts
+from batchd_server.planning.mixing import source_starts
 from batchd_server.planning.packing import packed_mixing
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.accounting import MixAccount
+from batchd_server.sessions.dispatch import WAIT, Dispatch, Loaned
 from batchd_server.sessions.error_budget import ErrorBudget
 from batchd_server.sessions.options import SessionOptions
-from batchd_server.sessions.ready import Bell, FieldView, ReadyBatch, SubmitsTasks
-from batchd_server.sessions.share import WAIT, RingRef, ShareGroup, ShareMember, Wait
+from batchd_server.sessions.ready import Bell, ReadyBatch, field_views
+from batchd_server.sessions.ring import SessionRing
 from batchd_server.sessions.slots import SlotBook, SlotState
-from batchd_server.sessions.streams import Stream, StreamAt, stream_plan
-from batchd_server.shm.segments import Segment
+from batchd_server.sessions.streams import EpochPlans, Stream, StreamAt, may_join, stream_plan
 from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
-from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField, SourceSpec
+from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SourceSpec
 
-__all__ = ["Bell", "FieldView", "ReadyBatch", "RingRef", "Session", "Stream", "SubmitsTasks"]
+__all__ = ["Session"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_S: Final = 0.25
 """How often a waiting stream re-checks that its client is still there."""
-_MAX_PLANS: Final = 2
 _MAX_STRIDE: Final = 1 << 16
 """More replicas than any pool has; bounds a hostile StreamStart.stride."""
 
@@ -65,11 +62,8 @@ class Session:
         session_id: str,
         options: SessionOptions,
         sources: tuple[CatalogEntry, ...],
-        ring: Segment,
-        layout: tuple[SlotField, ...],
-        slot_bytes: int,
-        token: bytes,
-        pool: SubmitsTasks,
+        ring: SessionRing,
+        dispatch: Dispatch,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         max_sample_bytes: int = MAX_SAMPLE_BYTES,
         roots: Sequence[str] | None = None,
@@ -77,8 +71,10 @@ class Session:
         store: StoreOptions | None = None,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
+        ``dispatch``: who decodes its batches, built around ``ring`` (``dispatch.py``);
         ``roots``: the directory the workers read each one's files from, as the manager
         checked it (symlinks resolved; default: the catalog's roots as they are)."""
+        assert ring.id == session_id, "the session's own ring"
         self.id = session_id
         self.options = options
         self._mixing = packed_mixing(
@@ -101,17 +97,22 @@ class Session:
         """Samples of one epoch (all ranks, before padding or dropping): the split's rows in
         the catalog snapshot, or a mix's samples per epoch."""
         sampler = options.sampler
-        first = EpochStart(0, 0, sampler.world_size)
-        probe = self._make_plan(first)
+        splits = [entry.arrays for entry in sources]
+        self._plans = EpochPlans(
+            functools.partial(self._mixing.plan, splits, sampler), sampler.world_size
+        )
+        probe = self.plan(0)
         self.num_batches = probe.num_batches
         self.num_samples = len(probe.positions)
-        self._plans: dict[EpochStart, EpochPlan] = {first: probe}
-        self._account = None if options.mix is None else MixAccount(options.mix)
+        self._account = (
+            None if options.mix is None else MixAccount(options.mix, sampler, self.num_rows)
+        )
         self.ring = ring
-        self.layout = layout
-        self.slot_bytes = slot_bytes
-        self.token = token
-        self._pool = pool
+        self.layout, self.token = ring.layout, ring.token
+        self.slots = ring.slots
+        self.ring_ref = ring.ring_ref
+        """The ring as a client maps it: its own (OpenSession) or another member's (a loan)."""
+        self.dispatch = dispatch
         self._errors = ErrorBudget(
             session_id=session_id,
             dataset=options.dataset,
@@ -123,10 +124,10 @@ class Session:
             session_id=session_id,
             pipeline_kind=options.pipeline_kind,
             pipeline_options=options.pipeline_options,
-            ring_segment=ring.name,
+            ring_segment=ring.segment.name,
             header_bytes=HEADER_BYTES,
-            slot_bytes=slot_bytes,
-            fields=layout,
+            slot_bytes=ring.slot_bytes,
+            fields=ring.layout,
             batch_size=sampler.batch_size,
             seed=sampler.seed,
             on_error=options.on_error,
@@ -147,7 +148,7 @@ class Session:
                     strict=True,
                 )
             ),
-            shm_dir=str(ring.path.parent),
+            shm_dir=str(ring.segment.path.parent),
             dataset=options.dataset,
             max_sample_bytes=max_sample_bytes,
             decode_cache=decode_cache,
@@ -155,13 +156,7 @@ class Session:
             pack_seq_len=options.pack.seq_len if options.pack is not None else 0,
         )
         self._cond = threading.Condition()
-        self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes
-        """Slots in the ring (``ring_slots`` decided how many when it was reserved)."""
-        self.ring_ref = RingRef(ring.name, ring.nbytes, slot_bytes, self.slots, token)
-        """The ring as a client maps it: its own (OpenSession) or another member's (a loan)."""
-        self.share_group: ShareGroup | None = None
-        """The session's share group (set by the manager before any stream), if any."""
-        self._book = SlotBook(self.slots, on_free=self._slot_freed, keep=self._slot_lent)
+        self._book = SlotBook(self.slots)
         self._leases: dict[int, int] = {}
         """Lease -> LEASED slot of every shm batch sent and not yet given back."""
         self._finishing: set[int] = set()
@@ -175,28 +170,13 @@ class Session:
         self.opened_at = self.last_used
         self._delivered_any = False
 
-    def _make_plan(self, at: EpochStart) -> EpochPlan:
-        splits = [entry.arrays for entry in self.catalogs]
-        return self._mixing.plan(splits, self.options.sampler, at)
-
     def plan(
         self, epoch: int, start: int = 0, order_world_size: int = 0, rotation: int = 0
     ) -> EpochPlan:
         """This rank's plan of ``epoch`` from global entry ``start`` on (an elastic resume;
         see ``planning.sampling``), the order built for ``order_world_size`` (0: the
         session's) and rotated to begin at its entry ``rotation``."""
-        key = EpochStart(
-            epoch, start, order_world_size or self.options.sampler.world_size, rotation
-        )
-        with self._cond:
-            plan = self._plans.get(key)
-        if plan is None:
-            plan = self._make_plan(key)
-            with self._cond:
-                while len(self._plans) >= _MAX_PLANS:
-                    self._plans.pop(next(iter(self._plans)))
-                self._plans[key] = plan
-        return plan
+        return self._plans(epoch, start, order_world_size, rotation)
 
     @property
     def streaming(self) -> bool:
@@ -213,8 +193,7 @@ class Session:
             return stream, stream.index(due) if due < stream.plan.num_batches else due
 
     def slot_memory(self, slot: int) -> memoryview:
-        start = slot_offset(slot, self.slot_bytes)
-        return memoryview(self.ring.buf)[start : start + self.slot_bytes]
+        return self.ring.slot_memory(slot)
 
     def slot_states(self) -> list[SlotState]:
         """Every slot's state, in slot order."""
@@ -226,7 +205,6 @@ class Session:
         FREE on the free list, WORKING with a task of the stream (or finishing), DELIVERED
         awaiting an inline ack, LEASED under one lease. Tests call this after each step."""
         with self._cond:
-            self._book.check()
             stream = self._stream
             places: list[tuple[int, SlotState]] = [
                 *((s, SlotState.WORKING) for s in self._finishing),
@@ -240,15 +218,7 @@ class Session:
                 for s in range(self.slots)
                 if self._book.state(s) in (SlotState.FREE, SlotState.LENT)
             ]
-            seen = Counter(s for s, _ in places)
-            twice = sorted(s for s, n in seen.items() if n > 1)
-            assert not twice, f"slots {twice} are in more than one place"
-            lost = sorted(set(range(self.slots)) - set(seen))
-            assert not lost, f"slots {lost} are in no state's place"
-            for slot, state in places:
-                assert self._book.state(slot) is state, (
-                    f"slot {slot} is kept as {state.name} but booked {self._book.state(slot).name}"
-                )
+            self._book.check(places)
 
     # -- streams --------------------------------------------------------------------------
 
@@ -294,8 +264,9 @@ class Session:
                 client striping one session's batches over replicas); 0 means 1.
             rotation: A rotated epoch: its global order from this entry on, then its first
                 entries (``StreamStart.rotation``).
-            join_share: Start a fresh epoch at the share group's position (a rotation by
-                whole batches; ``StreamStart.join_share``).
+            join_share: The client asks to start at its share group's position (a rotation
+                by whole batches; ``StreamStart.join_share``), which the stream does only
+                where ``streams.may_join`` says it may.
             read_shared: The (shm) client reads other sessions' rings: the share group may
                 lend it another member's slot (``StreamStart.read_shared``).
         """
@@ -303,12 +274,15 @@ class Session:
             raise InvalidArgument(f"epoch={epoch} must be >= 0")
         if not 0 <= stride <= _MAX_STRIDE:
             raise InvalidArgument(f"stride={stride} must be between 0 and {_MAX_STRIDE}")
-        fresh = start_batch == 0 and start_sample == 0 and rotation == 0 and stride <= 1
+        at = StreamAt(epoch, start_sample, order_world_size, rotation)
+        joins = join_share and may_join(
+            at, self.options.sampler, start_batch=start_batch, stride=stride
+        )
         plan, batch_rotation = stream_plan(
             self.plan,
             self.options.sampler,
-            StreamAt(epoch, start_sample, order_world_size, rotation),
-            join=self.share_group if join_share and fresh else None,
+            at,
+            join=self.dispatch.position if joins else None,
             slots=self.slots,
         )
         if not 0 <= start_batch <= plan.num_batches:
@@ -341,7 +315,7 @@ class Session:
             if held_leases is not None:
                 still_held = set(held_leases)
                 for lease in [x for x in self._leases if x not in still_held]:
-                    self._book.free(self._leases.pop(lease), SlotState.LEASED)
+                    self._give_back(self._leases.pop(lease), SlotState.LEASED)
             stream = Stream(
                 epoch,
                 start_batch,
@@ -366,7 +340,7 @@ class Session:
                 slot = stream.delivered.pop(k, None)
                 if slot is None:
                     continue  # a duplicate ack, or one for a stream that ended: harmless
-                self._book.free(slot, SlotState.DELIVERED)
+                self._give_back(slot, SlotState.DELIVERED)
             # The freed slot goes to a worker now, not when the stream next looks: it may be
             # waiting for a batch that takes a while, and an idle worker is lost throughput.
             self._fill(stream)
@@ -378,7 +352,7 @@ class Session:
             for lease in leases:
                 slot = self._leases.pop(lease, None)
                 if slot is not None:  # else late or repeated: harmless
-                    self._book.free(slot, SlotState.LEASED)
+                    self._give_back(slot, SlotState.LEASED)
             if self._stream is not None:
                 self._fill(self._stream)
             self._cond.notify_all()
@@ -390,13 +364,13 @@ class Session:
                 return
             stream.closed = True
             for slot in stream.delivered.values():
-                self._book.free(slot, SlotState.DELIVERED)
+                self._give_back(slot, SlotState.DELIVERED)
             stream.delivered.clear()
             working = list(stream.working.values())
             stream.working.clear()
             for slot, future in working:
                 if future.cancel():
-                    self._book.free(slot, SlotState.WORKING)
+                    self._give_back(slot, SlotState.WORKING)
                 else:
                     self._finishing.add(slot)
                     future.add_done_callback(functools.partial(self._slot_done, slot))
@@ -409,7 +383,7 @@ class Session:
     def _slot_done(self, slot: int, _future: Future[BatchResult]) -> None:
         with self._cond:
             self._finishing.discard(slot)
-            self._book.free(slot, SlotState.WORKING)
+            self._give_back(slot, SlotState.WORKING)
             self._cond.notify_all()
 
     def batches(self, stream: Stream, client_active: Callable[[], bool]) -> Iterator[ReadyBatch]:
@@ -434,7 +408,7 @@ class Session:
             if result is None:
                 return
             with self._cond:
-                while (loan := self._lend_out(stream, slot)) is WAIT:
+                while (loan := self.dispatch.lend(slot)) is WAIT:
                     # Its client holds its share of another member's slots already; it gives
                     # one back as its loop moves on (release() wakes this).
                     if stream.closed or self.closed or not client_active():
@@ -462,35 +436,31 @@ class Session:
             k, slot = stream.index(stream.next_submit), self._book.take()
             task = BatchTask(self.spec, stream.epoch, k, slot, stream.plan.batch(k).tobytes())
             try:
-                group = self.share_group
-                future = (
-                    self._pool.submit(task)
-                    if group is None
-                    else group.claim(self, task, borrow=stream.read_shared)
-                )
+                future = self.dispatch.submit(task, borrow=stream.read_shared)
             except BaseException:  # the pool refused (shutting down, workers crash-looping)
-                self._book.free(slot, SlotState.WORKING)
+                self._give_back(slot, SlotState.WORKING)
                 raise
             stream.working[k] = (slot, future)
             stream.next_submit += stream.stride
 
-    def _slot_freed(self, slot: int) -> None:
-        """The book freed ``slot`` (under the lock): it holds no batch for the group now."""
-        if self.share_group is not None:
-            self.share_group.forget(self, slot)
+    def _give_back(self, slot: int, was: SlotState) -> None:
+        """The session is done with ``slot`` (in state ``was``; under the lock): LENT while
+        other sessions' clients still read it, as its dispatcher says, else FREE."""
+        if self.dispatch.keep(slot, functools.partial(self._repaid, slot)):
+            self._book.lend(slot, was)
+        else:
+            self._free(slot, was)
 
-    def _slot_lent(self, slot: int) -> bool:
-        """The book is freeing ``slot`` (under the lock): True when other members of the
-        share group still read it, which keeps it LENT until they are done."""
-        group = self.share_group
-        return group is not None and group.keep(self, slot, functools.partial(self._repaid, slot))
+    def _free(self, slot: int, was: SlotState) -> None:
+        self._book.free(slot, was)
+        self.dispatch.forget(slot)  # before the slot can be taken again: the lock is held
 
     def _repaid(self, slot: int) -> None:
-        """The last member reading the LENT ``slot`` gave it back: FREE, and to work."""
+        """The last session reading the LENT ``slot`` gave it back: FREE, and to work."""
         with self._cond:
             if self._book.state(slot) is not SlotState.LENT:
                 return
-            self._book.free(slot, SlotState.LENT)
+            self._free(slot, SlotState.LENT)
             if self._stream is not None:
                 self._fill(self._stream)
             self._cond.notify_all()
@@ -518,46 +488,23 @@ class Session:
         local = position - int(starts[index])
         return f"sample {arrays.ids[local]} ({arrays.path(local)})"
 
-    def _lend_out(self, stream: Stream, slot: int) -> tuple[ShareMember, int] | Wait | None:
-        """Where the client reads the batch in ``slot``: another member's slot (a loan), this
-        one (None), or not yet (WAIT); see ``ShareGroup.lend_out`` (under the lock)."""
-        group = self.share_group
-        if group is None or not stream.read_shared:
-            return None
-        return group.lend_out(self, slot)
-
     def _ready(
         self,
         stream: Stream,
         result: BatchResult,
         lease: int,
-        loan: tuple[ShareMember, int] | None,
+        loan: Loaned | None,
     ) -> ReadyBatch:
         failures = result.failures
         if failures:
             self._errors.account(stream.epoch, result, stream.stride)
-        views = []
-        for f in self.layout:
-            shape = result.shapes[f.name]
-            nbytes = math.prod(shape) * np.dtype(f.dtype).itemsize
-            views.append(FieldView(f.name, f.dtype, tuple(shape), f.offset, nbytes))
+        views = field_views(self.layout, result.shapes)
         first, self._delivered_any = not self._delivered_any, True
         since_open_s = time.monotonic() - self.opened_at if first else None
         delivery.record_delivery(self.options.dataset, result.rows, since_open_s=since_open_s)
         if self._account is not None:
-            sampler = self.options.sampler
-            step = global_step(
-                stream.epoch,
-                result.batch_index,
-                rows=self.num_rows,
-                batch_size=sampler.batch_size,
-                world_size=sampler.world_size,
-                drop_last=sampler.drop_last,
-                start=stream.start_sample,
-                order_world_size=stream.order_world_size,
-            )
             memory = self.slot_memory(result.slot) if loan is None else loan[0].slot_memory(loan[1])
-            self._account.record(memory, views, result.rows, step)
+            self._account.record(memory, views, result.rows, stream, result.batch_index)
         return ReadyBatch(
             result.batch_index,
             result.slot if loan is None else loan[1],

@@ -4,16 +4,17 @@
 A session opened with ``share="<key>"`` joins the group of every open session with the same
 key that asks for the same batches: same sources at the same snapshot, pipeline, sampling,
 seed, batch size, rank and world size, drop_last, on_error and error fraction
-(:func:`group_key`; ``prefetch`` may differ). Sessions with the same key but other
+(``share_groups.group_key``; ``prefetch`` may differ). Sessions with the same key but other
 parameters are simply in another group: they share nothing, and nothing fails.
 
 Each member stays a whole session of its own: its own ring, stream, cursor, leases and
-resume state, exactly as a lone Loader's. Only where a batch's bytes come from changes.
-When a member's stream hands batch ``k`` of an epoch to the workers (``Session._fill``), it
-takes a slot of its own ring as always (the slot is its client's credit: the ring still
-bounds how far it runs ahead) and asks its group first (:meth:`ShareGroup.claim`), by the
-batch's identity: epoch, index and sample positions (which the plan, a pure function of seed,
-epoch and world size, decides):
+resume state, exactly as a lone Loader's. Only where a batch's bytes come from changes: a
+member's dispatcher (``dispatch.py``) is its group's (``share_groups.GroupDispatch``). When a
+member's stream hands batch ``k`` of an epoch on (``Session._fill``), it takes a slot of its
+own ring as always (the slot is its client's credit: the ring still bounds how far it runs
+ahead) and submits it to its dispatcher, which asks the group (:meth:`ShareGroup.claim`), by
+the batch's identity: epoch, index and sample positions (which the plan, a pure function of
+seed, epoch and world size, decides):
 
   * no member holds that batch: the member decodes it into its own slot (a worker task, as
     alone) and the group notes that slot as the batch's *source* while it holds the batch;
@@ -30,13 +31,15 @@ epoch and world size, decides):
     loan or a copy when it is done (its slot stays WORKING meanwhile, as for its own task).
 
 A slot that got a batch as a copy holds it too, and serves later members as the decoding
-slot does. A slot is forgotten when it is freed (:meth:`ShareGroup.forget`, called by the
-``SlotBook`` under the session's lock, before the slot can be reused): its client acked
-or released the batch, or its stream ended. A slot out on loan is not freed when its own
-client gives it back: it is LENT (``slots.py``) until the last borrower's lease comes back
-(:meth:`ShareGroup.keep`), and nobody borrows it again meanwhile. A member that closes
-with slots out on loan keeps its ring, and its share of the shm budget, until they are
-repaid (:meth:`ShareGroup.leave`); a borrower that closes repays its loans then.
+slot does. As a session gives a slot back (its client acked or released the batch, or its
+stream ended), it asks its dispatcher first whether others still read it
+(:meth:`ShareGroup.keep`), then tells its ``SlotBook``: LENT (``slots.py``) while the slot is
+out on loan, until the last borrower's lease comes back (nobody borrows it again meanwhile),
+else FREE, and the group forgets the slot (:meth:`ShareGroup.forget`, under the session's
+lock, before the slot can be reused). A release flows one way: session, then dispatcher and
+group, then book. A member that closes with slots out on loan keeps its ring, and its share
+of the shm budget, until they are repaid (:meth:`ShareGroup.leave`); a borrower that closes
+repays its loans then.
 
 Bounds, so that no member waits for another's client: a stalled member simply stops
 producing, the others decode what they need themselves (the stalled one is "split off" as
@@ -48,30 +51,31 @@ member's slots at once (``batchd._wire.share``; its loop holds at most ``BORROWE
 them as tensors and copies further ones out), and its stream sends the next loan only once
 it gave one back (:meth:`ShareGroup.lend_out` answers WAIT; the reader waits for its own
 client only); a share group's rings have ``LOANS_OUT`` slots more than a lone session's for
-this, so a stalled reader pins none of the owner's own window; (2) other members' clients
-hold at most half a member's slots (:func:`lend_limit`); past that a reader gets a copy; (3)
-a loan whose notice has not gone out when the owner's client gives the slot back becomes a
-copy then (:meth:`ShareGroup.keep`), so a LENT slot waits only for clients that have it.
+this (``share_groups.lent_slots``), so a stalled reader pins none of the owner's own window;
+(2) other members' clients hold at most half a member's slots (:func:`lend_limit`); past
+that a reader gets a copy; (3) a loan whose notice has not gone out when the owner's client
+gives the slot back becomes a copy then (:meth:`ShareGroup.keep`), so a LENT slot waits only
+for clients that have it.
 
 Every member gets every batch of its epoch exactly once, in its own plan's order (rotated,
 for one that joined late): the group only decides who decodes, and where a batch is read.
 
-A member that starts an epoch afresh and asks to join (``StreamStart.join_share``; the
-client does so at every fresh epoch of a ``share=`` Loader of world size 1 on one server:
-the ranks of a larger job are each in their own group, at its own position, and must serve
-one order) starts at the
-group's position (:meth:`ShareGroup.position`): the first batch ``k`` of the run of
-consecutive batches of its plan that members' slots hold (source or copy, decoded or being
-decoded) up to the furthest one. Its stream serves the plan's
-batches ``k .. n-1`` then ``0 .. k-1`` (``streams.Stream.rotation``), each under its own
-batch index, so the first ``n - k`` are the group's batches, claimed as any member's, and
-the rest come after the group moved on: decoded for itself (or shared from anyone at them).
-That is how it catches up: level with the group from its first batch, the batches it
-missed served last. When ``k`` is less than its ring's slots it starts at 0 instead, as a
-lone Loader: its prefetch reaches the group's batches anyway, and members started a moment
-apart get identical epochs. The client learns ``k`` from the first batch's index and saves
-the rotation with its state (``batchd._state``), so resume is exact; an elastic resume of a
-rotated epoch deals the rest of the rotated global order (``planning.sampling``).
+A member's stream that asks to join (``StreamStart.join_share``: a ``share=`` Loader asks
+at every epoch) and may, which the server alone decides (``streams.may_join``: a fresh epoch,
+served whole by one stream, of a job of one rank; the ranks of a larger job are each in their
+own group, at its own position, and must serve one order) starts at the group's position
+(:meth:`ShareGroup.position`): the first batch ``k`` of the run of consecutive batches of its
+plan that members' slots hold (source or copy, decoded or being decoded) up to the furthest
+one. Its stream serves the plan's batches ``k .. n-1`` then ``0 .. k-1``
+(``streams.Stream.rotation``), each under its own batch index, so the first ``n - k`` are the
+group's batches, claimed as any member's, and the rest come after the group moved on: decoded
+for itself (or shared from anyone at them). That is how it catches up: level with the group
+from its first batch, the batches it missed served last. When ``k`` is less than its ring's
+slots it starts at 0 instead, as a lone Loader: its prefetch reaches the group's batches
+anyway, and members started a moment apart get identical epochs. The client learns whether
+and where it joined from the first batch's index, and saves the rotation with its state
+(``batchd._state``), so resume is exact; an elastic resume of a rotated epoch deals the rest
+of the rotated global order (``planning.sampling``).
 
 Why the copy stays beside the loan: it costs about 1 ms of server CPU per 9.6 MB batch,
 about 1% of the decode it replaces (``bench/share_copy.py``), and it serves the readers a
@@ -93,7 +97,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 import threading
 from collections.abc import Callable
@@ -102,48 +105,22 @@ from concurrent.futures import Future
 import numpy as np
 
 from batchd._wire.share import LOANS_OUT
-from batchd_server.logs import session_log_id
 from batchd_server.metrics.delivery import record_shared_batch
 from batchd_server.planning.sampling import EpochPlan
-from batchd_server.sessions.options import SessionOptions
-from batchd_server.sessions.share_parts import (
-    WAIT,
-    BatchKey,
-    Loan,
-    RingRef,
-    ShareCounts,
-    ShareMember,
-    Source,
-    SubmitsTasks,
-    Wait,
-    Waiter,
-    chain,
-    later,
-    lend_limit,
-    when_done,
-)
+from batchd_server.sessions.dispatch import WAIT, Loaned, Wait
+from batchd_server.sessions.ready import SubmitsTasks
+from batchd_server.sessions.ring import ShareMember
+from batchd_server.sessions.share_futures import chain, later, when_done
+from batchd_server.sessions.share_records import BatchKey, Loan, ShareCounts, Source, Waiter
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
-__all__ = [
-    "WAIT",
-    "RingRef",
-    "ShareCounts",
-    "ShareGroup",
-    "ShareGroups",
-    "ShareMember",
-    "group_key",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["ShareGroup", "lend_limit"]
 
 
-def group_key(options: SessionOptions, snapshot: str) -> str:
-    """What a session's group is named by: its share key and everything that decides its
-    batches (``snapshot``: the token that pins every source, as OpenSession answers it)."""
-    # The snapshot token names every source's version and rows: a version asked for by name
-    # and the newest one resolved to it are the same batches.
-    batches = dataclasses.replace(options, prefetch=1, snapshot=None, version=None)
-    return f"{options.share}\x00{snapshot}\x00{batches!r}"
+def lend_limit(slots: int) -> int:
+    """How many of its ring's ``slots`` a member lets readers' clients hold at once: half,
+    so that however slow its readers, it keeps the other half for its own batches."""
+    return max(1, slots // 2)
 
 
 class ShareGroup:
@@ -284,7 +261,7 @@ class ShareGroup:
         self._lent.setdefault((source.member.id, source.slot), set()).add((member.id, slot))
         return dataclasses.replace(source.future.result(), slot=slot)
 
-    def lend_out(self, member: ShareMember, slot: int) -> tuple[ShareMember, int] | Wait | None:
+    def lend_out(self, member: ShareMember, slot: int) -> Loaned | Wait | None:
         """``member``'s batch in ``slot`` is to go out now: the (member, slot) its client
         reads it in, when it is a loan; None when it is in ``slot`` itself (a copy is made
         now when other readers' clients hold half the source's slots already); WAIT while the
@@ -343,7 +320,7 @@ class ShareGroup:
             self._released.append(self._closing.pop(owner.id))
         return actions
 
-    def loan(self, member: ShareMember, slot: int) -> tuple[ShareMember, int] | None:
+    def loan(self, member: ShareMember, slot: int) -> Loaned | None:
         """The (member, slot) whose batch ``member``'s ``slot`` borrows, if it does."""
         with self._lock:
             loan = self._loans.get((member.id, slot))
@@ -514,47 +491,3 @@ class ShareGroup:
         """Loans not repaid yet."""
         with self._lock:
             return len(self._loans)
-
-
-class ShareGroups:
-    """The server's share groups, by :func:`group_key`; a group lives while it has members."""
-
-    def __init__(self, pool: SubmitsTasks) -> None:
-        self._pool = pool
-        self._lock = threading.Lock()
-        self._groups: dict[str, ShareGroup] = {}
-        self.counts = ShareCounts()
-
-    def join(self, member: ShareMember, options: SessionOptions, snapshot: str) -> ShareGroup:
-        """The group ``member`` (a session opened with ``options.share``) is in now."""
-        key = group_key(options, snapshot)
-        with self._lock:
-            group = self._groups.get(key)
-            if group is None:
-                group = ShareGroup(
-                    key, options.share, options.dataset, member.layout, self._pool, self.counts
-                )
-                self._groups[key] = group
-            group.members.add(member.id)
-            size = len(group.members)
-        logger.info(
-            "session %s joined share group %r of %s: %d member(s)",
-            session_log_id(member.id),
-            options.share,
-            options.dataset,
-            size,
-        )
-        return group
-
-    def leave(self, member: ShareMember, group: ShareGroup, release: Callable[[], object]) -> None:
-        """``member`` closed; ``release()`` frees its ring, now or once the last loan of its
-        slots is repaid (:meth:`ShareGroup.leave`)."""
-        group.leave(member, release)
-        with self._lock:
-            group.members.discard(member.id)
-            if not group.members and self._groups.get(group.key) is group:
-                del self._groups[group.key]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._groups)

@@ -32,7 +32,8 @@ when its batch goes out; back to FREE when:
             unknown leases (late, repeated) are ignored;
   WORKING-- its task is cancelled before a worker took it (the stream ended), or the
             worker finished writing a batch nobody will send any more.
-Any of these goes to LENT instead while other members read the slot (the book asks ``keep``).
+Any of these goes to LENT instead while other members read the slot: the session asks its
+dispatcher (``dispatch.py``) as it gives a slot back, then tells the book which.
 The ring itself is released when the session closes (CloseSession, lease expiry,
 shutdown), after every WORKING slot is done; workers are then told to drop their mapping.
 """
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Iterable
 
 __all__ = ["SlotBook", "SlotState"]
 
@@ -60,23 +61,13 @@ class SlotBook:
     """Each slot's state, and the FREE slots in the order they are reused.
 
     Not thread-safe: the session's lock guards it. A transition from the wrong state is a
-    bug in the session, not bad input, and raises AssertionError.
+    bug in the session, not bad input, and raises AssertionError. The book is told what
+    happens to a slot; it calls nobody.
     """
 
-    def __init__(
-        self,
-        slots: int,
-        on_free: Callable[[int], object] | None = None,
-        keep: Callable[[int], bool] | None = None,
-    ) -> None:
-        """``on_free(slot)`` is called as each slot becomes FREE, before it can be taken
-        again (a share group forgets the batch the slot held; ``sessions/share.py``).
-        ``keep(slot)`` is asked first, as a slot is given back: True keeps it LENT (other
-        members read it) until :meth:`free` is called again with ``was=LENT``."""
+    def __init__(self, slots: int) -> None:
         self._states = [SlotState.FREE] * slots
         self._free: deque[int] = deque(range(slots))
-        self._on_free = on_free
-        self._keep = keep
 
     def __len__(self) -> int:
         return len(self._states)
@@ -100,21 +91,35 @@ class SlotBook:
         """A WORKING slot's batch went out: DELIVERED (inline) or LEASED (shm)."""
         self._move(slot, SlotState.WORKING, SlotState.LEASED if leased else SlotState.DELIVERED)
 
+    def lend(self, slot: int, was: SlotState) -> None:
+        """The session is done with the slot (in state ``was``), but other sessions' clients
+        still read it: LENT until :meth:`free` with ``was=LENT``."""
+        self._move(slot, was, SlotState.LENT)
+
     def free(self, slot: int, was: SlotState) -> None:
-        """The slot (in state ``was``) is FREE again, or LENT while others still read it."""
-        if was is not SlotState.LENT and self._keep is not None and self._keep(slot):
-            self._move(slot, was, SlotState.LENT)
-            return
+        """The slot (in state ``was``) is FREE again."""
         self._move(slot, was, SlotState.FREE)
-        if self._on_free is not None:
-            self._on_free(slot)
         self._free.append(slot)
 
     def _move(self, slot: int, was: SlotState, now: SlotState) -> None:
         assert self._states[slot] is was, f"slot {slot} is {self._states[slot]}, not {was}"
         self._states[slot] = now
 
-    def check(self) -> None:
-        """Assert that the FREE list holds exactly the FREE slots, each once."""
+    def check(self, places: Iterable[tuple[int, SlotState]] | None = None) -> None:
+        """Assert that the FREE list holds exactly the FREE slots, each once; with
+        ``places`` (where the session keeps each slot, and the state that place means), that
+        it has every slot once, in the state the book has for it."""
         free = [s for s, state in enumerate(self._states) if state is SlotState.FREE]
         assert sorted(self._free) == free, f"free list {list(self._free)} != FREE slots {free}"
+        if places is None:
+            return
+        places = list(places)
+        seen = Counter(s for s, _ in places)
+        twice = sorted(s for s, n in seen.items() if n > 1)
+        assert not twice, f"slots {twice} are in more than one place"
+        lost = sorted(set(range(len(self._states))) - set(seen))
+        assert not lost, f"slots {lost} are in no state's place"
+        for slot, state in places:
+            assert self._states[slot] is state, (
+                f"slot {slot} is kept as {state.name} but booked {self._states[slot].name}"
+            )
