@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 
 import batchd
 from batchd import errors
-from batchd._doorbell import ClientDoorbell, DoorbellRefused
+from batchd._transport.doorbell import ClientDoorbell, DoorbellRefused
 from batchd_server import metrics
 from batchd_server.api import RunningServer
 from batchd_server.catalog.schema import sample_errors

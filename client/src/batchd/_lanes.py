@@ -41,8 +41,8 @@ from batchd._options import LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import retry_until
 from batchd._state import Cursor
-from batchd._stream import BatchStream
 from batchd._targets import Replicas, Resolver, addresses_of
+from batchd._transport.stream import BatchStream
 from batchd.errors import (
     BatchdError,
     FailedPrecondition,

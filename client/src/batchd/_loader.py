@@ -31,8 +31,8 @@ from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._specs import PipelineSpec, check_int
 from batchd._state import Cursor, Position
 from batchd._stats import LoaderStats, LoopClock
-from batchd._stream import BatchStream
 from batchd._targets import replicas_of
+from batchd._transport.stream import BatchStream
 from batchd._wire.lifetime import Closeable
 from batchd._wire.schedule import global_step
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -492,7 +492,7 @@ class Loader(Closeable):
     @property
     def transport(self) -> str:
         """``"shm"`` or ``"inline"``: what this session uses."""
-        return "shm" if self._session().transport == loader_pb2.TRANSPORT_SHM else "inline"
+        return self._session().transport.name
 
     @property
     def device(self) -> Any:
