@@ -19,9 +19,9 @@ import grpc
 from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._device import Delivery, make_delivery
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._rpc_errors import error_from_rpc
 from batchd._state import Cursor
 from batchd._stats import BatchTiming
-from batchd._status import error_from_rpc
 from batchd._transport.select import Transport, select_transport
 from batchd._transport.stream import BatchStream, ReceivedBatch
 from batchd._wire.status import disagreement

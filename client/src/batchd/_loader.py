@@ -23,12 +23,12 @@ from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
 from batchd._device import Batch, resolve_device
 from batchd._lanes import Lanes
-from batchd._mix import Mix
 from batchd._options import LoaderOptions
-from batchd._pack import Pack
+from batchd._packing import Pack
+from batchd._pipelines import PipelineSpec, check_int
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
-from batchd._specs import PipelineSpec, check_int
+from batchd._sources import Mix
 from batchd._state import Cursor, Position
 from batchd._stats import LoaderStats, LoopClock
 from batchd._targets import replicas_of

@@ -25,8 +25,8 @@ import grpc
 import numpy as np
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._rpc_errors import error_from_rpc
 from batchd._stats import BatchTiming
-from batchd._status import error_from_rpc
 from batchd._transport.stream import BatchStream, HeldSlots, ReceivedBatch
 from batchd._wire.status import disagreement
 from batchd.errors import Unavailable
