@@ -1,7 +1,7 @@
 """What a Loader holds outside Python on each server: a channel, a session, a live stream.
 
 A Loader has one :class:`Connection` per replica it draws from (one on one server; see
-``batchd._lanes``). They are closed by the Loader's ``weakref.finalize``, never by the
+``batchd._replicas``). They are closed by the Loader's ``weakref.finalize``, never by the
 Loader itself, so a Loader that is garbage-collected without ``close()`` still frees its
 ring mappings, its doorbells and its sessions on the servers.
 """
