@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
-from batchd._shm import SHM_DIR
+from batchd._transport.shm import SHM_DIR
 
 __all__ = [
     "FIELDS",

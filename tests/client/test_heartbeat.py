@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from batchd._doorbell import ClientDoorbell, DoorbellSilent
 from batchd._proto.batchd.v1 import loader_pb2
+from batchd._transport.doorbell import ClientDoorbell, DoorbellSilent
 from batchd._wire.frames import (
     BATCH,
     HEARTBEAT,

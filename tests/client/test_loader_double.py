@@ -49,7 +49,7 @@ def test_an_epoch_yields_every_batch_with_exactly_its_fields(double: Any, transp
             assert b["array"].tolist() == [[i, -i] for i in b["sample_id"].tolist()]
         assert loader.batches_served == 4 and loader.last_failed_sample_ids == ()
         assert 0 <= server.acked_wait_s <= loader.wait_s and loader.wait_s > 0
-        session_id = loader._lanes.primary.session.reply.session_id
+        session_id = loader._replicas.primary.session.reply.session_id
     assert server.closed == [session_id]
 
 
@@ -138,7 +138,7 @@ def test_load_state_dict_reopens_the_session_on_the_saved_snapshot(double: Any) 
     """Another snapshot reopens the session pinned to it; a vanished one leaves it as it was."""
     server, address = double
     with _loader(address) as loader:
-        first = loader._lanes.primary.session.reply.session_id
+        first = loader._replicas.primary.session.reply.session_id
         loader.load_state_dict({**loader.state_dict(), "snapshot": "snap-0", "consumed": 3})
         assert server.opened[-1].snapshot == "snap-0" and loader.snapshot == "snap-0"
         assert server.closed == [first]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from batchd._specs import resolve_rank
+from batchd._pipelines import resolve_rank
 from batchd.errors import InvalidArgument
 
 

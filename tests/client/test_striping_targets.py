@@ -1,5 +1,5 @@
 """Which targets a Loader stripes over: a list of replicas, or every address of a DNS name;
-anything naming one server is a stripe of one (with its exact target string)."""
+anything naming one server is one replica (with its exact target string)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from batchd._channel import ChannelSecurity
-from batchd._lanes import Lanes
 from batchd._options import LoaderOptions
-from batchd._targets import Replicas, replicas_of
+from batchd._replicas import Replicas
+from batchd._targets import ReplicaAddresses, replicas_of
 from batchd.errors import InvalidArgument
 
 
@@ -36,34 +36,36 @@ def test_a_dns_name_with_several_addresses_becomes_one_replica_each_in_order() -
         "dns:///batchd-headless:50051",
         resolver=_resolver("10.0.0.7", "10.0.0.8", "10.0.0.7", "fd00::9"),
     )
-    assert got == Replicas(
+    assert got == ReplicaAddresses(
         ("10.0.0.7:50051", "10.0.0.8:50051", "[fd00::9]:50051"), "batchd-headless", 50051
     )
-    assert replicas_of("dns:pool:7000", resolver=_resolver("1.2.3.4", "1.2.3.5")) == Replicas(
-        ("1.2.3.4:7000", "1.2.3.5:7000"), "pool", 7000
-    )
+    assert replicas_of(
+        "dns:pool:7000", resolver=_resolver("1.2.3.4", "1.2.3.5")
+    ) == ReplicaAddresses(("1.2.3.4:7000", "1.2.3.5:7000"), "pool", 7000)
 
 
 def test_anything_naming_one_server_stays_the_single_target_it_was() -> None:
     """One address, an unresolvable name, a one-element list, a unix socket and host:port
     all go to the plain single-server path unchanged."""
     one = replicas_of("dns:///one:50051", resolver=_resolver("10.0.0.7"))
-    assert one == Replicas(("dns:///one:50051",))
+    assert one == ReplicaAddresses(("dns:///one:50051",))
 
     def fails(*_: Any, **__: Any) -> Any:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
-    assert replicas_of("dns:///later:50051", resolver=fails) == Replicas(("dns:///later:50051",))
-    assert replicas_of(["h1:50051"]) == Replicas(("h1:50051",))
+    assert replicas_of("dns:///later:50051", resolver=fails) == ReplicaAddresses(
+        ("dns:///later:50051",)
+    )
+    assert replicas_of(["h1:50051"]) == ReplicaAddresses(("h1:50051",))
     unix = "unix:///run/batchd/batchd.sock"
-    assert replicas_of(unix) == Replicas((unix,))
-    assert replicas_of("  h1:50051 ") == Replicas(("h1:50051",))
+    assert replicas_of(unix) == ReplicaAddresses((unix,))
+    assert replicas_of("  h1:50051 ") == ReplicaAddresses(("h1:50051",))
 
 
 def test_a_list_of_replicas_is_striped_and_mistakes_are_refused_by_name() -> None:
     """Two or more addresses stripe; an empty list, a repeated address, a non-string, a
     dns: target without a port or naming a DNS server are refused with what to write."""
-    assert replicas_of(["h1:1", "h2:1", "unix:///s.sock"]) == Replicas(
+    assert replicas_of(["h1:1", "h2:1", "unix:///s.sock"]) == ReplicaAddresses(
         ("h1:1", "h2:1", "unix:///s.sock")
     )
     with pytest.raises(InvalidArgument, match="list of addresses"):
@@ -80,9 +82,9 @@ def test_a_list_of_replicas_is_striped_and_mistakes_are_refused_by_name() -> Non
 
 def test_resolving_again_adds_new_replicas_and_forgets_vanished_dropped_ones() -> None:
     """A pool that scaled out is striped over from then on; an address the name no longer
-    has is forgotten once it is out of the stripes (a live one stays until it fails)."""
+    has is forgotten once it is not live (a live one stays until it fails)."""
     answers = [("10.0.0.1", "10.0.0.2")]
-    lanes = Lanes(
+    replicas = Replicas(
         replicas_of("dns:///pool:1", resolver=_resolver(*answers[0])),
         ChannelSecurity(),
         LoaderOptions(dataset="d", batch_size=1, rank=0, world_size=1),
@@ -90,12 +92,12 @@ def test_resolving_again_adds_new_replicas_and_forgets_vanished_dropped_ones() -
         resolver=lambda *a, **k: _resolver(*answers[-1])(*a, **k),
     )
     try:
-        lanes._live = [lanes._lanes[0]]  # 10.0.0.2 is out of the stripes
+        replicas._live = [replicas._replicas[0]]  # 10.0.0.2 is not live
         answers.append(("10.0.0.1", "10.0.0.3"))
-        lanes._resolve_again()
-        assert [lane.conn.target for lane in lanes._lanes] == ["10.0.0.1:1", "10.0.0.3:1"]
+        replicas._resolve_again()
+        assert [r.conn.target for r in replicas._replicas] == ["10.0.0.1:1", "10.0.0.3:1"]
         answers.append(("10.0.0.3",))
-        lanes._resolve_again()
-        assert [lane.conn.target for lane in lanes._lanes] == ["10.0.0.1:1", "10.0.0.3:1"]
+        replicas._resolve_again()
+        assert [r.conn.target for r in replicas._replicas] == ["10.0.0.1:1", "10.0.0.3:1"]
     finally:
-        lanes.close()
+        replicas.close()

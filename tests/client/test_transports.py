@@ -8,13 +8,15 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
-from batchd._inline import InlineAssembler
-from batchd._proto.batchd.v1 import loader_pb2
-from batchd._shm import SHM_DIR, ShmRing
-from batchd._transport import select_transport
+from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._transport.inline import InlineAssembler
+from batchd._transport.select import _CHOICES, Transport, select_transport
+from batchd._transport.shm import SHM_DIR, ShmRing
+from batchd._wire.specs import TRANSPORTS
 from batchd.errors import DataLoss, FailedPrecondition
 
 from wire_double import TAG, inline_chunks
@@ -57,6 +59,32 @@ def _opened(layout: loader_pb2.RingLayout) -> loader_pb2.OpenSessionResponse:
     return loader_pb2.OpenSessionResponse(session_id="s" * 32, ring=layout)
 
 
+@pytest.fixture
+def stub() -> Iterator[loader_pb2_grpc.LoaderStub]:
+    """A stub on a channel that never connects: choosing inline makes no call."""
+    channel = grpc.insecure_channel("unix:///nonexistent/batchd-test.sock")
+    try:
+        yield loader_pb2_grpc.LoaderStub(channel)
+    finally:
+        channel.close()
+
+
+def _select(
+    requested: str, layout: loader_pb2.RingLayout, stub: loader_pb2_grpc.LoaderStub
+) -> Transport:
+    return select_transport(requested, _opened(layout), stub=stub, target="test")
+
+
+def _inline(chosen: Transport) -> bool:
+    """``chosen`` is inline: no ring, and its streams say so on the wire."""
+    return (chosen.name, chosen.kind, chosen.ring) == ("inline", loader_pb2.TRANSPORT_INLINE, None)
+
+
+def test_every_transport_choice_the_loader_accepts_has_one_row_in_the_table() -> None:
+    """The selection table and the wire's list of choices name the same transports."""
+    assert sorted(_CHOICES) == sorted(TRANSPORTS)
+
+
 def test_a_ring_with_the_right_token_maps_and_reads_its_slots_in_place(segment: Any) -> None:
     """The server's segment maps, and a batch's fields are views of its slot."""
     layout, memory = segment
@@ -82,47 +110,50 @@ def test_a_ring_with_the_right_token_maps_and_reads_its_slots_in_place(segment: 
         ring.close()
 
 
-def test_token_mismatch_falls_back_to_inline_or_fails_when_shm_is_forced(segment: Any) -> None:
+def test_token_mismatch_falls_back_to_inline_or_fails_when_shm_is_forced(
+    segment: Any, stub: Any
+) -> None:
     """A same-named segment with other bytes is not the server's: auto goes inline, shm fails."""
     layout, _ = segment
     other = loader_pb2.RingLayout()
     other.CopyFrom(layout)
     other.token = secrets.token_bytes(16)
-    transport, ring, reason = select_transport("auto", _opened(other))
-    assert (transport, ring) == (loader_pb2.TRANSPORT_INLINE, None) and "token" in reason
+    chosen = _select("auto", other, stub)
+    assert _inline(chosen) and "token" in chosen.reason
     with pytest.raises(FailedPrecondition, match=r"token.*emptyDir"):
-        select_transport("shm", _opened(other))
+        _select("shm", other, stub)
 
 
-def test_a_segment_without_a_reachable_doorbell_is_not_used(segment: Any) -> None:
+def test_a_segment_without_a_reachable_doorbell_is_not_used(segment: Any, stub: Any) -> None:
     """The ring maps, but nobody answers on its doorbell: auto goes inline, shm says why."""
     layout, _ = segment
     for doorbell in ("", f"{TAG}{secrets.token_hex(8)}-bell"):
         layout.doorbell = doorbell
-        transport, ring, reason = select_transport("auto", _opened(layout))
-        assert (transport, ring) == (loader_pb2.TRANSPORT_INLINE, None) and "doorbell" in reason
+        chosen = _select("auto", layout, stub)
+        assert _inline(chosen) and "doorbell" in chosen.reason
         with pytest.raises(FailedPrecondition, match="doorbell"):
-            select_transport("shm", _opened(layout))
+            _select("shm", layout, stub)
 
 
-def test_missing_segment_falls_back_to_inline_or_fails_when_shm_is_forced() -> None:
+def test_missing_segment_falls_back_to_inline_or_fails_when_shm_is_forced(stub: Any) -> None:
     """No such segment here: auto goes inline; shm says why and what to change."""
     layout = loader_pb2.RingLayout(
         shm_name=f"{TAG}{secrets.token_hex(8)}", segment_bytes=128, slot_bytes=64, slots=1
     )
     layout.token = b"t" * 16
-    transport, ring, reason = select_transport("auto", _opened(layout))
-    assert (transport, ring) == (loader_pb2.TRANSPORT_INLINE, None) and "cannot open" in reason
+    chosen = _select("auto", layout, stub)
+    assert _inline(chosen) and "cannot open" in chosen.reason
     with pytest.raises(FailedPrecondition, match="transport='auto' or 'inline'"):
-        select_transport("shm", _opened(layout))
+        _select("shm", layout, stub)
     traversal = loader_pb2.RingLayout(shm_name="../etc/passwd", segment_bytes=1, token=b"t")
-    assert select_transport("auto", _opened(traversal))[1] is None
+    assert _inline(_select("auto", traversal, stub))
 
 
-def test_inline_transport_never_opens_the_segment(segment: Any) -> None:
+def test_inline_transport_never_opens_the_segment(segment: Any, stub: Any) -> None:
     """transport='inline' is honoured even where shm would work."""
     layout, _ = segment
-    assert select_transport("inline", _opened(layout))[:2] == (loader_pb2.TRANSPORT_INLINE, None)
+    chosen = _select("inline", layout, stub)
+    assert _inline(chosen) and chosen.reason == "transport='inline' was asked for"
 
 
 def test_inline_chunks_are_joined_into_one_owned_buffer() -> None:

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 
 import batchd
 from batchd import errors
-from batchd._status import error_from_rpc
+from batchd._rpc_errors import error_from_rpc
 from batchd_server.api import RunningServer, build_server
 from batchd_server.api.status import map_errors
 from batchd_server.catalog import queries

@@ -22,8 +22,8 @@ from sqlalchemy.engine import Engine
 
 import batchd
 from batchd import errors
-from batchd._inline import InlineStream
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._transport.inline import InlineStream
 from batchd_server import metrics
 
 from chaos_harness import wait_until

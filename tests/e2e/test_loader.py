@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 
 import batchd
 from batchd import errors
-from batchd._doorbell import ClientDoorbell, DoorbellRefused
+from batchd._transport.doorbell import ClientDoorbell, DoorbellRefused
 from batchd_server import metrics
 from batchd_server.api import RunningServer
 from batchd_server.catalog.schema import sample_errors
@@ -153,7 +153,7 @@ def test_default_batches_lend_their_slot_until_the_loop_drops_them(
     ids = _catalog_ids(catalog["engine"], "records")
     index_of = {sample_id: i for i, sample_id in enumerate(ids)}
     with records_loader(server, prefetch=2, batch_size=8) as loader:
-        session = loader._lanes.primary.session
+        session = loader._replicas.primary.session
         assert session is not None and loader.transport == "shm"
         delivery = session.delivery
         on_server = server.sessions.get(session.reply.session_id)
@@ -228,7 +228,7 @@ def test_zero_copy_batches_are_acked_when_the_next_one_is_asked_for(
 ) -> None:
     """zero_copy=True: a batch is the loop's only until it asks for the next one."""
     with records_loader(server, prefetch=2, zero_copy=True) as loader:
-        session = loader._lanes.primary.session
+        session = loader._replicas.primary.session
         assert session is not None
         it = iter(loader)
         next(it)
@@ -241,7 +241,7 @@ def test_zero_copy_batches_are_acked_when_the_next_one_is_asked_for(
 def test_the_doorbell_answers_only_the_sessions_own_client(server: RunningServer) -> None:
     """A hello needs the session's id and its ring's token; anything else is hung up on."""
     with records_loader(server) as loader:
-        session = loader._lanes.primary.session
+        session = loader._replicas.primary.session
         assert session is not None
         ring = session.reply.ring
         path = server.registry.shm_dir / ring.doorbell
@@ -263,14 +263,14 @@ def test_a_session_the_server_closes_mid_epoch_is_reopened_and_the_epoch_goes_on
     with records_loader(server, batch_size=1, shuffle=False) as fresh:
         want = [i for batch in sample_ids(fresh) for i in batch]
     with records_loader(server, prefetch=1, batch_size=1, shuffle=False) as loader:  # > slots
-        session = loader._lanes.primary.session
+        session = loader._replicas.primary.session
         assert session is not None
         it = iter(loader)
         got = next(it)["sample_id"].tolist()
         server.sessions.close(session.reply.session_id, reason="closed by the test")
         got += [i for batch in it for i in batch["sample_id"].tolist()]
-        assert loader._lanes.primary.session is not None
-        assert loader._lanes.primary.session.reply.session_id != session.reply.session_id
+        assert loader._replicas.primary.session is not None
+        assert loader._replicas.primary.session.reply.session_id != session.reply.session_id
     assert got == want
 
 
@@ -533,7 +533,7 @@ def test_cuda_batches_equal_the_cpu_ones(
     monkeypatch.setattr(batchd.Loader, "_h2d", h2d)
     options = {"shuffle": False, "transport": transport, "prefetch": prefetch}
     with records_loader(server, device="cuda", **options) as loader:
-        session = loader._lanes.primary.session
+        session = loader._replicas.primary.session
         assert session is not None and loader.transport == transport
         assert session.delivery.strategy == strategy
         n = len(loader)

@@ -159,8 +159,8 @@ def test_shm_members_read_one_slot_not_copies(server: RunningServer) -> None:
 
 def _ring(loader: batchd.Loader) -> str:
     """The path of ``loader``'s own ring segment."""
-    session = loader._lanes.primary.session
-    assert session is not None and session.ring is not None
+    session = loader._replicas.primary.session
+    assert session is not None and session.transport.ring is not None
     return f"/dev/shm/{session.reply.ring.shm_name}"
 
 

@@ -173,7 +173,7 @@ def test_a_replica_killed_mid_epoch_loses_and_repeats_no_batch(
             state = loader.state_dict()
             got += _epoch(loader)
             assert got == want, "a batch was lost, repeated or out of order"
-            assert loader._lanes.live_targets == [socks[0], socks[2]]
+            assert loader._replicas.live_targets == [socks[0], socks[2]]
             assert _epoch(loader) == want_next
         assert state["next_batch"] == 15 and state["consumed"] == 150
         with _loader(socks, transport) as resumed:
@@ -204,7 +204,7 @@ def test_a_dns_name_of_three_addresses_stripes_every_third_batch_to_each(
             sys.path[:0] = {sys.path!r}
             from test_striping import _epoch, _loader
             with _loader("dns:///batchd-pool:{port}") as loader:
-                print(json.dumps([loader._lanes.live_targets, _epoch(loader)]))
+                print(json.dumps([loader._replicas.live_targets, _epoch(loader)]))
         """)
         wrapper = 'mount --bind "$1" /etc/hosts || exit 97; shift; exec "$@"'
         unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", wrapper, "sh"]

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from batchd._catalog import Catalog, DatasetInfo, SplitInfo
     from batchd._dataset import DataLoader, IterableDataset
     from batchd._loader import Loader
-    from batchd._mix import Mix, Source
-    from batchd._pack import Pack
-    from batchd._specs import Array, Custom, Image, Tokens
+    from batchd._packing import Pack
+    from batchd._pipelines import Array, Custom, Image, Tokens
+    from batchd._sources import Mix, Source
 
 __all__ = [
     "Array",
@@ -42,19 +42,19 @@ __all__ = [
 ]
 
 _LAZY: dict[str, str] = {
-    "Array": "batchd._specs",
+    "Array": "batchd._pipelines",
     "Catalog": "batchd._catalog",
-    "Custom": "batchd._specs",
+    "Custom": "batchd._pipelines",
     "DataLoader": "batchd._dataset",
     "DatasetInfo": "batchd._catalog",
-    "Image": "batchd._specs",
+    "Image": "batchd._pipelines",
     "IterableDataset": "batchd._dataset",
     "Loader": "batchd._loader",
-    "Mix": "batchd._mix",
-    "Pack": "batchd._pack",
-    "Source": "batchd._mix",
+    "Mix": "batchd._sources",
+    "Pack": "batchd._packing",
+    "Source": "batchd._sources",
     "SplitInfo": "batchd._catalog",
-    "Tokens": "batchd._specs",
+    "Tokens": "batchd._pipelines",
 }
 
 

@@ -12,7 +12,7 @@ import grpc
 
 from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
-from batchd._status import error_from_rpc
+from batchd._rpc_errors import error_from_rpc
 from batchd._targets import resolve_target
 from batchd._wire.lifetime import Closeable
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound

@@ -1,7 +1,7 @@
 """What a Loader holds outside Python on each server: a channel, a session, a live stream.
 
 A Loader has one :class:`Connection` per replica it draws from (one on one server; see
-``batchd._lanes``). They are closed by the Loader's ``weakref.finalize``, never by the
+``batchd._replicas``). They are closed by the Loader's ``weakref.finalize``, never by the
 Loader itself, so a Loader that is garbage-collected without ``close()`` still frees its
 ring mappings, its doorbells and its sessions on the servers.
 """
@@ -18,14 +18,12 @@ import grpc
 
 from batchd._channel import ChannelSecurity, explain_unreachable, open_channel
 from batchd._device import Delivery, make_delivery
-from batchd._inline import InlineStream
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
-from batchd._shm import ShmRing, ShmStream
+from batchd._rpc_errors import error_from_rpc
 from batchd._state import Cursor
 from batchd._stats import BatchTiming
-from batchd._status import error_from_rpc
-from batchd._stream import BatchStream, ReceivedBatch
-from batchd._transport import select_transport
+from batchd._transport.select import Transport, select_transport
+from batchd._transport.stream import BatchStream, ReceivedBatch
 from batchd._wire.status import disagreement
 from batchd.errors import FailedPrecondition, Unavailable
 
@@ -56,12 +54,9 @@ class SessionHandle:
     """One OpenSession: the server's answer and what the client mapped and set up for it."""
 
     reply: loader_pb2.OpenSessionResponse
-    transport: loader_pb2.Transport
-    ring: ShmRing | None
+    transport: Transport
+    """How its batches travel (``batchd._transport.select``); it starts each stream."""
     delivery: Delivery
-    transport_reason: str
-    streams_started: int = 0
-    """The next stream's ``StreamStart.seq`` is one more."""
 
     @property
     def prefetch(self) -> int:
@@ -80,8 +75,7 @@ class SessionHandle:
         try:
             self.delivery.close()
         finally:
-            if self.ring is not None:
-                self.ring.close()
+            self.transport.close()
         try:
             request = loader_pb2.CloseSessionRequest(session_id=self.reply.session_id)
             stub.CloseSession(request, timeout=_CLOSE_TIMEOUT_S)
@@ -158,14 +152,16 @@ class Connection:
         except grpc.RpcError as e:
             error = error_from_rpc(e, target=self.target, method="OpenSession", timeout_s=timeout_s)
             raise explain_unreachable(error, self.target, self.security) from e
-        ring = None
+        chosen: Transport | None = None
         try:
             check_schedule_applied(request, reply, self.target)
-            chosen, ring, reason = select_transport(transport, reply)
-            delivery = make_delivery(ring=ring, prefetch=max(reply.prefetch, 1), **delivery_options)
+            chosen = select_transport(transport, reply, stub=self.stub, target=self.target)
+            delivery = make_delivery(
+                ring=chosen.ring, prefetch=max(reply.prefetch, 1), **delivery_options
+            )
         except BaseException:
-            if ring is not None:
-                ring.close()
+            if chosen is not None:
+                chosen.close()
             # Best effort: the error that got us here is the one to report; an unclosed
             # session is reclaimed after the server's lease timeout anyway.
             with contextlib.suppress(grpc.RpcError):
@@ -174,8 +170,8 @@ class Connection:
                     timeout=_CLOSE_TIMEOUT_S,
                 )
             raise
-        logger.debug("batchd: session %s uses %s", reply.session_id, reason)
-        return SessionHandle(reply, chosen, ring, delivery, reason)
+        logger.debug("batchd: session %s uses %s", reply.session_id, chosen.reason)
+        return SessionHandle(reply, chosen, delivery)
 
     def replace_session(self, session: SessionHandle) -> None:
         """Make ``session`` the current one and close the previous one (if another)."""
@@ -202,33 +198,18 @@ class Connection:
         """
         session = self.session
         assert session is not None, "a stream starts on a session"
-        session.streams_started += 1
         start = loader_pb2.StreamStart(
             session_id=session.reply.session_id,
             epoch=cursor.epoch,
             start_batch=cursor.next_batch,
             start_sample=cursor.start,
             order_world_size=cursor.order_world_size,
-            transport=session.transport,
+            transport=session.transport.kind,
             stride=stride,
             rotation=cursor.rotation,
             join_share=join_share,
         )
-        stream: BatchStream
-        if session.ring is not None:
-            start.seq = session.streams_started
-            start.held_leases.extend(session.delivery.lent())
-            start.read_shared = session.delivery.reads_shared
-            session.ring.forget_borrowed()
-            stream = ShmStream(start, ring=session.ring, accept_timeout_s=timeout_s)
-        else:
-            stream = InlineStream(
-                self.stub,
-                start,
-                target=self.target,
-                timeout_s=timeout_s,
-                max_batch_bytes=session.reply.ring.slot_bytes or None,
-            )
+        stream = session.transport.open_stream(start, held=session.delivery, timeout_s=timeout_s)
         self.stream = stream
         return stream
 

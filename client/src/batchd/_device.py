@@ -1,7 +1,7 @@
 """From a received batch to the user's tensors: on the CPU, or onto a CUDA device.
 
-A :class:`Delivery` turns each :class:`~batchd._stream.ReceivedBatch` into the dict the
-training loop gets and says when the batch's ring slot may be acknowledged (reused by the
+A :class:`Delivery` turns each :class:`~batchd._transport.stream.ReceivedBatch` into the dict
+the training loop gets and says when the batch's ring slot may be acknowledged (reused by the
 server). See the NOTE below for when that is on each path.
 
 NOTE [ Slot lifecycle on the client ]
@@ -55,8 +55,8 @@ from typing import Any, Final, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from batchd._shm import ShmRing
-from batchd._stream import ReceivedBatch
+from batchd._transport.shm import ShmRing
+from batchd._transport.stream import ReceivedBatch
 from batchd._wire.share import BORROWED_HELD
 from batchd.errors import InvalidArgument
 

@@ -3,7 +3,7 @@
 A Loader is a session on the server, or one on each replica it stripes over (opened in the
 constructor, so a wrong dataset name or a too-small ``/dev/shm`` fails at once and ``len()``
 works), plus a position (epoch, next batch; ``batchd._state``). Each iteration streams the
-epoch from the position, one stream per replica (``batchd._lanes``), and moves it as batches
+epoch from the position, one stream per replica (``batchd._replicas``), and moves it as batches
 are handed out, so ``state_dict()`` at any moment says where the next iteration starts, and
 a fresh Loader given that state yields exactly the rest of the run.
 """
@@ -22,17 +22,17 @@ from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
 from batchd._device import Batch, resolve_device
-from batchd._lanes import Lanes
-from batchd._mix import Mix
 from batchd._options import LoaderOptions
-from batchd._pack import Pack
+from batchd._packing import Pack
+from batchd._pipelines import PipelineSpec, check_int
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
-from batchd._specs import PipelineSpec, check_int
+from batchd._replicas import Replicas
+from batchd._sources import Mix
 from batchd._state import Cursor, Position
 from batchd._stats import LoaderStats, LoopClock
-from batchd._stream import BatchStream
 from batchd._targets import replicas_of
+from batchd._transport.stream import BatchStream
 from batchd._wire.lifetime import Closeable
 from batchd._wire.schedule import global_step
 from batchd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -192,13 +192,13 @@ class Loader(Closeable):
             share=share,
         )
         self._device = resolve_device(device)
-        self._lanes = Lanes(
+        self._replicas = Replicas(
             replicas_of(target),
             ChannelSecurity.resolve(auth_token, tls_ca),
             self._options,
             {"device": self._device, "zero_copy": self._options.zero_copy, "h2d": self._h2d},
         )
-        self._finalizer = weakref.finalize(self, self._lanes.close)
+        self._finalizer = weakref.finalize(self, self._replicas.close)
         self._closed = False
         self._iteration: object | None = None
         self._position = Position(self._options)
@@ -208,7 +208,7 @@ class Loader(Closeable):
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
         or replaced (``"replace"``)."""
         try:
-            self._lanes.open()
+            self._replicas.open()
         except BaseException:
             self._finalizer()
             raise
@@ -219,11 +219,11 @@ class Loader(Closeable):
             raise FailedPrecondition(
                 f"this Loader for dataset {self._options.dataset!r} is closed; create a new one"
             )
-        return self._lanes.session()
+        return self._replicas.session()
 
     def _abandon(self) -> None:
         self._iteration = None
-        self._lanes.abandon_streams()
+        self._replicas.abandon_streams()
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -260,12 +260,12 @@ class Loader(Closeable):
         return self._iterate(token)
 
     def _iterate(self, token: object) -> Iterator[Batch]:
-        """The one epoch loop: batches in order from the lanes, each lane serving every R-th
-        (one lane, every batch); see NOTE [ A replica that fails ] in ``batchd._lanes``."""
+        """The one epoch loop: batches in order from the replicas, each serving every R-th
+        (one replica, every batch); see NOTE [ A replica that fails ] in ``batchd._replicas``."""
         if self._iteration is not token:
             raise FailedPrecondition(_SUPERSEDED)
-        lanes, position, clock = self._lanes, self._position, self._clock
-        reply = lanes.refresh().reply
+        replicas, position, clock = self._replicas, self._position, self._clock
+        reply = replicas.refresh().reply
         cursor = position.cursor(reply)
         position.move_to(cursor)
         epoch, num_batches = cursor.epoch, position.epoch_batches(reply)
@@ -277,10 +277,10 @@ class Loader(Closeable):
         # whether the stream may, and the first batch's index says where it started (see
         # NOTE [ Share groups ] on the server).
         join = self._options.share is not None
-        stripes = lanes.stripe(cursor, num_batches, join_share=join)
-        mine = _streams(stripes)
+        conns = replicas.stripe(cursor, num_batches, join_share=join)
+        mine = _streams(conns)
         """This iteration's streams: only those are its to cancel."""
-        first, stride = cursor.next_batch, len(stripes)
+        first, stride = cursor.next_batch, len(conns)
         lost_at: float | None = None
         """When a server went away, until a batch arrives again."""
         previous: Connection | None = None
@@ -288,9 +288,9 @@ class Loader(Closeable):
         try:
             index = first
             while index < num_batches:
-                conn = stripes[(index - first) % stride]
+                conn = conns[(index - first) % stride]
                 session, stream = conn.session, conn.stream
-                assert session is not None and stream is not None, "a lane has a stream"
+                assert session is not None and stream is not None, "a live replica has a stream"
                 plan = (conn.target, position.plan_index(index, reply), num_batches, epoch)
                 try:
                     if previous is not conn and previous is not None:
@@ -302,8 +302,8 @@ class Loader(Closeable):
                     # batch the loop has not seen.
                     lost_at = time.monotonic() if lost_at is None else lost_at
                     at = replace(cursor, next_batch=index)
-                    stripes = lanes.lost(conn, e, at, num_batches, lost_at)
-                    mine, first, stride, previous = _streams(stripes), index, len(stripes), None
+                    conns = replicas.lost(conn, e, at, num_batches, lost_at)
+                    mine, first, stride, previous = _streams(conns), index, len(conns), None
                     join = False
                     continue
                 if join:
@@ -327,13 +327,13 @@ class Loader(Closeable):
                 if self._iteration is not token:
                     raise FailedPrecondition(_SUPERSEDED)
                 clock.asked()
-            for conn in stripes:
+            for conn in conns:
                 conn.finish_stream(clock.take_pending)
             finished = True
             position.move_to(Cursor(epoch + 1))
         finally:
             if not finished:
-                lanes.abandon(mine)
+                replicas.abandon(mine)
             if self._iteration is token:
                 self._iteration = None
 
@@ -391,18 +391,18 @@ class Loader(Closeable):
         session = self._session()
         saved = self._position.read_state(state, session.reply)
         self._abandon()
-        lanes = self._lanes
+        replicas = self._replicas
         candidate = session
         if saved.reopen_on is not None:
             version, snapshot = saved.reopen_on
-            candidate = lanes.open_session(version or None, snapshot or None)
+            candidate = replicas.open_session(version or None, snapshot or None)
         try:
-            self._position.reset(saved, candidate.reply, target=lanes.primary.target)
+            self._position.reset(saved, candidate.reply, target=replicas.primary.target)
         except BaseException:
             if candidate is not session:
-                candidate.close(lanes.primary.stub, lanes.primary.target)
+                candidate.close(replicas.primary.stub, replicas.primary.target)
             raise
-        lanes.adopt(candidate)
+        replicas.adopt(candidate)
 
     # -- what the loop waited for ----------------------------------------------------------
 
@@ -434,7 +434,7 @@ class Loader(Closeable):
     @property
     def target(self) -> str:
         """The server answering for the Loader (striped: the primary replica)."""
-        return self._lanes.primary.target
+        return self._replicas.primary.target
 
     @property
     def epoch(self) -> int:
@@ -483,7 +483,7 @@ class Loader(Closeable):
     @property
     def transport(self) -> str:
         """``"shm"`` or ``"inline"``: what this session uses."""
-        return "shm" if self._session().transport == loader_pb2.TRANSPORT_SHM else "inline"
+        return self._session().transport.name
 
     @property
     def device(self) -> Any:
@@ -534,5 +534,5 @@ def _account_of(mix: Mix | None) -> SourceAccount | None:
     return SourceAccount(mix.names, lambda _step: shares)
 
 
-def _streams(stripes: Sequence[Connection]) -> list[BatchStream]:
-    return [conn.stream for conn in stripes if conn.stream is not None]
+def _streams(conns: Sequence[Connection]) -> list[BatchStream]:
+    return [conn.stream for conn in conns if conn.stream is not None]

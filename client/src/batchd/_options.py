@@ -6,11 +6,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S
-from batchd._mix import Mix
-from batchd._pack import Pack, check_pack
-from batchd._proto.batchd.v1 import loader_pb2
-from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
-from batchd._specs import (
+from batchd._packing import Pack, check_pack
+from batchd._pipelines import (
     PipelineSpec,
     check_choice,
     check_int,
@@ -19,6 +16,9 @@ from batchd._specs import (
     resolve_rank,
     sampling_to_proto,
 )
+from batchd._proto.batchd.v1 import loader_pb2
+from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
+from batchd._sources import Mix
 from batchd._wire.share import share_key_problem
 from batchd._wire.specs import TRANSPORTS
 from batchd.errors import InvalidArgument

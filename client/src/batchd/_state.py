@@ -45,8 +45,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from batchd._options import LoaderOptions
+from batchd._pipelines import check_int
 from batchd._proto.batchd.v1 import loader_pb2
-from batchd._specs import check_int
 from batchd._version import __version__
 from batchd._wire.epoch import rest_of_epoch
 from batchd.errors import FailedPrecondition, InvalidArgument

@@ -2,8 +2,8 @@
 Loader stripes over (a list, or every address of a ``dns:///`` name).
 
 A target naming one server stays the string it was, for gRPC to resolve and connect to; a
-Loader on it is a stripe of one. Two or more replicas each get a channel of their own, by
-address, so each serves its share of the epoch (see ``batchd._lanes``).
+Loader on it has one replica. Two or more replicas each get a channel of their own, by
+address, so each serves its share of the epoch (see ``batchd._replicas``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from typing import Any, Final
 
 from batchd.errors import InvalidArgument
 
-__all__ = ["TARGET_ENV", "Replicas", "Resolver", "addresses_of", "replicas_of", "resolve_target"]
+__all__ = [
+    "TARGET_ENV",
+    "ReplicaAddresses",
+    "Resolver",
+    "addresses_of",
+    "replicas_of",
+    "resolve_target",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +35,7 @@ Resolver = Callable[..., list[tuple[Any, ...]]]
 
 
 @dataclass(frozen=True)
-class Replicas:
+class ReplicaAddresses:
     """The servers one Loader stripes over: addresses, and the DNS name they came from."""
 
     addresses: tuple[str, ...]
@@ -57,7 +64,7 @@ def resolve_target(target: str | None, environ: Mapping[str, str] | None = None)
 
 def replicas_of(
     target: str | Sequence[str] | None, resolver: Resolver = socket.getaddrinfo
-) -> Replicas:
+) -> ReplicaAddresses:
     """The servers a Loader on ``target`` uses: one (the target string unchanged), or the
     replicas to stripe over: a list of two or more targets, or a ``dns:///NAME:PORT`` target
     whose name resolves to two or more addresses (A and AAAA records). A name that resolves
@@ -70,7 +77,7 @@ def replicas_of(
     if target is None or isinstance(target, str):
         single = resolve_target(target)
         if not single.startswith("dns:"):
-            return Replicas((single,))
+            return ReplicaAddresses((single,))
         rest = single.removeprefix("dns:")
         if rest.startswith("//"):
             authority, _, rest = rest[2:].partition("/")
@@ -84,10 +91,10 @@ def replicas_of(
             addresses = addresses_of(host, port, resolver)
         except OSError as e:
             logger.info("batchd: %s does not resolve yet (%s); one target for gRPC", host, e)
-            return Replicas((single,))
+            return ReplicaAddresses((single,))
         if len(addresses) < 2:
-            return Replicas((single,))
-        return Replicas(tuple(addresses), host, port)
+            return ReplicaAddresses((single,))
+        return ReplicaAddresses(tuple(addresses), host, port)
     targets = [resolve_target(t) if isinstance(t, str) else t for t in target]
     bad = [t for t in targets if not isinstance(t, str)]
     if not targets or bad:
@@ -97,7 +104,7 @@ def replicas_of(
     twice = sorted({t for t in targets if targets.count(t) > 1})
     if twice:
         raise InvalidArgument(f"target lists {twice} more than once; list each replica once")
-    return Replicas(tuple(targets))
+    return ReplicaAddresses(tuple(targets))
 
 
 def addresses_of(host: str, port: int, resolver: Resolver = socket.getaddrinfo) -> list[str]:

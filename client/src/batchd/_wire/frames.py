@@ -36,7 +36,7 @@ reconnect path instead of blocking forever. The wait is the kernel's (``SO_RCVTI
 it costs no extra system call per batch.
 
 The framing is defined here once; the server's end is ``batchd_server.delivery.doorbell``,
-the client's ``batchd._doorbell``.
+the client's ``batchd._transport.doorbell``.
 """
 
 from __future__ import annotations

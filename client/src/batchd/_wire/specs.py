@@ -1,6 +1,6 @@
 """The pipeline and request values both sides check: limits, defaults and choices.
 
-The client checks a spec when it is built (``batchd._specs``), the server checks every
+The client checks a spec when it is built (``batchd._pipelines``), the server checks every
 request again (``batchd_server.pipelines``, ``sessions/options.py``); both read the bounds
 from here so they cannot drift.
 """

@@ -2,7 +2,7 @@
 
 Codes are named as gRPC names them (``"INVALID_ARGUMENT"``), so this table needs no grpc:
 the server's gRPC layer (``batchd_server.api.status``) and its doorbell, and the client's
-(``batchd._status``), each turn a name into their own code object. The server answers an
+(``batchd._rpc_errors``), each turn a name into their own code object. The server answers an
 exception with the code of its nearest class here and sends the exact class name in the
 trailing metadata key :data:`ERROR_CLASS_KEY` (or a doorbell frame); the client turns that
 back into the same class, so training code never sees a ``grpc.RpcError``.

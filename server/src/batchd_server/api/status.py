@@ -3,7 +3,7 @@
 Servicer methods raise :class:`~batchd_server.errors.BatchdError` subclasses and never touch
 status codes. :func:`map_errors` catches what they raise and ends the call with
 ``context.abort``, which raises, so no handler can set a code and carry on. The table itself
-lives in ``batchd._status``, shared with the client that maps the codes back.
+lives in ``batchd._wire.status``, shared with the client that maps the codes back.
 """
 
 from __future__ import annotations

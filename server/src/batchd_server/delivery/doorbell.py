@@ -1,6 +1,6 @@
 """The server's end of the doorbell, where shm streams run: starts and acks in, batches out.
 
-The protocol and the reason for it are in the client's ``batchd/_doorbell.py``. Here: one
+The protocol and the reason for it are in ``batchd._wire.frames``. Here: one
 listening unix socket per server instance, beside its segments in the shm directory
 (``batchd-<instance>-bell-<random>``, mode 0600, so only who may open the segments may
 connect, and a sweep removes it with the segments of a dead instance). Each connection says

@@ -2,7 +2,7 @@
 
 The server writes each batch into a slot of a shared-memory segment (laid out as
 ``batchd._wire.ring`` says) and tells the client, on the session's doorbell socket
-(``_doorbell.py``), where its fields are and under which lease; the client maps the segment
+(``doorbell.py``), where its fields are and under which lease; the client maps the segment
 once per session, reads the slot in place, and gives the slot back by acking the lease.
 The segment starts with a token the server also sends in ``RingLayout.token``: a client that
 reads the same bytes there has the server's segment (same host, same ``/dev/shm``), not a
@@ -22,16 +22,16 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from batchd._doorbell import ClientDoorbell, DoorbellSilent
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._stats import BatchTiming
-from batchd._stream import ReceivedBatch
+from batchd._transport.doorbell import ClientDoorbell, DoorbellSilent
+from batchd._transport.stream import BatchStream, HeldSlots, ReceivedBatch
 from batchd._wire.frames import ACCEPTED, BATCH, CANCEL, END, HEARTBEAT, START, parse
 from batchd._wire.ring import slot_offset
 from batchd._wire.status import disagreement, error_named
 from batchd.errors import NotFound, Unavailable
 
-__all__ = ["SHM_DIR", "ShmRing", "ShmStream", "ShmUnusable"]
+__all__ = ["SHM_DIR", "ShmRing", "ShmStream", "ShmTransport", "ShmUnusable"]
 
 SHM_DIR: Final = Path("/dev/shm")
 
@@ -62,7 +62,7 @@ class ShmRing:
         self.bytes: npt.NDArray[np.uint8] = np.frombuffer(mapping, dtype=np.uint8)
         """The whole segment; its ``.ctypes.data`` is the mapping's address."""
         self.doorbell: ClientDoorbell | None = None
-        """The session's doorbell connection, once :func:`select_transport` made it."""
+        """The session's doorbell connection, once ``select_transport`` made it."""
         self._borrowed: dict[str, ShmRing] = {}
         """Other sessions' rings this session's share group lent slots of, by name."""
 
@@ -182,7 +182,7 @@ class ShmStream:
     The constructor waits (up to ``accept_timeout_s``) for the server to accept the start, so
     a session the server forgot raises NotFound here, before any batch is awaited. The
     stream asks for heartbeats: while it waits for a batch, a server silent for a few of its
-    heartbeat intervals raises Unavailable (see ``_doorbell.py``).
+    heartbeat intervals raises Unavailable (see ``doorbell.py``).
 
     Args:
         start: The stream's StreamStart (``seq`` and ``held_leases`` set).
@@ -283,3 +283,44 @@ class ShmStream:
         if not self._ended:
             self._ended = True
             self._bell.send(CANCEL, loader_pb2.DoorbellCancel(seq=self._seq))
+
+
+class ShmTransport:
+    """The shm transport of one session: its mapped ring and doorbell, and the streams
+    started on them (each ``StreamStart.seq`` one more than the last: the doorbell refuses
+    an older one).
+
+    Args:
+        ring: The session's ring, its doorbell connected.
+        reason: Why shm was chosen, for the log.
+    """
+
+    name: Final = "shm"
+    kind: Final = loader_pb2.TRANSPORT_SHM
+
+    def __init__(self, ring: ShmRing, reason: str) -> None:
+        assert ring.doorbell is not None, "select_transport connects the doorbell"
+        self.ring: Final = ring
+        self.reason = reason
+        self._streams = 0
+
+    def open_stream(
+        self, start: loader_pb2.StreamStart, *, held: HeldSlots, timeout_s: float
+    ) -> BatchStream:
+        """Start ``start``'s stream on the doorbell; it holds the slots ``held`` still
+        owns, and may be lent another session's if ``held`` reads them.
+
+        Raises:
+            BatchdError: the server refused the stream (NotFound when the session is gone),
+                or did not accept it within ``timeout_s``.
+        """
+        self._streams += 1
+        start.seq = self._streams
+        start.held_leases.extend(held.lent())
+        start.read_shared = held.reads_shared
+        self.ring.forget_borrowed()
+        return ShmStream(start, ring=self.ring, accept_timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Hang up the doorbell and unmap the ring (see :meth:`ShmRing.close`). Idempotent."""
+        self.ring.close()

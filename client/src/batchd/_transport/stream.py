@@ -1,10 +1,11 @@
 """What one pass over an epoch looks like to the Loader, whatever carries the bytes.
 
-Two transports implement :class:`BatchStream`: :class:`batchd._shm.ShmStream` (batches in the
-server's shared-memory ring, news of them on the session's doorbell socket) and
-:class:`batchd._inline.InlineStream` (batch bytes inside one gRPC ``StreamBatches`` call).
-``batchd._transport.select_transport`` picks one per session and
-``batchd._connection.Connection.start_stream`` starts it; the Loader's epoch loop is written
+Two transports implement :class:`BatchStream`: :class:`batchd._transport.shm.ShmStream`
+(batches in the server's shared-memory ring, news of them on the session's doorbell socket)
+and :class:`batchd._transport.inline.InlineStream` (batch bytes inside one gRPC
+``StreamBatches`` call). ``batchd._transport.select.select_transport`` picks a session's
+:class:`~batchd._transport.select.Transport`, whose ``open_stream`` starts each stream
+(``batchd._connection.Connection.start_stream`` asks it); the Loader's epoch loop is written
 against the protocol only.
 """
 
@@ -22,7 +23,7 @@ from batchd._proto.batchd.v1 import loader_pb2
 from batchd._stats import BatchTiming
 from batchd._wire.status import disagreement
 
-__all__ = ["BatchStream", "ReceivedBatch", "field_views"]
+__all__ = ["BatchStream", "HeldSlots", "ReceivedBatch", "field_views"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,20 @@ class BatchStream(Protocol):
 
     def cancel(self) -> None:
         """Abandon the stream (the consumer stopped early). Idempotent; never raises."""
+        ...
+
+
+class HeldSlots(Protocol):
+    """What a new stream tells the server of the session's delivery (``batchd._device``):
+    the slots the training loop still holds, and whether it may read another session's."""
+
+    def lent(self) -> list[int]:
+        """Leases of batches the training loop still owns; they outlive streams."""
+        ...
+
+    @property
+    def reads_shared(self) -> bool:
+        """A batch may be in another session's ring (``StreamStart.read_shared``)."""
         ...
 
 

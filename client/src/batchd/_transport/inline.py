@@ -25,13 +25,13 @@ import grpc
 import numpy as np
 
 from batchd._proto.batchd.v1 import loader_pb2, loader_pb2_grpc
+from batchd._rpc_errors import error_from_rpc
 from batchd._stats import BatchTiming
-from batchd._status import error_from_rpc
-from batchd._stream import ReceivedBatch
+from batchd._transport.stream import BatchStream, HeldSlots, ReceivedBatch
 from batchd._wire.status import disagreement
 from batchd.errors import Unavailable
 
-__all__ = ["InlineAssembler", "InlineStream"]
+__all__ = ["InlineAssembler", "InlineStream", "InlineTransport"]
 
 _QUEUE_POLL_S: Final = 0.5
 
@@ -246,3 +246,49 @@ class InlineStream:
             self._ended = True
         self._timer.cancel()
         self._stop.set()
+
+
+class InlineTransport:
+    """The inline transport of one session: each stream is one ``StreamBatches`` call on
+    the session's channel.
+
+    Args:
+        stub: The Loader stub of the session's channel.
+        target: For error messages.
+        max_batch_bytes: The session's slot size, which no batch's bytes may exceed (None:
+            no bound).
+        reason: Why inline was chosen, for the log.
+    """
+
+    name: Final = "inline"
+    kind: Final = loader_pb2.TRANSPORT_INLINE
+    ring: Final = None
+    """No ring is mapped: every batch is a buffer of its own."""
+
+    def __init__(
+        self,
+        stub: loader_pb2_grpc.LoaderStub,
+        *,
+        target: str,
+        max_batch_bytes: int | None,
+        reason: str,
+    ) -> None:
+        self._stub = stub
+        self._target = target
+        self._max_batch_bytes = max_batch_bytes
+        self.reason = reason
+
+    def open_stream(
+        self, start: loader_pb2.StreamStart, *, held: HeldSlots, timeout_s: float
+    ) -> BatchStream:
+        """Start ``start``'s call (``held`` holds no slot inline: a batch owns its buffer)."""
+        return InlineStream(
+            self._stub,
+            start,
+            target=self._target,
+            timeout_s=timeout_s,
+            max_batch_bytes=self._max_batch_bytes,
+        )
+
+    def close(self) -> None:
+        """Nothing to free: the channel is the connection's."""

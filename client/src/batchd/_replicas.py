@@ -1,17 +1,19 @@
-"""The servers a Loader's batches come from: one lane per replica; one server is one lane.
+"""The servers a Loader's batches come from, each a *replica*; one server is one replica.
 
-A Loader on one server is a stripe of one. ``Loader(target=["h1:50051", "h2:50051"])``, or
+A replica, to the client, is a server together with the Loader's connection and session on
+it. A Loader on one server has one replica, which serves every batch; on R of them the epoch
+is striped over the replicas. ``Loader(target=["h1:50051", "h2:50051"])``, or
 ``target="dns:///batchd-headless:50051"`` whose name resolves to several addresses
 (``batchd._targets``), opens one session per replica, every one on the catalog snapshot of
 the first. Sampling is a pure function of the options and the snapshot, so every replica
 plans the same epoch, and each serves every R-th batch of it (``StreamStart.stride``): from
-the first batch ``b`` an iteration streams, lane ``i`` serves ``b + i``, ``b + i + R``, ...
+the first batch ``b`` an iteration streams, replica ``i`` serves ``b + i``, ``b + i + R``, ...
 (batch k from replica k mod R for a whole epoch). The Loader's epoch loop takes the batches
-in order from whichever lane holds each, so the loop sees one server's epoch, decoded by R
+in order from whichever replica holds each, so the loop sees one server's epoch, decoded by R
 servers' CPUs; ``state_dict`` is the same global cursor.
 
 NOTE [ A replica that fails ]
-A lane whose stream fails mid-epoch (its server killed, restarted or unreachable, its
+A replica whose stream fails mid-epoch (its server killed, restarted or unreachable, its
 session forgotten after an idle lease) gets a new session on the same snapshot, and the
 epoch goes on at the first batch the loop has not seen: sampling is a pure function of the
 options and the snapshot, so the new session serves exactly the batches the old one would
@@ -41,8 +43,8 @@ from batchd._options import LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import retry_until
 from batchd._state import Cursor
-from batchd._stream import BatchStream
-from batchd._targets import Replicas, Resolver, addresses_of
+from batchd._targets import ReplicaAddresses, Resolver, addresses_of
+from batchd._transport.stream import BatchStream
 from batchd.errors import (
     BatchdError,
     FailedPrecondition,
@@ -51,7 +53,7 @@ from batchd.errors import (
     Unavailable,
 )
 
-__all__ = ["Lanes"]
+__all__ = ["Replicas"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,21 +72,21 @@ batch is dropped (while other replicas are live)."""
 
 
 @dataclass(eq=False)
-class _Lane:
+class _Replica:
     conn: Connection
     retry_at: float = 0.0
     """Dropped: when an iteration's start may try it again (monotonic)."""
     retry_after_s: float = _RETRY_FIRST_S
 
 
-class Lanes:
+class Replicas:
     """A Loader's replicas (one for one server), a :class:`Connection` and a session each.
 
-    One lane is the *primary*, whose session answers ``len()``, ``state_dict()`` and the
+    One replica is the *primary*, whose session answers ``len()``, ``state_dict()`` and the
     rest; the others are kept on its snapshot and plan, the *reference*.
 
     Args:
-        replicas: The servers (``batchd._targets.replicas_of``).
+        addresses: The servers (``batchd._targets.replicas_of``).
         security: TLS and token for every channel.
         options: The Loader's options: what each session asks for, and its deadlines.
         delivery_options: How each session's batches reach the loop
@@ -94,29 +96,29 @@ class Lanes:
 
     def __init__(
         self,
-        replicas: Replicas,
+        addresses: ReplicaAddresses,
         security: ChannelSecurity,
         options: LoaderOptions,
         delivery_options: dict[str, Any],
         resolver: Resolver = socket.getaddrinfo,
     ) -> None:
-        self._source = replicas
+        self._source = addresses
         self._security = security
         self._options = options
         self._delivery_options = delivery_options
         self._resolver = resolver
-        self._lanes = [_Lane(self._connect(a)) for a in replicas.addresses]
-        self._primary = self._lanes[0]
-        self._live: list[_Lane] = []
-        """Lanes with a session on the reference snapshot, in ``_lanes`` order."""
+        self._replicas = [_Replica(self._connect(a)) for a in addresses.addresses]
+        self._primary = self._replicas[0]
+        self._live: list[_Replica] = []
+        """Replicas with a session on the reference snapshot, in ``_replicas`` order."""
         self._reference: loader_pb2.OpenSessionResponse | None = None
         """The primary's OpenSession answer: the snapshot, version and plan all must share."""
         self._resolved_at = time.monotonic()
         self._outage_at: float | None = None
         """When the loop last lost a batch that has not arrived since (the ``lost_at`` of
         the latest failure)..."""
-        self._failures: dict[_Lane, int] = {}
-        """...and how often each lane failed since then."""
+        self._failures: dict[_Replica, int] = {}
+        """...and how often each replica failed since then."""
 
     def _connect(self, address: str) -> Connection:
         options: list[tuple[str, Any]] = []
@@ -131,11 +133,11 @@ class Lanes:
 
     @property
     def live_targets(self) -> list[str]:
-        """The replicas the next stripes go to, in order."""
-        return [lane.conn.target for lane in self._live]
+        """The replicas the next streams are striped over, in order."""
+        return [replica.conn.target for replica in self._live]
 
     def _targets(self) -> str:
-        return ", ".join(lane.conn.target for lane in self._lanes)
+        return ", ".join(replica.conn.target for replica in self._replicas)
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -147,13 +149,13 @@ class Lanes:
             BatchdError: a replica refused the session (anything but Unavailable), or
                 plans the epoch differently (another catalog).
         """
-        failures: list[tuple[_Lane, Unavailable]] = []
-        for lane in self._lanes:
+        failures: list[tuple[_Replica, Unavailable]] = []
+        for replica in self._replicas:
             try:
-                self._open_on(lane, timeout_s=self._options.timeout_s)
+                self._open_on(replica, timeout_s=self._options.timeout_s)
             except Unavailable as e:
-                self._dropped(lane)
-                failures.append((lane, e))
+                self._dropped(replica)
+                failures.append((replica, e))
         if not self._live:
             if len(failures) == 1:
                 raise failures[0][1]
@@ -161,8 +163,8 @@ class Lanes:
                 f"none of the batchd replicas {self._targets()} answered: "
                 + "; ".join(str(e) for _, e in failures)
             )
-        for lane, error in failures:
-            target = lane.conn.target
+        for replica, error in failures:
+            target = replica.conn.target
             logger.warning("batchd: replica %r unreachable, striping without it: %s", target, error)
 
     def session(self) -> SessionHandle:
@@ -176,7 +178,7 @@ class Lanes:
         if conn.session is None:
             self._open_on(self._primary, timeout_s=self._options.timeout_s)
             conn = self._primary.conn
-        assert conn.session is not None, "_open_on leaves the lane a session"
+        assert conn.session is not None, "_open_on leaves the replica a session"
         return conn.session
 
     def open_session(self, version: str | None, snapshot: str | None) -> SessionHandle:
@@ -188,7 +190,7 @@ class Lanes:
 
     def adopt(self, session: SessionHandle) -> None:
         """Make ``session`` (from :meth:`open_session`) the primary's and its snapshot the
-        reference; the other lanes follow it when the next iteration starts."""
+        reference; the other replicas follow it when the next iteration starts."""
         self._primary.conn.replace_session(session)
         self._reference = session.reply
 
@@ -202,23 +204,23 @@ class Lanes:
         if self._source.dns_host is not None and now - self._resolved_at >= _RESOLVE_EVERY_S:
             self._resolved_at = now
             self._resolve_again()
-        for lane in self._lanes:
-            session = lane.conn.session
+        for replica in self._replicas:
+            session = replica.conn.session
             if session is not None and (session.reply.snapshot, session.reply.version) == (
                 primary.reply.snapshot,
                 primary.reply.version,
             ):
-                self._admit(lane)  # the primary, after session() reopened it
+                self._admit(replica)  # the primary, after session() reopened it
                 continue
-            if session is None and lane.retry_at > now:
+            if session is None and replica.retry_at > now:
                 continue
             try:
-                self._open_on(lane, timeout_s=_RETRY_TIMEOUT_S)
+                self._open_on(replica, timeout_s=_RETRY_TIMEOUT_S)
             except BatchdError as e:
                 # A replica that cannot join costs this iteration nothing but its share.
                 level = logging.DEBUG if isinstance(e, Unavailable) else logging.WARNING
-                logger.log(level, "batchd: replica %r left out: %s", lane.conn.target, e)
-                self._drop(lane)
+                logger.log(level, "batchd: replica %r left out: %s", replica.conn.target, e)
+                self._drop(replica)
         return primary
 
     def _open_session(
@@ -239,8 +241,10 @@ class Lanes:
             delivery_options=self._delivery_options,
         )
 
-    def _open_on(self, lane: _Lane, *, timeout_s: float, wait_for_ready: bool = False) -> None:
-        """A new session for ``lane`` on the reference (the first one: the options' own, and
+    def _open_on(
+        self, replica: _Replica, *, timeout_s: float, wait_for_ready: bool = False
+    ) -> None:
+        """A new session for ``replica`` on the reference (the first one: the options' own, and
         it becomes the reference). Its old session goes first, quietly: it failed, or it
         serves another snapshot, and it would hold a place in the server's limits.
 
@@ -248,7 +252,7 @@ class Lanes:
             FailedPrecondition: the replica plans the epoch differently.
             BatchdError: it refused the session or did not answer.
         """
-        conn, reference = lane.conn, self._reference
+        conn, reference = replica.conn, self._reference
         conn.abandon_stream()
         old, conn.session = conn.session, None
         if old is not None:
@@ -274,32 +278,32 @@ class Lanes:
                     "must serve the same catalog; create a new Loader"
                 )
         conn.session = session
-        self._admit(lane)
-        lane.retry_after_s = _RETRY_FIRST_S
+        self._admit(replica)
+        replica.retry_after_s = _RETRY_FIRST_S
         if self._primary.conn.session is None or self._primary not in self._live:
-            self._primary = lane
+            self._primary = replica
 
-    def _dropped(self, lane: _Lane) -> None:
-        lane.retry_at = time.monotonic() + lane.retry_after_s
-        lane.retry_after_s = min(lane.retry_after_s * 2, _RETRY_MAX_S)
+    def _dropped(self, replica: _Replica) -> None:
+        replica.retry_at = time.monotonic() + replica.retry_after_s
+        replica.retry_after_s = min(replica.retry_after_s * 2, _RETRY_MAX_S)
 
-    def _drop(self, lane: _Lane) -> None:
-        """Stop using ``lane``: close its session (quietly: it is likely gone)."""
-        if lane in self._live:
-            self._live.remove(lane)
-        self._dropped(lane)
-        conn = lane.conn
+    def _drop(self, replica: _Replica) -> None:
+        """Stop using ``replica``: close its session (quietly: it is likely gone)."""
+        if replica in self._live:
+            self._live.remove(replica)
+        self._dropped(replica)
+        conn = replica.conn
         conn.abandon_stream()
         session, conn.session = conn.session, None
         if session is not None:
             session.close(conn.stub, conn.target, quiet=True)
-        if lane is self._primary and self._live:
+        if replica is self._primary and self._live:
             self._primary = self._live[0]
 
-    def _admit(self, lane: _Lane) -> None:
-        if lane not in self._live:
-            self._live.append(lane)
-            self._live.sort(key=self._lanes.index)
+    def _admit(self, replica: _Replica) -> None:
+        if replica not in self._live:
+            self._live.append(replica)
+            self._live.sort(key=self._replicas.index)
 
     def _resolve_again(self) -> None:
         """Add the DNS name's new addresses; forget dropped ones it no longer has."""
@@ -310,15 +314,15 @@ class Lanes:
         except OSError as e:
             logger.info("batchd: resolving %s again failed (%s); keeping its replicas", host, e)
             return
-        for lane in list(self._lanes):
-            if lane.conn.target not in found and lane not in self._live:
-                self._lanes.remove(lane)
-                lane.conn.close()
-        known = {lane.conn.target for lane in self._lanes}
+        for replica in list(self._replicas):
+            if replica.conn.target not in found and replica not in self._live:
+                self._replicas.remove(replica)
+                replica.conn.close()
+        known = {replica.conn.target for replica in self._replicas}
         for address in found:
             if address not in known:
                 logger.info("batchd: %s has a new replica %s", host, address)
-                self._lanes.append(_Lane(self._connect(address)))
+                self._replicas.append(_Replica(self._connect(address)))
 
     def _reopen_any(self, left_s: float) -> None:
         """One try on every replica, ``left_s`` seconds before the deadline (0: no time to
@@ -328,11 +332,11 @@ class Lanes:
             timeout_s = min(left_s, timeout_s)
         # One server is waited for until it is reachable; several are tried in turn, so one
         # that is gone for good does not keep the others waiting.
-        wait_for_ready = left_s > 0 and len(self._lanes) == 1
+        wait_for_ready = left_s > 0 and len(self._replicas) == 1
         errors: list[BatchdError] = []
-        for lane in self._lanes:
+        for replica in self._replicas:
             try:
-                self._open_on(lane, timeout_s=timeout_s, wait_for_ready=wait_for_ready)
+                self._open_on(replica, timeout_s=timeout_s, wait_for_ready=wait_for_ready)
             except (Unavailable, ResourceExhausted) as e:
                 errors.append(e)
         if not self._live:
@@ -351,10 +355,11 @@ class Lanes:
         lost_at: float | None = None,
         join_share: bool = False,
     ) -> list[Connection]:
-        """Start a stream on every live lane, striped from batch ``cursor.next_batch`` of
-        ``num_batches``; the lanes, lane ``i`` serving that batch ``+ i``, ``+ i + R``, ...
+        """Start a stream on every live replica, striped from batch ``cursor.next_batch`` of
+        ``num_batches``; their connections, replica ``i`` serving that batch ``+ i``,
+        ``+ i + R``, ...
 
-        A lane whose session turns out to be gone gets a new one or is dropped; with none
+        A replica whose session turns out to be gone gets a new one or is dropped; with none
         left, any replica is waited for until ``reconnect_timeout_s`` after ``lost_at``
         (see NOTE [ A replica that fails ]).
 
@@ -363,7 +368,7 @@ class Lanes:
             num_batches: The batches of the epoch's plan on this rank.
             cause: What failed, when striping again after a failure.
             lost_at: When it failed (monotonic).
-            join_share: Ask each lane's server to start the epoch at its share group's
+            join_share: Ask each replica's server to start the epoch at its share group's
                 position; the server decides whether the stream may (``StreamStart.join_share``).
 
         Raises:
@@ -374,7 +379,7 @@ class Lanes:
         try:
             while True:
                 if not self._live:
-                    assert cause is not None and lost_at is not None, "open() leaves a lane"
+                    assert cause is not None and lost_at is not None, "open() leaves a replica"
                     retry_until(
                         self._reopen_any,
                         target=self._targets(),
@@ -383,25 +388,27 @@ class Lanes:
                         cause=cause,
                         failed_before=max(self._failures.values(), default=1) - 1,
                     )
-                lanes = list(self._live)
-                lane = lanes[0]
+                replicas = list(self._live)
+                replica = replicas[0]
                 try:
-                    for i, lane in enumerate(lanes):
+                    for i, replica in enumerate(replicas):
                         first = cursor.next_batch + i
                         if first < num_batches:
-                            lane.conn.start_stream(
+                            replica.conn.start_stream(
                                 replace(cursor, next_batch=first),
-                                stride=len(lanes),
+                                stride=len(replicas),
                                 timeout_s=self._options.timeout_s,
                                 join_share=join_share,
                             )
-                    return [lane.conn for lane in lanes]
+                    return [replica.conn for replica in replicas]
                 except (NotFound, Unavailable) as e:
                     # Its session is gone (an idle lease ran out, a restart): see the NOTE.
-                    logger.info("batchd: stream on %r failed (%s); reopening", lane.conn.target, e)
+                    logger.info(
+                        "batchd: stream on %r failed (%s); reopening", replica.conn.target, e
+                    )
                     self.abandon_streams()
                     cause, lost_at = e, time.monotonic() if lost_at is None else lost_at
-                    self._recover(lane, e, cursor.next_batch, lost_at)
+                    self._recover(replica, e, cursor.next_batch, lost_at)
         except BaseException:
             self.abandon_streams()
             raise
@@ -415,26 +422,26 @@ class Lanes:
         lost_at: float,
     ) -> list[Connection]:
         """``conn``'s stream failed where batch ``cursor.next_batch`` was due: see NOTE [ A
-        replica that fails ]; the lanes striped again from that batch, as :meth:`stripe`."""
+        replica that fails ]; the replicas striped again from that batch, as :meth:`stripe`."""
         self.abandon_streams()
-        lane = next(lane for lane in self._lanes if lane.conn is conn)
-        self._recover(lane, cause, cursor.next_batch, lost_at)
+        replica = next(replica for replica in self._replicas if replica.conn is conn)
+        self._recover(replica, cause, cursor.next_batch, lost_at)
         return self.stripe(cursor, num_batches, cause=cause, lost_at=lost_at)
 
-    def _recover(self, lane: _Lane, cause: BaseException, index: int, lost_at: float) -> None:
-        """After ``lane``'s stream failed where batch ``index`` was due, in the outage that
-        began at ``lost_at``: while other lanes are live, ask it once, at once, for a new
+    def _recover(self, replica: _Replica, cause: BaseException, index: int, lost_at: float) -> None:
+        """After ``replica``'s stream failed where batch ``index`` was due, in the outage that
+        began at ``lost_at``: while other replicas are live, ask it once, at once, for a new
         session; else (or when that fails, or it failed too often) drop it.
 
         Raises:
-            Unavailable: the lane is the last one, and keeps failing on new sessions past
+            Unavailable: the replica is the last one, and keeps failing on new sessions past
                 ``reconnect_timeout_s`` after ``lost_at``.
         """
-        target = lane.conn.target
+        target = replica.conn.target
         if lost_at != self._outage_at:
             self._outage_at, self._failures = lost_at, {}
-        tries = self._failures[lane] = self._failures.get(lane, 0) + 1
-        others = [other.conn.target for other in self._live if other is not lane]
+        tries = self._failures[replica] = self._failures.get(replica, 0) + 1
+        others = [other.conn.target for other in self._live if other is not replica]
         if not others:
             waited_s = time.monotonic() - lost_at
             timeout_s = self._options.reconnect_timeout_s
@@ -446,14 +453,14 @@ class Lanes:
                     f"a batch came ({tries - 1} times in {waited_s:.1f} s, reconnect_timeout_s="
                     f"{timeout_s:g} s); the last failure: {cause}. Check the server's log"
                 ) from cause
-            self._drop(lane)  # stripe() waits for any replica, this one included
+            self._drop(replica)  # stripe() waits for any replica, this one included
             return
         try:
             if tries >= _MAX_RECOVERIES:
                 raise Unavailable(f"its streams failed {tries} times in a row")
-            self._open_on(lane, timeout_s=_RETRY_TIMEOUT_S)
+            self._open_on(replica, timeout_s=_RETRY_TIMEOUT_S)
         except BatchdError as e:
-            self._drop(lane)
+            self._drop(replica)
             logger.debug("batchd: replica %r failed (%s), and again: %s", target, cause, e)
             logger.warning(
                 "batchd: replica %r failed mid-epoch and does not answer (%s); batches from %d "
@@ -469,20 +476,20 @@ class Lanes:
     # -- lifetime ----------------------------------------------------------------------------
 
     def abandon_streams(self) -> None:
-        """Cancel every lane's live stream (after device copies from its slots finish)."""
-        for lane in self._lanes:
-            lane.conn.abandon_stream()
+        """Cancel every replica's live stream (after device copies from its slots finish)."""
+        for replica in self._replicas:
+            replica.conn.abandon_stream()
 
     def abandon(self, streams: Sequence[BatchStream]) -> None:
         """Cancel ``streams`` (one iteration's), leaving a newer iteration's alone."""
-        for lane in self._lanes:
-            stream = lane.conn.stream
+        for replica in self._replicas:
+            stream = replica.conn.stream
             if stream is not None and any(stream is mine for mine in streams):
-                lane.conn.abandon_stream()
+                replica.conn.abandon_stream()
         for stream in streams:
             stream.cancel()
 
     def close(self) -> None:
         """Close every session and channel. Idempotent."""
-        for lane in self._lanes:
-            lane.conn.close()
+        for replica in self._replicas:
+            replica.conn.close()

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from batchd._pipelines import Tokens, check_choice, check_int
 from batchd._proto.batchd.v1 import loader_pb2
-from batchd._specs import Tokens, check_choice, check_int
 from batchd._wire.pack import MAX_SEQ_LEN, PACK_METHODS
 from batchd.errors import InvalidArgument
 

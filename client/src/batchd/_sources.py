@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from batchd._pipelines import PipelineSpec, pipeline_or_default
 from batchd._proto.batchd.v1 import loader_pb2
-from batchd._specs import PipelineSpec, pipeline_or_default
 from batchd._wire.mix import MAX_MIX_SOURCES, MAX_STOP, valid_weight
 from batchd._wire.schedule import WeightSchedule
 from batchd.errors import InvalidArgument
