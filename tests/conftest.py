@@ -1,7 +1,8 @@
 """Fixtures shared by every test: a real Postgres and the embedded SQLite catalog.
 
 Catalog tests take the ``engine`` fixture, which is parametrized over both backends, so each
-such test runs once on Postgres and once on SQLite. With ``BATCHD_TEST_DATABASE_URL`` unset
+such test runs once on Postgres and once on SQLite; a test marked ``backend("sqlite")`` (or
+``"postgres"``) runs on that one only. With ``BATCHD_TEST_DATABASE_URL`` unset
 the run starts its own Postgres (see ``tests/pgserver.py``); without Postgres binaries it
 fails and says what to install. It never skips.
 """
@@ -124,6 +125,28 @@ def sqlite_engine(sqlite_url: str) -> Iterator[Engine]:
 def pg_engine(pg_url: str) -> Iterator[Engine]:
     """A migrated Postgres catalog, for tests that need the real server only."""
     yield from _migrated(pg_url)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.backend("sqlite")`` (or ``"postgres"``, or ``pytestmark = ...`` for a
+    whole file): the test's catalog (``engine``, ``catalog_url``) on that one backend only,
+    for a subject that does not depend on the catalog. It parametrizes ``catalog_url``
+    directly, which takes precedence over the fixture's own parameters."""
+    mark = metafunc.definition.get_closest_marker("backend")
+    if mark is None:
+        return
+    (backend,) = mark.args
+    if backend not in BACKENDS:
+        raise pytest.UsageError(
+            f"{metafunc.definition.nodeid}: backend({backend!r}) is not one of {BACKENDS}"
+        )
+    if "catalog_url" not in metafunc.fixturenames:
+        raise pytest.UsageError(
+            f"{metafunc.definition.nodeid} is marked backend({backend!r}) but uses no "
+            "catalog (engine or catalog_url): drop the mark"
+        )
+    metafunc.definition.add_marker(pytest.mark.parametrize("catalog_url", [backend], indirect=True))
 
 
 def _cuda_available() -> bool:

@@ -29,6 +29,10 @@ from batchd_server import metrics
 from chaos_harness import wait_until
 from serving import RECORD_FLOATS, batchd_segments, install_decoders, record_dataset, serve
 
+# The embedded catalog only: nothing here depends on the catalog's backend, and each test takes a
+# while.
+pytestmark = pytest.mark.backend("sqlite")
+
 HANG_DECODER = """
 import threading
 
@@ -57,13 +61,6 @@ class Hang(Pipeline):
 """
 STUCK = 17
 """The record whose decode hangs (its first value is 17 * 1000)."""
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog only: nothing here depends on the catalog's backend, and each
-    test takes a while."""
-    return sqlite_engine
 
 
 def _task_timeouts() -> float:

@@ -39,14 +39,11 @@ from batchd_server.delivery.doorbell import MAX_PENDING_HELLOS
 
 from serving import RECORD_FLOATS, record_dataset, serve
 
+# The embedded catalog: what is under test does not depend on the backend.
+pytestmark = pytest.mark.backend("sqlite")
+
 _RECORDS = pb.Pipeline(array=pb.ArrayPipeline(shape=[RECORD_FLOATS], dtype="float32", raw=True))
 _N, _BATCH_SIZE = 64, 8
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog: what is under test does not depend on the backend."""
-    return sqlite_engine
 
 
 @pytest.fixture

@@ -24,13 +24,10 @@ from batchd_server.metrics.admission import REFUSED
 
 from serving import RECORD_FLOATS, image_dataset, record_dataset, serve
 
+# A migrated Postgres catalog (once: the limits under test do not depend on it).
+pytestmark = pytest.mark.backend("postgres")
+
 _RECORDS = pb.Pipeline(array=pb.ArrayPipeline(shape=[RECORD_FLOATS], dtype="float32", raw=True))
-
-
-@pytest.fixture
-def engine(pg_engine: Engine) -> Engine:
-    """A migrated Postgres catalog (once: the limits under test do not depend on it)."""
-    return pg_engine
 
 
 @pytest.fixture

@@ -35,15 +35,12 @@ from batchd_server.shm.space import ShmSpace
 from chaos_harness import wait_until
 from serving import RECORD_FLOATS, record_dataset, serve, tcp_server
 
+# The embedded catalog: what is under test does not depend on the backend.
+pytestmark = pytest.mark.backend("sqlite")
+
 TOKEN = "health-abuse-token-0123456789"
 _N = 64
 _SERVE = [sys.executable, "-m", "batchd_server.cli", "serve"]
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog: what is under test does not depend on the backend."""
-    return sqlite_engine
 
 
 @contextlib.contextmanager

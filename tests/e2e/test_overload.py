@@ -25,14 +25,11 @@ from batchd_server.api import RunningServer
 from chaos_harness import wait_until
 from serving import RECORD_FLOATS, record_dataset, records_loader, serve
 
+# A migrated Postgres catalog (once: the limits under test do not depend on it).
+pytestmark = pytest.mark.backend("postgres")
+
 _RECORDS = pb.Pipeline(array=pb.ArrayPipeline(shape=[RECORD_FLOATS], dtype="float32", raw=True))
 _N = 203
-
-
-@pytest.fixture
-def engine(pg_engine: Engine) -> Engine:
-    """A migrated Postgres catalog (once: the limits under test do not depend on it)."""
-    return pg_engine
 
 
 @pytest.fixture

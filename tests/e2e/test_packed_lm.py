@@ -18,14 +18,9 @@ from batchd_server.api import RunningServer
 from packing_data import documents_dataset
 from serving import serve
 
-pytestmark = [pytest.mark.slow(seconds=60), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow(seconds=60), pytest.mark.timeout(600), pytest.mark.backend("sqlite")]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "packed_lm.py"
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    return sqlite_engine
 
 
 @pytest.fixture

@@ -25,17 +25,12 @@ from batchd_server.catalog.ingest import ingest_manifest
 from packing_data import documents_dataset, token_at
 from serving import serve
 
-pytestmark = pytest.mark.slow(seconds=60)
+# The plan does not depend on the catalog's backend: the embedded one is enough.
+pytestmark = [pytest.mark.slow(seconds=60), pytest.mark.backend("sqlite")]
 
 N_DOCS = 240
 SEQ_LEN = 512
 BATCH = 4
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The plan does not depend on the catalog's backend: the embedded one is enough."""
-    return sqlite_engine
 
 
 @pytest.fixture

@@ -23,13 +23,10 @@ from batchd_server.metrics import stall
 from chaos_harness import wait_until
 from serving import RECORD_FLOATS, record_dataset, serve
 
+# The embedded catalog: what is under test does not depend on the backend.
+pytestmark = pytest.mark.backend("sqlite")
+
 _RECORDS = pb.Pipeline(array=pb.ArrayPipeline(shape=[RECORD_FLOATS], dtype="float32", raw=True))
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog: what is under test does not depend on the backend."""
-    return sqlite_engine
 
 
 def _warnings(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:

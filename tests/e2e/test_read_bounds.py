@@ -21,13 +21,10 @@ from batchd_server.catalog.schema import sample_errors, samples
 
 from serving import RECORD_FLOATS, image_dataset, serve
 
+# The embedded catalog only: how a worker reads does not depend on the catalog.
+pytestmark = pytest.mark.backend("sqlite")
+
 INT64_MAX = (1 << 63) - 1
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog only: how a worker reads does not depend on the catalog."""
-    return sqlite_engine
 
 
 def _recorded(engine: Engine, count: int) -> list[tuple[int, str, str]]:

@@ -20,6 +20,9 @@ from batchd_server.catalog.schema import sample_errors, samples
 from fuzzing import FORMATS, manifest, write_fuzzed
 from serving import serve
 
+# The embedded catalog only: decoding does not depend on the catalog's backend.
+pytestmark = pytest.mark.backend("sqlite")
+
 SEED = 7
 PER_FORMAT = 24
 SPECS = {
@@ -28,12 +31,6 @@ SPECS = {
     "npy": batchd.Array((8,), "float32"),
     "tokens": batchd.Tokens(max_len=16),
 }
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog only: decoding does not depend on the catalog's backend."""
-    return sqlite_engine
 
 
 def test_mutated_files_served_by_a_real_server_are_skipped_and_named(

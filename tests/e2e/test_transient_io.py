@@ -19,11 +19,8 @@ from batchd_server.pipelines import transient
 
 from serving import RECORD_FLOATS, record_dataset, serve, token_dataset
 
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog only: how a worker reads does not depend on the catalog."""
-    return sqlite_engine
+# The embedded catalog only: how a worker reads does not depend on the catalog.
+pytestmark = pytest.mark.backend("sqlite")
 
 
 def _ids_by_path(engine: Engine) -> dict[str, int]:

@@ -22,11 +22,8 @@ from batchd_server.workers import respawn
 from chaos_harness import wait_until
 from serving import record_dataset, records_loader, serve
 
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog only: the workers' fate does not depend on the catalog."""
-    return sqlite_engine
+# The embedded catalog only: the workers' fate does not depend on the catalog.
+pytestmark = pytest.mark.backend("sqlite")
 
 
 def _metric(name: str) -> float:

@@ -16,13 +16,10 @@ from batchd_server.shm import ShmRegistry
 
 from serving import record_dataset
 
+# The embedded catalog: what is under test does not depend on the backend.
+pytestmark = pytest.mark.backend("sqlite")
+
 MiB = 1 << 20
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog: what is under test does not depend on the backend."""
-    return sqlite_engine
 
 
 @pytest.fixture

@@ -24,13 +24,10 @@ from batchd_server.workers.task import BatchResult, BatchTask
 from chaos_harness import wait_until
 from serving import RECORD_FLOATS, record_dataset
 
+# The embedded catalog: what is under test does not depend on the backend.
+pytestmark = pytest.mark.backend("sqlite")
+
 LEASE_S = 0.5
-
-
-@pytest.fixture
-def engine(sqlite_engine: Engine) -> Engine:
-    """The embedded catalog: what is under test does not depend on the backend."""
-    return sqlite_engine
 
 
 class HeldPool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -11,10 +11,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from batchd_server.catalog import migrate
 from batchd_server.catalog.columns import ColumnBuilder
 from batchd_server.catalog.copy_parser import PackedCopyParser
-from batchd_server.catalog.db import make_engine
 from batchd_server.catalog.reader import load_split, split_query
 from batchd_server.catalog.schema import datasets, samples
 from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays
@@ -256,16 +254,6 @@ def test_snapshot_token_round_trips_and_garbage_is_invalid_argument() -> None:
 
 
 # Postgres only: the COPY path and the query plan.
-
-
-@pytest.fixture
-def pg_engine(pg_url: str) -> Iterator[Engine]:
-    eng = make_engine(pg_url)
-    migrate.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
 
 
 def test_copy_parser_is_safe_at_every_split_of_its_input(pg_engine: Engine) -> None:
