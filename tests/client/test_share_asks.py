@@ -3,7 +3,7 @@
 the server): it asks even where the server will refuse, and follows what the server serves.
 
 ``WireDouble`` never rotates an epoch, as a server that refuses the join; that the real
-server refuses a stream that may not join is ``tests/server/test_share_dispatch.py``.
+server refuses a stream that may not join is ``tests/server/sessions/test_share_dispatch.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ work, every epoch still exactly once, and shrinks back when the trainer is gone.
 The policy's thresholds are loosened here (no idle core asked for, short windows): the test
 runs beside other tests on a busy machine, and what it checks is the mechanism (signals →
 size → workers serving), not this machine's spare CPU; the rules themselves are tested
-signal by signal in ``tests/server/test_worker_sizing.py``."""
+signal by signal in ``tests/server/workers/test_worker_sizing.py``."""
 
 from __future__ import annotations
 

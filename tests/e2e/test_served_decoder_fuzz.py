@@ -2,7 +2,7 @@
 datasets and served to real Loaders. Every epoch completes, each sample once, valid or
 skipped; every skipped file is a sample error in the catalog naming it; no worker died or
 hung. (The larger run, in worker processes without a server, is
-``tests/server/test_worker_decoder_fuzz.py``.)"""
+``tests/server/workers/test_worker_decoder_fuzz.py``.)"""
 
 from __future__ import annotations
 

@@ -415,3 +415,25 @@ def test_each_import_rule_names_every_breach_in_a_tree_that_has_one(
     _write_tree(tmp_path, files)
     found = IMPORT_RULES[rule_name].breaches([tmp_path])
     assert [b.removeprefix(f"{tmp_path}/") for b in found] == expected
+
+
+SERVICE_TESTS = "service"
+"""The folder of ``tests/server/`` for the rooms a server is run by (its commands, settings,
+health, admission and shutdown: ``config``, ``cli*``, ``api``, ``health``, ``demo_data``)."""
+
+
+def test_the_servers_tests_sit_in_the_room_they_test() -> None:
+    """``tests/server/<room>/``: each server test file is in a folder named after one of the
+    server's rooms (:data:`FLOORS`) or ``service``, so a room's tests are found beside each
+    other; none lies loose at the top."""
+    server_tests = REPO / "tests" / "server"
+    misplaced = [
+        str(path.relative_to(REPO))
+        for path in sorted(server_tests.rglob("test_*.py"))
+        if path.parent.parent != server_tests or path.parent.name not in (*FLOORS, SERVICE_TESTS)
+    ]
+    assert not misplaced, (
+        "put each server test in tests/server/<room>/, the room it tests:\n  "
+        + "\n  ".join(misplaced)
+    )
+    assert len(list(server_tests.rglob("test_*.py"))) > 40

@@ -14,7 +14,7 @@ from batchd_server.config import REGENERATE_DOC, ServerConfig, settings_table
 from batchd_server.settings import EVERY_COMMAND, declared, default_text, given
 from batchd_server.workers.sizing import WorkerRange
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PAGE = REPO / "docs" / "reference" / "server-settings.md"
 
 PINNED: dict[str, tuple[str | None, str, Any]] = {

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving import serve
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "batchd.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "batchd.json"
 _METRIC = re.compile(r"\bbatchd_[a-zA-Z0-9_]+")
 # The series each metric type exposes, by the suffix on its family's name.
 _SERIES = {
