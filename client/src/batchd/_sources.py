@@ -1,11 +1,12 @@
 """``batchd.Mix`` and ``batchd.Source``: one Loader over several splits, each batch by weight.
 
-``Loader(target, sources=batchd.Mix({"laion": 0.7, "coco": 0.3}), batch_size=...)`` opens one
-session over both splits. The server interleaves the sources deterministically by weight
-(NOTE [ Mixed order ] in ``batchd_server/mixing.py``): every batch's composition follows the
-weights, each source has its own order per (seed, epoch), and the epoch ends where the first
-source runs out (``stop="first"``) or after ``stop`` samples. Every batch has a ``source``
-field: each row's index into :attr:`Mix.names` (also :attr:`batchd.Loader.sources`).
+``Loader(target, sources=batchd.Mix({"laion": 0.7, "coco": 0.3}), batch_size=...)`` opens
+one session over both splits. The server interleaves the sources deterministically by weight
+(NOTE [ Mixed order ] in ``batchd_server/planning/mixing.py``): every batch's composition
+follows the weights, each source has its own order per (seed, epoch), and the epoch ends
+where the first source runs out (``stop="first"``) or after ``stop`` samples. Every batch
+has a ``source`` field: each row's index into :attr:`Mix.names` (also
+:attr:`batchd.Loader.sources`).
 
 A ``schedule`` changes the weights with the global step (``batchd._wire.schedule``); it is
 sent with the mix and saved in the Loader's state, so a resume replays the same batches.

@@ -32,8 +32,9 @@ arithmetic as any other; ``rotation = 0`` is the epoch's own order.
 
 Randomness comes from ``Generator(PCG64(SeedSequence([seed, epoch, purpose tag])))``, so an
 order depends on numpy's PCG64 stream and its ``permutation`` and ``random`` algorithms.
-``tests/test_sampling.py`` pins some orders: a numpy upgrade that changed them would reorder
-the epochs of jobs that resume across it, and must be caught before it ships.
+``tests/server/planning/test_sampling.py`` pins some orders: a numpy upgrade that changed
+them would reorder the epochs of jobs that resume across it, and must be caught before it
+ships.
 """
 
 from __future__ import annotations
