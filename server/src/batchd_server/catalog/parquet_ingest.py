@@ -1,12 +1,28 @@
-"""Fill the catalog from Parquet files: one row, one sample (``parquet/samples.py``), through
-the same staged, single-transaction load as every other ingest (``ingest.py``)."""
+"""Fill the catalog from Parquet files: one row of a file, one sample, through the same staged,
+single-transaction load as every other ingest (``ingest.py``).
+
+Each sample's row records the file (``path``), its row group and its row in it
+(``row_group``, ``row_index``), and as its byte range the payload column's chunk in that
+row group (``payload.chunk_range``): what a worker reads to serve any row of the group. Of
+each file only the footer and the small columns asked for (label, split, key, length) are
+read, a row group at a time; the payload itself is read only for a list payload without a
+``--length`` column (a sequence's length is its list's).
+
+Files are opened by ``open_file`` (a seekable binary file object: a local file, or ranged
+reads of an object), so one code path serves every kind of root. The worker's side of the
+same files (footers, row groups, pages) is ``parquet/``, which knows nothing of the catalog.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Final
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from sqlalchemy.engine import Engine
 
 from batchd_server.catalog.ingest import (
@@ -15,13 +31,18 @@ from batchd_server.catalog.ingest import (
     _find_shards,
     _run,
 )
-from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, check_name
+from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, Row, check_name
 from batchd_server.catalog.types import DatasetRef
 from batchd_server.errors import DataError
-from batchd_server.parquet.samples import ParquetSamples
+from batchd_server.parquet.payload import (
+    chunk_range,
+    describe_schema,
+    find_field,
+    resolve_payload,
+)
 from batchd_server.storage.options import DEFAULT_RETRY_S
 
-__all__ = ["ingest_parquet"]
+__all__ = ["ParquetSamples", "ingest_parquet"]
 
 
 def ingest_parquet(
@@ -41,7 +62,7 @@ def ingest_parquet(
     progress: Callable[[int, int, int], None] | None = None,
     object_store_retry_s: float = DEFAULT_RETRY_S,
 ) -> IngestReport:
-    """Add the rows of Parquet files: one row, one sample (see ``parquet/samples.py``).
+    """Add the rows of Parquet files: one row, one sample (see :class:`ParquetSamples`).
 
     Args:
         root: A local directory or an object-store prefix (``s3://BUCKET/PREFIX``: files
@@ -104,3 +125,178 @@ def _parquet_attrs(ref: DatasetRef, attrs: dict[str, Any], payload: str) -> bool
         )
     attrs["parquet"] = {"payload": payload}
     return True
+
+
+_INT32_MAX: Final = 2**31 - 1
+
+
+@dataclass
+class ParquetSamples:
+    """The rows of a set of Parquet files.
+
+    Args:
+        files: Each file's path relative to the dataset root, in order.
+        open_file: Opens a file by that path, for reading.
+        payload: The payload column (``image.bytes``).
+        split: The split of every row; or
+        split_column: the string column that holds each row's split.
+        label: An integer column of labels (nulls: no label).
+        key: A column of keys (strings or integers); default ``<file>#<row in file>``.
+        length: An integer column of sequence lengths; default, for a list payload, its
+            length.
+        progress: Called after each file with (files done, files, rows so far).
+
+    Raises:
+        DataError: (from ``rows()``) a file that is not Parquet, lacks a column, or holds a
+            value that is not allowed (the message names the file, row and value).
+    """
+
+    files: Sequence[str]
+    open_file: Callable[[str], IO[bytes]]
+    payload: str
+    split: str | None = None
+    split_column: str | None = None
+    label: str | None = None
+    key: str | None = None
+    length: str | None = None
+    progress: Callable[[int, int, int], None] | None = None
+    payload_kinds: set[str] = field(default_factory=set)
+    """The payload kinds met (``binary``, ``list``, ``fixed``)."""
+
+    def __post_init__(self) -> None:
+        if (self.split is None) == (self.split_column is None):
+            raise DataError("give the split of the rows: --split NAME or --split-column COLUMN")
+
+    def rows(self) -> Iterator[Row]:
+        line = 0
+        for done, rel in enumerate(self.files, 1):
+            with self.open_file(rel) as f:
+                for row in self._file_rows(rel, f, line):
+                    line += 1
+                    yield row
+            if self.progress is not None:
+                self.progress(done, len(self.files), line)
+
+    def _file_rows(self, rel: str, f: IO[bytes], line: int) -> Iterator[Row]:
+        try:
+            pf = pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{rel} is not a Parquet file ({e})") from e
+        payload = resolve_payload(pf, self.payload, rel)
+        self.payload_kinds.add(payload.kind)
+        small = {
+            "label": self.label,
+            "split": self.split_column,
+            "key": self.key,
+            "length": self.length,
+        }
+        wanted = {role: self._column(pf, rel, role, name) for role, name in small.items() if name}
+        read = sorted({".".join(path) for path, _ in wanted.values()})
+        with_lengths = payload.kind == "list" and self.length is None
+        if with_lengths:
+            read.append(".".join(payload.names))
+        metadata = pf.metadata
+        row_in_file = 0
+        for group in range(metadata.num_row_groups):
+            offset, nbytes = chunk_range(metadata.row_group(group), payload.leaves)
+            count = metadata.row_group(group).num_rows
+            values: dict[str, list[Any]] = {}
+            if read:
+                try:
+                    table = pf.read_row_group(group, columns=read, use_threads=False)
+                except (pa.ArrowException, OSError) as e:
+                    raise DataError(f"{rel}: row group {group} cannot be read ({e})") from e
+                for role, (path, _) in wanted.items():
+                    values[role] = _field(table, path).to_pylist()
+                if with_lengths:
+                    lengths = pc.list_value_length(_field(table, payload.names))
+                    values["length"] = lengths.to_pylist()
+            for i in range(count):
+                line += 1
+                where = f"{rel}, row {row_in_file}"
+                yield self._row(line, rel, where, row_in_file, values, i, offset, nbytes, group)
+                row_in_file += 1
+
+    def _row(
+        self,
+        line: int,
+        rel: str,
+        where: str,
+        row_in_file: int,
+        values: dict[str, list[Any]],
+        i: int,
+        offset: int,
+        nbytes: int,
+        group: int,
+    ) -> Row:
+        label = values["label"][i] if "label" in values else None
+        split = values["split"][i] if "split" in values else self.split
+        if split is None or not 0 < len(split) <= SPLIT_MAX_CHARS or "\x00" in split:
+            raise DataError(
+                f"{where}: split={split!r} is not valid; {self.split_column!r} must hold "
+                f"non-empty strings of at most {SPLIT_MAX_CHARS} characters"
+            )
+        key = values["key"][i] if "key" in values else f"{rel}#{row_in_file}"
+        if key is None or key == "":
+            raise DataError(f"{where}: key is null or empty; --key {self.key!r} must hold keys")
+        length = values["length"][i] if "length" in values else None
+        if length is not None and not 0 <= length <= _INT32_MAX:
+            raise DataError(f"{where}: length={length} is not valid; it must be 0 to {_INT32_MAX}")
+        return (
+            line,
+            str(key),
+            rel,
+            offset,
+            nbytes,
+            label,
+            split,
+            length,
+            1.0,
+            None,
+            True,
+            None,
+            group,
+            i,
+        )
+
+    def _column(
+        self, pf: pq.ParquetFile, rel: str, role: str, name: str
+    ) -> tuple[tuple[str, ...], pa.DataType]:
+        found = find_field(pf.schema_arrow, name)
+        flag = {
+            "label": "--label",
+            "split": "--split-column",
+            "key": "--key",
+            "length": "--length",
+        }[role]
+        if found is None:
+            raise DataError(
+                f"{rel} has no column {name!r} for {flag}; its columns: "
+                f"{describe_schema(pf.schema_arrow)}"
+            )
+        t = found[1]
+        ok = {
+            "label": pa.types.is_integer(t),
+            "length": pa.types.is_integer(t),
+            "split": pa.types.is_string(t)
+            or pa.types.is_large_string(t)
+            or pa.types.is_dictionary(t),
+            "key": pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t),
+        }[role]
+        if not ok:
+            allowed = {
+                "label": "integers (class indices)",
+                "length": "integers",
+                "split": "strings",
+                "key": "strings or integers",
+            }[role]
+            raise DataError(f"{rel}: column {name!r} ({flag}) is {t}; it must hold {allowed}")
+        return found
+
+
+def _field(table: pa.Table, path: Sequence[str]) -> pa.Array:
+    """The column at ``path`` (a struct's field for a dotted name) as one array."""
+    array = table.column(path[0]).combine_chunks()
+    for name in path[1:]:
+        array = array.flatten()[array.type.get_field_index(name)]
+    return array
