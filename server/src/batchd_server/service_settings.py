@@ -1,0 +1,208 @@
+"""How the server serves: the addresses it listens on (gRPC and metrics), who may call it
+(TLS, the token), how many calls it runs at once, its health checks and heartbeats, and how
+it shuts down; and how ``healthcheck --target`` reaches a TLS server. These are the settings of
+``api/`` and ``health.py``, declared beside them rather than in ``api/``, which imports grpc:
+the configuration is read by every command and must not load it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from batchd_server.settings import (
+    Setting,
+    at_least,
+    count,
+    host_port,
+    path,
+    seconds,
+    setting,
+    setting_of,
+    split_host_port,
+    switch,
+    within,
+)
+
+__all__ = ["DEFAULT_GRACE_S", "DEFAULT_LISTEN", "ServiceSettings", "reserved_rpcs"]
+
+DEFAULT_LISTEN: Final = "127.0.0.1:50051"
+DEFAULT_GRACE_S: Final = 20.0
+"""Below Kubernetes' default terminationGracePeriodSeconds (30), so the pod exits by itself."""
+_CHECK: Final = ("healthcheck",)
+
+
+def reserved_rpcs(max_concurrent_rpcs: int) -> int:
+    """Of ``max_concurrent_rpcs`` calls, those kept for CloseSession and health checks: an
+    eighth, at least 1 and at most 8."""
+    return max(1, min(8, max_concurrent_rpcs // 8))
+
+
+def _pem(help: str, **more: Any) -> Any:
+    """A :func:`~batchd_server.settings.path` setting of a PEM file."""
+    return path(help, metavar="PEM", **more)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceSettings:
+    """How the server serves."""
+
+    listen: str = setting(
+        "where to serve gRPC: unix:///path/batchd.sock or host:port (port 0 picks a free one)",
+        default=DEFAULT_LISTEN,
+        flag="--listen",
+        metavar="ADDRESS",
+    )
+
+    metrics_port: int | None = count(
+        "serve Prometheus metrics on this port, on the --listen host (127.0.0.1 for a "
+        "unix socket); --metrics-listen wins",
+        default=None,
+        flag="--metrics-port",
+        check=within(0, 65535),
+        metavar="P",
+    )
+
+    metrics_listen: str | None = setting(
+        "serve Prometheus metrics at http://HOST:PORT/metrics (0.0.0.0:9400 for every interface)",
+        default=None,
+        flag="--metrics-listen",
+        check=host_port,
+        metavar="HOST:PORT",
+    )
+
+    max_concurrent_rpcs: int = count(
+        "gRPC calls served at once, each on a thread of its own (an open inline stream "
+        "holds one for its whole life); more is RESOURCE_EXHAUSTED at once. An eighth "
+        "(1 to 8) is kept for CloseSession and health checks, which the other calls "
+        "never take",
+        default=128,
+        flag="--max-concurrent-rpcs",
+        check=at_least(2, why=": one for CloseSession and health checks, one for the rest"),
+    )
+
+    client_max_calls: int = count(
+        "gRPC calls one client may have running at once (its streams count for their life)",
+        default=32,
+        flag="--client-max-calls",
+        check=at_least(1),
+    )
+
+    grace_s: float = seconds(
+        "on SIGTERM, end streams, stop workers and remove segments within this many "
+        "seconds; the default is below Kubernetes' terminationGracePeriodSeconds (30)",
+        default=DEFAULT_GRACE_S,
+        flag="--grace-s",
+        check=within(0, 3600, low_open=True),
+    )
+
+    health_interval_s: float = seconds(
+        "seconds between health checks (shm, workers) and between catalog probes",
+        default=2.0,
+        env="BATCHD_HEALTH_INTERVAL_S",
+        check=within(0, 600, low_open=True),
+    )
+
+    catalog_timeout_s: float = seconds(
+        "seconds a catalog probe may go unanswered before the server says NOT_SERVING",
+        default=5.0,
+        env="BATCHD_CATALOG_TIMEOUT_S",
+        check=within(0, 600, low_open=True),
+    )
+
+    heartbeat_interval_s: float = seconds(
+        "while a doorbell stream waits for batches, send a heartbeat after this many "
+        "seconds without another frame, so clients tell a silent server from a slow "
+        "batch; 0: none",
+        default=5.0,
+        flag="--heartbeat-interval-s",
+        check=within(0, 600, note=", 0 for none"),
+    )
+
+    reflection: bool = switch(
+        "serve gRPC reflection (grpcurl can then list the services); it needs the token "
+        "like every call but the health Check",
+        flag="--reflection",
+    )
+
+    tls_cert: Path | None = _pem(
+        "serve TCP with TLS: the PEM certificate chain to present (with --tls-key)",
+        flag="--tls-cert",
+    )
+
+    tls_key: Path | None = _pem(
+        "the PEM private key of --tls-cert",
+        flag="--tls-key",
+    )
+
+    tls_client_ca: Path | None = _pem(
+        "mutual TLS: require client certificates signed by this PEM CA bundle",
+        flag="--tls-client-ca",
+    )
+
+    auth_token_file: Path | None = path(
+        "every call but the health Check must carry the bearer token held in FILE",
+        flag="--auth-token-file",
+        metavar="FILE",
+    )
+
+    insecure: bool = switch(
+        "allow a non-loopback TCP listener with neither TLS nor a token",
+        flag="--insecure",
+    )
+
+    healthcheck_tls_ca: Path | None = _pem(
+        "healthcheck --target over TLS: the PEM CA bundle that signed the server's "
+        "certificate (the variable the client library reads too)",
+        flag="--tls-ca",
+        commands=_CHECK,
+    )
+
+    healthcheck_tls_client_cert: Path | None = _pem(
+        "healthcheck --target of a mutual-TLS server: the PEM client certificate to "
+        "present (with --tls-client-key and --tls-ca)",
+        flag="--tls-client-cert",
+        commands=_CHECK,
+    )
+
+    healthcheck_tls_client_key: Path | None = _pem(
+        "the PEM private key of --tls-client-cert",
+        flag="--tls-client-key",
+        commands=_CHECK,
+    )
+
+    def check_service(self) -> None:
+        """Raises ValueError when the TLS settings do not go together."""
+        cert, key = _setting("tls_cert"), _setting("tls_key")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                f"TLS needs both a certificate and its key: set {cert.flag} and {key.flag} "
+                f"({cert.env}, {key.env}) together"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            ca = _setting("tls_client_ca")
+            raise ValueError(
+                f"{ca.flag} ({ca.env}) asks for mutual TLS, which needs the server's own "
+                f"{cert.flag} and {key.flag}"
+            )
+
+    @property
+    def reserved_rpcs(self) -> int:
+        """Of ``max_concurrent_rpcs``, the calls kept for CloseSession and health checks."""
+        return reserved_rpcs(self.max_concurrent_rpcs)
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where to serve ``/metrics``: ``metrics_listen``, else ``metrics_port`` on the host
+        of ``listen`` (127.0.0.1 when that is a unix socket); None for no endpoint."""
+        if self.metrics_listen is not None:
+            return split_host_port(self.metrics_listen, "metrics_listen")
+        if self.metrics_port is None:
+            return None
+        if self.listen.startswith("unix:"):
+            return "127.0.0.1", self.metrics_port
+        return split_host_port(self.listen, "listen")[0], self.metrics_port
+
+
+def _setting(name: str) -> Setting:
+    return setting_of(ServiceSettings, name)
