@@ -1,12 +1,22 @@
-"""A setting declared once: the field of a config dataclass carries its flag, environment
-variable, help, parser and check (a :class:`Setting` in the field's metadata), and
-everything else is derived from that one declaration: the argparse arguments
+"""A setting declared once: the field of a feature's settings dataclass carries its flag,
+environment variable, help, parser and check (a :class:`Setting` in the field's metadata),
+and everything else is derived from that one declaration: the argparse arguments
 (:func:`add_arguments`, :func:`given`), the environment loader (:func:`from_environ`), the
 per-value checks (:func:`check_values`) and the reference table (:func:`markdown_table`).
 
-The declaration lives on the field, not in a table the dataclass is built from, so the
-dataclass stays a plain frozen dataclass that mypy and readers see field by field: the
-type and the default are where they always were, the setting's words next to them.
+Every feature declares its settings the same way, beside its code: a frozen, keyword-only
+dataclass whose fields are made by :func:`setting` (or one of its kinds: :func:`seconds`,
+:func:`count`, :func:`size`, :func:`path`, :func:`switch`)::
+
+    @dataclass(frozen=True, kw_only=True)
+    class ShmSettings:
+        shm_dir: Path = path("where shared-memory segments live", default=Path("/dev/shm"),
+                             flag="--shm-dir", metavar="DIR")
+
+``config.py`` composes them: ``ServerConfig`` inherits every feature's dataclass. The
+declaration lives on the field, not in a table the dataclass is built from, so each
+dataclass stays a plain frozen dataclass that mypy and readers see field by field: the type
+and the default where they always are, the setting's words next to them.
 """
 
 from __future__ import annotations

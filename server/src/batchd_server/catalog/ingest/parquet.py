@@ -1,5 +1,5 @@
 """Fill the catalog from Parquet files: one row of a file, one sample, through the same staged,
-single-transaction load as every other ingest (``ingest.py``).
+single-transaction load as every other ingest (``load.py``).
 
 Each sample's row records the file (``path``), its row group and its row in it
 (``row_group``, ``row_index``), and as its byte range the payload column's chunk in that
@@ -25,21 +25,18 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from sqlalchemy.engine import Engine
 
-from batchd_server.catalog.ingest import (
+from batchd_server.catalog.ingest.load import (
     PARQUET_STAGE_COLUMNS,
     IngestReport,
-    _find_shards,
-    _run,
+    Source,
+    Target,
+    find_files,
+    load,
 )
 from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, Row, check_name
 from batchd_server.catalog.types import DatasetRef
 from batchd_server.errors import DataError
-from batchd_server.parquet.payload import (
-    chunk_range,
-    describe_schema,
-    find_field,
-    resolve_payload,
-)
+from batchd_server.parquet.payload import chunk_range, describe_schema, find_field, resolve_payload
 from batchd_server.storage.options import DEFAULT_RETRY_S
 
 __all__ = ["ParquetSamples", "ingest_parquet"]
@@ -84,7 +81,7 @@ def ingest_parquet(
     """
     if split is not None:
         check_name("split", split, SPLIT_MAX_CHARS)
-    stored_root, found = _find_shards(root, files, object_store_retry_s=object_store_retry_s)
+    stored_root, found = find_files(root, files, object_store_retry_s=object_store_retry_s)
     opens = {shard.rel: shard.open for shard in found}
     rels = list(opens)
     samples = ParquetSamples(
@@ -98,17 +95,16 @@ def ingest_parquet(
         length=length,
         progress=progress,
     )
-    return _run(
+    return load(
         engine,
-        name=dataset,
-        version=version,
-        root=stored_root,
-        description=description,
-        rows=samples.rows(),
-        file=stored_root,
-        empty=f"no rows in {len(rels)} Parquet file(s) under {stored_root}",
-        columns=PARQUET_STAGE_COLUMNS,
-        attrs_update=lambda ref, attrs: _parquet_attrs(ref, attrs, payload),
+        Target(dataset, version, description),
+        Source(
+            root=stored_root,
+            rows=samples.rows(),
+            empty=f"no rows in {len(rels)} Parquet file(s) under {stored_root}",
+            columns=PARQUET_STAGE_COLUMNS,
+            attrs_update=lambda ref, attrs: _parquet_attrs(ref, attrs, payload),
+        ),
     )
 
 
