@@ -73,6 +73,12 @@ def _ingest_kinds(
     return add
 
 
+def _patterns(p: argparse.ArgumentParser, dest: str, metavar: str, what: str, example: str) -> None:
+    """The files an ingest reads, as paths, globs or brace ranges under ``--root``."""
+    help = f"{what}, globs or brace ranges ({example}), relative to --root"
+    p.add_argument(dest, metavar=metavar, nargs="+", help=help)
+
+
 def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add migrate, ingest, demo-data and datasets to the subcommands ``sub`` (argparse's
     ``add_subparsers`` object), each with the options of ``common``."""
@@ -114,12 +120,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--label-key", default="label", help="field of a .json member with the label (label)"
     )
-    p.add_argument(
-        "shards",
-        metavar="SHARD",
-        nargs="+",
-        help="shard files, globs or brace ranges (shard-{000..099}.tar), relative to --root",
-    )
+    _patterns(p, "shards", "SHARD", "shard files", "shard-{000..099}.tar")
     p.set_defaults(progress_of="shards")
 
     p = kind(
@@ -145,12 +146,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="COLUMN",
         help="integer column of sequence lengths (default: a list payload's length)",
     )
-    p.add_argument(
-        "files",
-        metavar="FILE",
-        nargs="+",
-        help="Parquet files, globs or brace ranges (part-{0000..0099}.parquet), relative to --root",
-    )
+    _patterns(p, "files", "FILE", "Parquet files", "part-{0000..0099}.parquet")
     p.set_defaults(progress_of="files")
 
     p = sub.add_parser("demo-data", parents=[common], help="write synthetic JPEGs and ingest them")

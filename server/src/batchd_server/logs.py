@@ -31,11 +31,11 @@ class LogSettings:
     """Logging's server setting (composed into ``ServerConfig`` by ``config.py``)."""
 
     log_format: str = setting(
-        "log to stderr as text (one line per record) or json (one object per line, "
-        "for log collectors)",
-        default="text",
         flag="--log-format",
+        default="text",
         check=one_of(LOG_FORMATS),
+        help="log to stderr as text (one line per record) or json (one object per line, "
+        "for log collectors)",
         metavar="{" + ",".join(LOG_FORMATS) + "}",
         commands=(EVERY_COMMAND,),
     )

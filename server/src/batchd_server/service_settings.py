@@ -49,126 +49,126 @@ class ServiceSettings:
     """How the server serves."""
 
     listen: str = setting(
-        "where to serve gRPC: unix:///path/batchd.sock or host:port (port 0 picks a free one)",
-        default=DEFAULT_LISTEN,
         flag="--listen",
+        default=DEFAULT_LISTEN,
+        help="where to serve gRPC: unix:///path/batchd.sock or host:port (port 0 picks a free one)",
         metavar="ADDRESS",
     )
 
     metrics_port: int | None = count(
-        "serve Prometheus metrics on this port, on the --listen host (127.0.0.1 for a "
-        "unix socket); --metrics-listen wins",
-        default=None,
         flag="--metrics-port",
+        default=None,
         check=within(0, 65535),
+        help="serve Prometheus metrics on this port, on the --listen host (127.0.0.1 for a "
+        "unix socket); --metrics-listen wins",
         metavar="P",
     )
 
     metrics_listen: str | None = setting(
-        "serve Prometheus metrics at http://HOST:PORT/metrics (0.0.0.0:9400 for every interface)",
-        default=None,
         flag="--metrics-listen",
+        default=None,
         check=host_port,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0.0.0.0:9400 for every "
+        "interface)",
         metavar="HOST:PORT",
     )
 
     max_concurrent_rpcs: int = count(
-        "gRPC calls served at once, each on a thread of its own (an open inline stream "
+        flag="--max-concurrent-rpcs",
+        default=128,
+        check=at_least(2, why=": one for CloseSession and health checks, one for the rest"),
+        help="gRPC calls served at once, each on a thread of its own (an open inline stream "
         "holds one for its whole life); more is RESOURCE_EXHAUSTED at once. An eighth "
         "(1 to 8) is kept for CloseSession and health checks, which the other calls "
         "never take",
-        default=128,
-        flag="--max-concurrent-rpcs",
-        check=at_least(2, why=": one for CloseSession and health checks, one for the rest"),
     )
 
     client_max_calls: int = count(
-        "gRPC calls one client may have running at once (its streams count for their life)",
-        default=32,
         flag="--client-max-calls",
-        check=at_least(1),
+        default=32,
+        help="gRPC calls one client may have running at once (its streams count for their life)",
     )
 
     grace_s: float = seconds(
-        "on SIGTERM, end streams, stop workers and remove segments within this many "
-        "seconds; the default is below Kubernetes' terminationGracePeriodSeconds (30)",
-        default=DEFAULT_GRACE_S,
         flag="--grace-s",
+        default=DEFAULT_GRACE_S,
         check=within(0, 3600, low_open=True),
+        help="on SIGTERM, end streams, stop workers and remove segments within this many "
+        "seconds; the default is below Kubernetes' terminationGracePeriodSeconds (30)",
     )
 
     health_interval_s: float = seconds(
-        "seconds between health checks (shm, workers) and between catalog probes",
-        default=2.0,
         env="BATCHD_HEALTH_INTERVAL_S",
+        default=2.0,
         check=within(0, 600, low_open=True),
+        help="seconds between health checks (shm, workers) and between catalog probes",
     )
 
     catalog_timeout_s: float = seconds(
-        "seconds a catalog probe may go unanswered before the server says NOT_SERVING",
-        default=5.0,
         env="BATCHD_CATALOG_TIMEOUT_S",
+        default=5.0,
         check=within(0, 600, low_open=True),
+        help="seconds a catalog probe may go unanswered before the server says NOT_SERVING",
     )
 
     heartbeat_interval_s: float = seconds(
-        "while a doorbell stream waits for batches, send a heartbeat after this many "
+        flag="--heartbeat-interval-s",
+        default=5.0,
+        check=within(0, 600, note=", 0 for none"),
+        help="while a doorbell stream waits for batches, send a heartbeat after this many "
         "seconds without another frame, so clients tell a silent server from a slow "
         "batch; 0: none",
-        default=5.0,
-        flag="--heartbeat-interval-s",
-        check=within(0, 600, note=", 0 for none"),
     )
 
     reflection: bool = switch(
-        "serve gRPC reflection (grpcurl can then list the services); it needs the token "
-        "like every call but the health Check",
         flag="--reflection",
+        help="serve gRPC reflection (grpcurl can then list the services); it needs the token "
+        "like every call but the health Check",
     )
 
     tls_cert: Path | None = _pem(
-        "serve TCP with TLS: the PEM certificate chain to present (with --tls-key)",
         flag="--tls-cert",
+        help="serve TCP with TLS: the PEM certificate chain to present (with --tls-key)",
     )
 
     tls_key: Path | None = _pem(
-        "the PEM private key of --tls-cert",
         flag="--tls-key",
+        help="the PEM private key of --tls-cert",
     )
 
     tls_client_ca: Path | None = _pem(
-        "mutual TLS: require client certificates signed by this PEM CA bundle",
         flag="--tls-client-ca",
+        help="mutual TLS: require client certificates signed by this PEM CA bundle",
     )
 
     auth_token_file: Path | None = path(
-        "every call but the health Check must carry the bearer token held in FILE",
         flag="--auth-token-file",
+        help="every call but the health Check must carry the bearer token held in FILE",
         metavar="FILE",
     )
 
     insecure: bool = switch(
-        "allow a non-loopback TCP listener with neither TLS nor a token",
         flag="--insecure",
+        help="allow a non-loopback TCP listener with neither TLS nor a token",
     )
 
     healthcheck_tls_ca: Path | None = _pem(
-        "healthcheck --target over TLS: the PEM CA bundle that signed the server's "
-        "certificate (the variable the client library reads too)",
         flag="--tls-ca",
+        help="healthcheck --target over TLS: the PEM CA bundle that signed the server's "
+        "certificate (the variable the client library reads too)",
         commands=_CHECK,
     )
 
     healthcheck_tls_client_cert: Path | None = _pem(
-        "healthcheck --target of a mutual-TLS server: the PEM client certificate to "
-        "present (with --tls-client-key and --tls-ca)",
         flag="--tls-client-cert",
+        help="healthcheck --target of a mutual-TLS server: the PEM client certificate to "
+        "present (with --tls-client-key and --tls-ca)",
         commands=_CHECK,
     )
 
     healthcheck_tls_client_key: Path | None = _pem(
-        "the PEM private key of --tls-client-cert",
         flag="--tls-client-key",
+        help="the PEM private key of --tls-client-cert",
         commands=_CHECK,
     )
 

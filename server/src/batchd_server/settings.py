@@ -278,8 +278,10 @@ def seconds(help: str, *, default: float, check: Check, **more: Any) -> Any:
     return setting(help, default=default, parse=float, check=check, metavar="S", **more)
 
 
-def count(help: str, *, default: int | None, check: Check, **more: Any) -> Any:
-    """A :func:`setting` of a whole number (``--max-sessions N``)."""
+def count(help: str, *, default: int | None, check: Check | None = None, **more: Any) -> Any:
+    """A :func:`setting` of a whole number (``--max-sessions N``), at least 1 unless ``check``
+    says otherwise."""
+    check = at_least(1) if check is None else check
     more.setdefault("metavar", "N")
     return setting(help, default=default, parse=int, check=check, **more)
 

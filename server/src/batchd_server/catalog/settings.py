@@ -43,11 +43,11 @@ class CatalogSettings:
     """The catalog's settings."""
 
     database_url: str = setting(
-        "SQLAlchemy URL of the catalog: postgresql://... or sqlite:///path",
-        default_factory=default_database_url,
         flag="--database-url",
-        metavar="URL",
+        default_factory=default_database_url,
         check=Check("postgresql://... or sqlite:///...", _url_problem),
+        help="SQLAlchemy URL of the catalog: postgresql://... or sqlite:///path",
+        metavar="URL",
         default_text="a SQLite file catalog.db under $BATCHD_HOME",
         default_in=default_database_url,
         commands=(EVERY_COMMAND,),

@@ -15,27 +15,27 @@ class DecodeCacheSettings:
     """The decode cache's settings."""
 
     decode_cache_bytes: int = size(
-        "keep decoded samples in shared memory, up to this many bytes taken from "
+        flag="--decode-cache-size",
+        default=0,
+        check=at_least(0),
+        help="keep decoded samples in shared memory, up to this many bytes taken from "
         "--shm-budget, e.g. 8GiB, so later epochs skip reading and decoding them "
         "(a random crop still crops each epoch); 0: no decode cache",
-        default=0,
-        flag="--decode-cache-size",
-        check=at_least(0),
     )
 
     decode_cache_dir: Path | None = path(
-        "a directory on a local disk for the decode cache's second tier, which takes "
+        flag="--decode-cache-dir",
+        help="a directory on a local disk for the decode cache's second tier, which takes "
         "what shared memory has no room for and keeps it across restarts (one server "
         "per directory); needs --decode-cache-size",
-        flag="--decode-cache-dir",
         metavar="DIR",
     )
 
     decode_cache_dir_bytes: int = size(
-        "the most bytes the decode cache keeps in --decode-cache-dir",
-        default=0,
         flag="--decode-cache-dir-size",
+        default=0,
         check=at_least(0),
+        help="the most bytes the decode cache keeps in --decode-cache-dir",
         default_text="4 times --decode-cache-size",
     )
 

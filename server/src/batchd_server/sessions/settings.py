@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchd_server.settings import Check, at_least, count, path, seconds, within
+from batchd_server.settings import Check, count, path, seconds, within
 
 __all__ = ["SessionSettings"]
 
@@ -22,33 +22,32 @@ class SessionSettings:
     """The sessions' settings."""
 
     max_sessions: int = count(
-        "open sessions at most; more is RESOURCE_EXHAUSTED",
-        default=256,
         flag="--max-sessions",
-        check=at_least(1),
+        default=256,
+        help="open sessions at most; more is RESOURCE_EXHAUSTED",
     )
 
     client_max_sessions: int = count(
-        "open sessions one client may hold",
-        default=64,
         flag="--client-max-sessions",
-        check=at_least(1),
+        default=64,
+        help="open sessions one client may hold",
     )
 
     lease_timeout_s: float = seconds(
-        "seconds a session may go without an open stream before it is closed and its ring freed",
-        default=30.0,
         flag="--lease-timeout-s",
+        default=30.0,
         check=within(0, 86400, low_open=True),
+        help="seconds a session may go without an open stream before it is closed and its "
+        "ring freed",
     )
 
     data_roots: tuple[Path, ...] = path(
-        "serve only datasets whose root lies under one of these directories; a catalog "
-        "row pointing elsewhere is refused",
-        default=(),
         flag="--data-root",
         env="BATCHD_DATA_ROOTS",
+        default=(),
         check=Check("absolute paths", _relative_root),
+        help="serve only datasets whose root lies under one of these directories; a catalog "
+        "row pointing elsewhere is refused",
         metavar="DIR",
         default_text="any root the catalog names",
         many=os.pathsep,

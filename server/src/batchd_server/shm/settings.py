@@ -36,37 +36,37 @@ class ShmSettings:
     """Shared memory's settings."""
 
     shm_budget_bytes: int = size(
-        "shared memory all sessions' rings and catalog arrays may reserve together, e.g. "
+        flag="--shm-budget",
+        default=_GiB,
+        check=at_least(_MiB, size=True),
+        help="shared memory all sessions' rings and catalog arrays may reserve together, e.g. "
         "2GiB; never more than the shm directory holds less 8MiB (56MiB of Docker's "
         "default 64MB /dev/shm)",
-        default=_GiB,
-        flag="--shm-budget",
-        check=at_least(_MiB, size=True),
     )
 
     client_shm_quota_bytes: int | None = size(
-        "ring memory one client's sessions may hold together (the catalog arrays, shared "
-        "by every session on a split, count against the shm budget only)",
-        default=None,
         flag="--client-shm-quota",
+        default=None,
         check=at_least(_MiB, size=True),
+        help="ring memory one client's sessions may hold together (the catalog arrays, shared "
+        "by every session on a split, count against the shm budget only)",
         default_text="half of --shm-budget, at most what the shm directory holds",
     )
 
     shm_dir: Path = path(
-        "where shared-memory segments live (Linux's shm_open directory)",
-        default=Path("/dev/shm"),
         flag="--shm-dir",
+        default=Path("/dev/shm"),
+        help="where shared-memory segments live (Linux's shm_open directory)",
         metavar="DIR",
         commands=_SERVE_AND_CHECK,
     )
 
     min_free_shm_bytes: int = size(
-        "health is NOT_SERVING while the shared-memory directory has less than this "
-        "free; the default holds one image session of 64 224x224 images",
-        default=DEFAULT_MIN_FREE_SHM_BYTES,
         flag="--min-free-shm",
+        default=DEFAULT_MIN_FREE_SHM_BYTES,
         check=at_least(0),
+        help="health is NOT_SERVING while the shared-memory directory has less than this "
+        "free; the default holds one image session of 64 224x224 images",
         commands=_SERVE_AND_CHECK,
     )
 

@@ -42,45 +42,45 @@ class StorageSettings:
     """Storage's settings: sample reads, object-store requests and the node cache."""
 
     max_sample_bytes: int = size(
-        "a sample larger than this many bytes (a runaway or sparse file, a range past the "
+        flag="--max-sample-bytes",
+        default=MAX_SAMPLE_BYTES,
+        check=at_least(1),
+        help="a sample larger than this many bytes (a runaway or sparse file, a range past the "
         "file) is not read: it is a bad sample of kind 'too_large', handled by the "
         "session's on_error",
-        default=MAX_SAMPLE_BYTES,
-        flag="--max-sample-bytes",
-        check=at_least(1),
     )
 
     object_store_retry_s: float = seconds(
-        "retry a failing object-store request (throttling, 5xx, resets, timeouts, the store "
+        flag="--object-store-retry-s",
+        default=DEFAULT_RETRY_S,
+        check=within(0, 3600),
+        help="retry a failing object-store request (throttling, 5xx, resets, timeouts, the store "
         "down) with backoff for up to this many seconds; what still fails is a bad sample of "
         "kind 'transient'. Keep it below --task-timeout-s",
-        default=DEFAULT_RETRY_S,
-        flag="--object-store-retry-s",
-        check=within(0, 3600),
         commands=(EVERY_COMMAND,),
     )
 
     cache_dir: Path | None = path(
-        "keep the bytes read from s3:// datasets in this directory (a local disk or an "
-        "emptyDir), shared by every session and kept across restarts; unset: no cache",
         flag="--cache-dir",
+        check=Check("an absolute path", _absolute),
+        help="keep the bytes read from s3:// datasets in this directory (a local disk or an "
+        "emptyDir), shared by every session and kept across restarts; unset: no cache",
         metavar="DIR",
         default_text="none",
-        check=Check("an absolute path", _absolute),
     )
 
     cache_size_bytes: int = size(
-        "the most bytes the cache's files may take; when it is full, what no live "
-        "session reads again goes first, then what is read farthest ahead",
-        default=DEFAULT_CACHE_BYTES,
         flag="--cache-size",
+        default=DEFAULT_CACHE_BYTES,
         check=at_least(_MIN_CACHE_BYTES, size=True),
+        help="the most bytes the cache's files may take; when it is full, what no live "
+        "session reads again goes first, then what is read farthest ahead",
     )
 
     cache_prefetch_batches: int = count(
-        "fetch into the cache the bytes of this many batches ahead of each stream; 0: "
-        "none (workers then fetch what they miss)",
-        default=DEFAULT_PREFETCH_BATCHES,
         flag="--cache-prefetch-batches",
+        default=DEFAULT_PREFETCH_BATCHES,
         check=within(0, 1024),
+        help="fetch into the cache the bytes of this many batches ahead of each stream; 0: "
+        "none (workers then fetch what they miss)",
     )

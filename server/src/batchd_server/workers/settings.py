@@ -15,24 +15,24 @@ class WorkerSettings:
     """The decode workers' settings."""
 
     workers: WorkerRange = setting(
-        "decode processes: N keeps N running; MIN..MAX starts MIN and adds one while "
+        flag="--workers",
+        default_factory=lambda: WorkerRange(available_cpus(), available_cpus()),
+        check=Check(">= 1, MIN <= MAX", WorkerRange.problem),
+        parse=parse_worker_range,
+        help="decode processes: N keeps N running; MIN..MAX starts MIN and adds one while "
         "trainers stall on queued decode work and cores are idle, removes one when the "
         "workers idle, never past MAX, the CPUs or what memory affords",
-        default_factory=lambda: WorkerRange(available_cpus(), available_cpus()),
-        parse=parse_worker_range,
-        flag="--workers",
-        check=Check(">= 1, MIN <= MAX", WorkerRange.problem),
         metavar="N|MIN..MAX",
         default_text="the CPUs this process may use",
     )
 
     task_timeout_s: float = seconds(
-        "kill a decode worker whose task runs longer than this many seconds (a hung read "
+        flag="--task-timeout-s",
+        default=60.0,
+        check=within(0, 86400, low_open=True),
+        help="kill a decode worker whose task runs longer than this many seconds (a hung read "
         "or decode) and redo the task; a sample that hangs twice is a bad sample of kind "
         "'timeout'",
-        default=60.0,
-        flag="--task-timeout-s",
-        check=within(0, 86400, low_open=True),
     )
 
     def check_workers(self) -> None:
