@@ -194,3 +194,19 @@ def test_every_features_settings_are_composed_into_server_config() -> None:
     found.discard(ServerConfig)
     assert len(found) >= 8, found
     assert {cls for cls in found if not issubclass(ServerConfig, cls)} == set()
+
+
+def test_reading_the_configuration_loads_neither_sqlalchemy_nor_grpc() -> None:
+    """Every command, ``--help`` included, reads the configuration: composing the features'
+    settings must not pull in the catalog's database layer or the gRPC service."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, batchd_server.config\n"
+        "print(' '.join(m for m in ('sqlalchemy', 'grpc', 'pyarrow') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""

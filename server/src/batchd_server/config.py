@@ -3,8 +3,8 @@ read from the environment in exactly one place (:meth:`ServerConfig.from_env`).
 
 Each feature declares its settings beside its code, one frozen dataclass of fields that
 carry their flag, environment variable, help, parser and check (:mod:`batchd_server.settings`):
-``catalog/settings.py``, ``service_settings.py`` (addresses, security, calls, health),
-``sessions/settings.py``, ``shm/settings.py``, ``workers/settings.py``,
+``catalog/settings.py``, ``service_settings.py`` (addresses, security, calls, health and
+the sessions' limits), ``shm/settings.py``, ``workers/settings.py``,
 ``storage/settings.py``, ``decode_cache/settings.py`` and ``logs.py``. ServerConfig inherits
 them all and adds only the checks that span them; the command line, the environment loader,
 the checks and the reference page ``docs/reference/server-settings.md`` are derived from the
@@ -28,9 +28,9 @@ from batchd_server.service_settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LISTEN,
     ServiceSettings,
+    SessionSettings,
     reserved_rpcs,
 )
-from batchd_server.sessions.settings import SessionSettings
 from batchd_server.settings import (
     check_values,
     from_environ,

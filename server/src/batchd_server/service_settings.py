@@ -1,17 +1,23 @@
 """How the server serves: the addresses it listens on (gRPC and metrics), who may call it
 (TLS, the token), how many calls it runs at once, its health checks and heartbeats, and how
-it shuts down; and how ``healthcheck --target`` reaches a TLS server. These are the settings of
-``api/`` and ``health.py``, declared beside them rather than in ``api/``, which imports grpc:
-the configuration is read by every command and must not load it.
+it shuts down; and how ``healthcheck --target`` reaches a TLS server (:class:`ServiceSettings`).
+And the sessions it serves: how many a server and a client may hold, how long one lives
+without a stream, and which dataset roots they may read (:class:`SessionSettings`).
+
+These are the settings of ``api/``, ``health.py`` and ``sessions/``, declared beside them
+rather than in them: ``api/`` imports grpc and ``sessions/`` the whole data path, and the
+configuration is read by every command, ``--help`` included, which must load neither.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from batchd_server.settings import (
+    Check,
     Setting,
     at_least,
     count,
@@ -25,7 +31,13 @@ from batchd_server.settings import (
     within,
 )
 
-__all__ = ["DEFAULT_GRACE_S", "DEFAULT_LISTEN", "ServiceSettings", "reserved_rpcs"]
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "DEFAULT_LISTEN",
+    "ServiceSettings",
+    "SessionSettings",
+    "reserved_rpcs",
+]
 
 DEFAULT_LISTEN: Final = "127.0.0.1:50051"
 DEFAULT_GRACE_S: Final = 20.0
@@ -206,3 +218,45 @@ class ServiceSettings:
 
 def _setting(name: str) -> Setting:
     return setting_of(ServiceSettings, name)
+
+
+def _relative_root(roots: tuple[Path, ...]) -> str | None:
+    bad = next((root for root in roots if not root.is_absolute()), None)
+    return None if bad is None else f"holds {str(bad)!r}, which is not an absolute path"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionSettings:
+    """The sessions' settings."""
+
+    max_sessions: int = count(
+        flag="--max-sessions",
+        default=256,
+        help="open sessions at most; more is RESOURCE_EXHAUSTED",
+    )
+
+    client_max_sessions: int = count(
+        flag="--client-max-sessions",
+        default=64,
+        help="open sessions one client may hold",
+    )
+
+    lease_timeout_s: float = seconds(
+        flag="--lease-timeout-s",
+        default=30.0,
+        check=within(0, 86400, low_open=True),
+        help="seconds a session may go without an open stream before it is closed and its "
+        "ring freed",
+    )
+
+    data_roots: tuple[Path, ...] = path(
+        flag="--data-root",
+        env="BATCHD_DATA_ROOTS",
+        default=(),
+        check=Check("absolute paths", _relative_root),
+        help="serve only datasets whose root lies under one of these directories; a catalog "
+        "row pointing elsewhere is refused",
+        metavar="DIR",
+        default_text="any root the catalog names",
+        many=os.pathsep,
+    )
