@@ -23,8 +23,7 @@ from sqlalchemy.engine import Engine
 
 import batchd
 from batchd_server.api import RunningServer
-from batchd_server.catalog.ingest import ingest_manifest
-from batchd_server.catalog.parquet_ingest import ingest_parquet
+from batchd_server.catalog.ingest import ingest_manifest, ingest_parquet
 from batchd_server.metrics import REGISTRY
 
 from resume import assert_resume_yields_the_rest

@@ -24,7 +24,7 @@ import batchd
 from batchd_server.api import RunningServer
 from batchd_server.catalog import migrate
 from batchd_server.catalog.db import make_engine
-from batchd_server.catalog.parquet_ingest import ingest_parquet
+from batchd_server.catalog.ingest import ingest_parquet
 
 from resume import assert_resume_yields_the_rest
 from serving import RECORD_FLOATS, serve

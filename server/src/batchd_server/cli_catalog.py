@@ -5,6 +5,7 @@ command line and calls these."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -18,10 +19,7 @@ __all__ = [
     "add_commands",
     "cmd_datasets",
     "cmd_demo_data",
-    "cmd_ingest_imagefolder",
-    "cmd_ingest_manifest",
-    "cmd_ingest_parquet",
-    "cmd_ingest_tar",
+    "cmd_ingest",
     "cmd_migrate",
 ]
 
@@ -51,6 +49,36 @@ def _dataset_args(p: argparse.ArgumentParser, *, dataset_default: str | None = N
     )
 
 
+def _ingest_kinds(
+    sub: Any, common: argparse.ArgumentParser
+) -> Callable[..., argparse.ArgumentParser]:
+    """Add ``ingest`` to ``sub``; returns what adds one ``ingest KIND`` (its name, help, what
+    its ``--root`` is and, unless None, its ``--split``) with what every kind takes: the
+    dataset, its root, a split and a description. :func:`cmd_ingest` runs them all."""
+    ingest = sub.add_parser("ingest", help="add samples to the catalog")
+    kinds = ingest.add_subparsers(dest="kind", required=True, metavar="KIND")
+
+    def add(
+        kind: str, help: str, root_help: str, split_help: str | None
+    ) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = kinds.add_parser(kind, parents=[common], help=help)
+        _dataset_args(p)
+        p.add_argument("--root", required=True, help=root_help)
+        if split_help is not None:
+            p.add_argument("--split", help=split_help)
+        p.add_argument("--description")
+        p.set_defaults(func=cmd_ingest)
+        return p
+
+    return add
+
+
+def _patterns(p: argparse.ArgumentParser, dest: str, metavar: str, what: str, example: str) -> None:
+    """The files an ingest reads, as paths, globs or brace ranges under ``--root``."""
+    help = f"{what}, globs or brace ranges ({example}), relative to --root"
+    p.add_argument(dest, metavar=metavar, nargs="+", help=help)
+
+
 def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add migrate, ingest, demo-data and datasets to the subcommands ``sub`` (argparse's
     ``add_subparsers`` object), each with the options of ``common``."""
@@ -60,31 +88,20 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--downgrade", metavar="REVISION", help="downgrade instead (base: remove all)")
     p.set_defaults(func=cmd_migrate)
 
-    ingest = sub.add_parser("ingest", help="add samples to the catalog")
-    kinds = ingest.add_subparsers(dest="kind", required=True, metavar="KIND")
-    p = kinds.add_parser(
+    kind = _ingest_kinds(sub, common)
+    kind(
         "imagefolder",
-        parents=[common],
-        help="images under ROOT/<split>/<class>/ (or ROOT/<class>/ with --split)",
+        "images under ROOT/<split>/<class>/ (or ROOT/<class>/ with --split)",
+        "the image tree's top directory, or s3://BUCKET/PREFIX",
+        "the whole tree is this split: ROOT/<class>/<image>",
     )
-    _dataset_args(p)
-    p.add_argument(
-        "--root", required=True, help="the image tree's top directory, or s3://BUCKET/PREFIX"
-    )
-    p.add_argument("--split", help="the whole tree is this split: ROOT/<class>/<image>")
-    p.add_argument("--description")
-    p.set_defaults(func=cmd_ingest_imagefolder)
 
-    p = kinds.add_parser(
-        "manifest", parents=[common], help="rows of a JSONL (.jsonl/.ndjson) or CSV manifest"
+    p = kind(
+        "manifest",
+        "rows of a JSONL (.jsonl/.ndjson) or CSV manifest",
+        "directory (or s3://BUCKET/PREFIX) the manifest's paths are under",
+        "split of rows that have none",
     )
-    _dataset_args(p)
-    p.add_argument(
-        "--root",
-        required=True,
-        help="directory (or s3://BUCKET/PREFIX) the manifest's paths are under",
-    )
-    p.add_argument("--split", help="split of rows that have none")
     p.add_argument(
         "--no-verify",
         dest="verify",
@@ -92,39 +109,26 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         help="trust the manifest: do not stat files or list the object store (every row is "
         "verified, byte_size is byte_length)",
     )
-    p.add_argument("--description")
     p.add_argument("manifest", metavar="FILE")
-    p.set_defaults(func=cmd_ingest_manifest)
 
-    p = kinds.add_parser(
+    p = kind(
         "tar",
-        parents=[common],
-        help="WebDataset tar shards: samples as byte ranges inside them (nothing extracted)",
+        "WebDataset tar shards: samples as byte ranges inside them (nothing extracted)",
+        "directory (or s3://BUCKET/PREFIX) the shards are under",
+        "split of every sample (default: train/val/test in the name)",
     )
-    _dataset_args(p)
-    p.add_argument(
-        "--root", required=True, help="directory (or s3://BUCKET/PREFIX) the shards are under"
-    )
-    p.add_argument("--split", help="split of every sample (default: train/val/test in the name)")
     p.add_argument(
         "--label-key", default="label", help="field of a .json member with the label (label)"
     )
-    p.add_argument("--description")
-    p.add_argument(
-        "shards",
-        metavar="SHARD",
-        nargs="+",
-        help="shard files, globs or brace ranges (shard-{000..099}.tar), relative to --root",
-    )
-    p.set_defaults(func=cmd_ingest_tar)
+    _patterns(p, "shards", "SHARD", "shard files", "shard-{000..099}.tar")
+    p.set_defaults(progress_of="shards")
 
-    p = kinds.add_parser(
+    p = kind(
         "parquet",
-        parents=[common],
-        help="Parquet files: one row, one sample (its payload column decoded by the pipeline)",
+        "Parquet files: one row, one sample (its payload column decoded by the pipeline)",
+        "directory the files are under",
+        None,
     )
-    _dataset_args(p)
-    p.add_argument("--root", required=True, help="directory the files are under")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--split", help="split of every row")
     where.add_argument("--split-column", metavar="COLUMN", help="string column of each row's split")
@@ -142,14 +146,8 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="COLUMN",
         help="integer column of sequence lengths (default: a list payload's length)",
     )
-    p.add_argument("--description")
-    p.add_argument(
-        "files",
-        metavar="FILE",
-        nargs="+",
-        help="Parquet files, globs or brace ranges (part-{0000..0099}.parquet), relative to --root",
-    )
-    p.set_defaults(func=cmd_ingest_parquet)
+    _patterns(p, "files", "FILE", "Parquet files", "part-{0000..0099}.parquet")
+    p.set_defaults(progress_of="files")
 
     p = sub.add_parser("demo-data", parents=[common], help="write synthetic JPEGs and ingest them")
     _dataset_args(p, dataset_default="demo")
@@ -181,37 +179,20 @@ def cmd_migrate(args: argparse.Namespace, engine: Engine) -> int:
     return 0
 
 
-def cmd_ingest_manifest(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.ingest import ingest_manifest
+def cmd_ingest(args: argparse.Namespace, engine: Engine) -> int:
+    """``ingest KIND``: call the kind's ingest function (``catalog/ingest/<kind>.py``) with
+    each parsed argument that names one of its parameters (a flag's dest is the parameter's
+    name), so a new kind needs its arguments here and nothing else."""
+    from batchd_server.catalog import ingest
 
-    report = ingest_manifest(
-        engine,
-        dataset=args.dataset,
-        version=args.dataset_version,
-        root=args.root,
-        manifest=args.manifest,
-        split=args.split,
-        verify=args.verify,
-        description=args.description,
-        object_store_retry_s=args.config.object_store_retry_s,
-    )
-    print(report.summary())
-    return 0
-
-
-def cmd_ingest_imagefolder(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.ingest import ingest_imagefolder
-
-    report = ingest_imagefolder(
-        engine,
-        dataset=args.dataset,
-        version=args.dataset_version,
-        root=args.root,
-        split=args.split,
-        description=args.description,
-        object_store_retry_s=args.config.object_store_retry_s,
-    )
-    print(report.summary())
+    function = getattr(ingest, f"ingest_{args.kind}")
+    parameters = inspect.signature(function).parameters
+    values = {name: value for name, value in vars(args).items() if name in parameters}
+    values["version"] = args.dataset_version
+    values["object_store_retry_s"] = args.config.object_store_retry_s
+    if "progress" in parameters and sys.stderr.isatty():
+        values["progress"] = _progress(args.progress_of)
+    print(function(engine, **values).summary())
     return 0
 
 
@@ -229,48 +210,6 @@ def _progress(what: str) -> Callable[[int, int, int], None]:
         )
 
     return progress
-
-
-def cmd_ingest_tar(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.ingest import ingest_tar
-
-    report = ingest_tar(
-        engine,
-        dataset=args.dataset,
-        version=args.dataset_version,
-        root=args.root,
-        shards=args.shards,
-        split=args.split,
-        label_key=args.label_key,
-        description=args.description,
-        progress=_progress("shards") if sys.stderr.isatty() else None,
-        object_store_retry_s=args.config.object_store_retry_s,
-    )
-    print(report.summary())
-    return 0
-
-
-def cmd_ingest_parquet(args: argparse.Namespace, engine: Engine) -> int:
-    from batchd_server.catalog.parquet_ingest import ingest_parquet
-
-    report = ingest_parquet(
-        engine,
-        dataset=args.dataset,
-        version=args.dataset_version,
-        root=args.root,
-        files=args.files,
-        payload=args.payload,
-        split=args.split,
-        split_column=args.split_column,
-        label=args.label,
-        key=args.key,
-        length=args.length,
-        description=args.description,
-        progress=_progress("files") if sys.stderr.isatty() else None,
-        object_store_retry_s=args.config.object_store_retry_s,
-    )
-    print(report.summary())
-    return 0
 
 
 def cmd_demo_data(args: argparse.Namespace, engine: Engine) -> int:

@@ -5,13 +5,40 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["JsonFormatter", "configure_logging", "current_log_format", "session_log_id"]
+from batchd_server.settings import EVERY_COMMAND, one_of, setting
+
+__all__ = [
+    "LOG_FORMATS",
+    "JsonFormatter",
+    "LogSettings",
+    "configure_logging",
+    "current_log_format",
+    "session_log_id",
+]
+
+LOG_FORMATS: Final = ("text", "json")
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _SESSION_LOG_ID_CHARS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogSettings:
+    """Logging's server setting (composed into ``ServerConfig`` by ``config.py``)."""
+
+    log_format: str = setting(
+        flag="--log-format",
+        default="text",
+        check=one_of(LOG_FORMATS),
+        help="log to stderr as text (one line per record) or json (one object per line, "
+        "for log collectors)",
+        metavar="{" + ",".join(LOG_FORMATS) + "}",
+        commands=(EVERY_COMMAND,),
+    )
 
 
 def session_log_id(session_id: str) -> str:

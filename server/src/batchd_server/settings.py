@@ -1,12 +1,22 @@
-"""A setting declared once: the field of a config dataclass carries its flag, environment
-variable, help, parser and check (a :class:`Setting` in the field's metadata), and
-everything else is derived from that one declaration: the argparse arguments
+"""A setting declared once: the field of a feature's settings dataclass carries its flag,
+environment variable, help, parser and check (a :class:`Setting` in the field's metadata),
+and everything else is derived from that one declaration: the argparse arguments
 (:func:`add_arguments`, :func:`given`), the environment loader (:func:`from_environ`), the
 per-value checks (:func:`check_values`) and the reference table (:func:`markdown_table`).
 
-The declaration lives on the field, not in a table the dataclass is built from, so the
-dataclass stays a plain frozen dataclass that mypy and readers see field by field: the
-type and the default are where they always were, the setting's words next to them.
+Every feature declares its settings the same way, beside its code: a frozen, keyword-only
+dataclass whose fields are made by :func:`setting` (or one of its kinds: :func:`seconds`,
+:func:`count`, :func:`size`, :func:`path`, :func:`switch`)::
+
+    @dataclass(frozen=True, kw_only=True)
+    class ShmSettings:
+        shm_dir: Path = path("where shared-memory segments live", default=Path("/dev/shm"),
+                             flag="--shm-dir", metavar="DIR")
+
+``config.py`` composes them: ``ServerConfig`` inherits every feature's dataclass. The
+declaration lives on the field, not in a table the dataclass is built from, so each
+dataclass stays a plain frozen dataclass that mypy and readers see field by field: the type
+and the default where they always are, the setting's words next to them.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ __all__ = [
     "add_arguments",
     "at_least",
     "check_values",
+    "count",
     "declared",
     "format_size",
     "from_environ",
@@ -35,9 +46,13 @@ __all__ = [
     "one_of",
     "parse_bool",
     "parse_bytes",
+    "path",
+    "seconds",
     "setting",
     "setting_of",
+    "size",
     "split_host_port",
+    "switch",
     "where",
     "within",
 ]
@@ -210,9 +225,17 @@ class Setting:
         return tuple(self.parse(item) for item in text.split(self.many) if item)
 
 
+def _env_of(flag: str) -> str:
+    """The variable a flag's setting reads unless it names another: ``--shm-budget`` ->
+    ``BATCHD_SHM_BUDGET``."""
+    return "BATCHD_" + flag.removeprefix("--").upper().replace("-", "_")
+
+
 def setting(
     help: str,
     *,
+    default: Any = dataclasses.MISSING,
+    default_factory: Callable[[], Any] | None = None,
     flag: str | None = None,
     env: str | None = None,
     parse: Callable[[str], Any] = str,
@@ -223,24 +246,60 @@ def setting(
     many: str | None = None,
     commands: tuple[str, ...] = ("serve",),
     secret: bool = False,
-) -> Mapping[str, Setting]:
-    """The ``metadata`` of a field that is a setting:
-    ``workers: int = field(default=2, metadata=setting("decode processes", flag=...))``."""
-    return {
-        _KEY: Setting(
-            help=help,
-            flag=flag,
-            env=env,
-            parse=parse,
-            check=check,
-            metavar=metavar,
-            default_text=default_text,
-            default_in=default_in,
-            many=many,
-            commands=commands,
-            secret=secret,
-        )
-    }
+) -> Any:
+    """A field of a feature's settings dataclass that is a setting:
+    ``listen: str = setting("where to serve gRPC", default="127.0.0.1:50051", flag="--listen")``.
+
+    The variable is the flag's (``--listen``: ``BATCHD_LISTEN``) unless ``env`` names
+    another; a setting with no flag names its variable. :func:`seconds`, :func:`count`,
+    :func:`size`, :func:`path` and :func:`switch` are this for the usual kinds of value."""
+    assert flag is not None or env is not None, f"{help!r}: a setting needs a flag or a variable"
+    declaration = Setting(
+        help=help,
+        flag=flag,
+        env=env if env is not None or flag is None else _env_of(flag),
+        parse=parse,
+        check=check,
+        metavar=metavar,
+        default_text=default_text,
+        default_in=default_in,
+        many=many,
+        commands=commands,
+        secret=secret,
+    )
+    metadata = {_KEY: declaration}
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def seconds(help: str, *, default: float, check: Check, **more: Any) -> Any:
+    """A :func:`setting` of a duration in seconds (``--grace-s S``)."""
+    return setting(help, default=default, parse=float, check=check, metavar="S", **more)
+
+
+def count(help: str, *, default: int | None, check: Check | None = None, **more: Any) -> Any:
+    """A :func:`setting` of a whole number (``--max-sessions N``), at least 1 unless ``check``
+    says otherwise."""
+    check = at_least(1) if check is None else check
+    more.setdefault("metavar", "N")
+    return setting(help, default=default, parse=int, check=check, **more)
+
+
+def size(help: str, *, default: int | None, check: Check, **more: Any) -> Any:
+    """A :func:`setting` of a size in bytes (``--shm-budget BYTES``: ``2GiB``, ``512MiB``)."""
+    return setting(help, default=default, parse=parse_bytes, check=check, metavar="BYTES", **more)
+
+
+def path(help: str, *, metavar: str, **more: Any) -> Any:
+    """A :func:`setting` of a filesystem path (``--tls-cert PEM``); unset by default."""
+    more.setdefault("default", None)
+    return setting(help, parse=Path, metavar=metavar, **more)
+
+
+def switch(help: str, **more: Any) -> Any:
+    """A :func:`setting` that is off unless given (``--insecure``, ``BATCHD_INSECURE=1``)."""
+    return setting(help, default=False, parse=parse_bool, **more)
 
 
 def declared(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:

@@ -1,15 +1,19 @@
-"""Manifest and image-folder ingest, on Postgres and on SQLite (the ``engine`` fixture)."""
+"""Manifest and image-folder ingest, on Postgres and on SQLite (the ``engine`` fixture), and a
+manifest under an object-store root."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import obstore
 import pytest
 import sqlalchemy as sa
+from s3server import ThrowawayS3, store_env, throwaway_s3
 from sqlalchemy.engine import Engine
 
 from batchd_server.catalog.ingest import ingest_imagefolder, ingest_manifest
@@ -385,3 +389,43 @@ def test_a_uri_root_is_stored_as_given_and_with_no_verify_its_rows_trusted(
     )
     assert report.dataset.root == "s3://bucket/data"
     assert [(r.is_verified, r.byte_size) for r in sample_rows(engine)] == [(True, None)]
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[ThrowawayS3]:
+    """A throwaway object store holding one 100-byte object under ``s3://ingest/data``."""
+    with throwaway_s3() as server:
+        server.create_bucket("ingest")
+        obstore.put(server.store("ingest"), "data/a.bin", bytes(100))
+        yield server
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_manifest_under_an_s3_root_is_verified_against_the_listing_as_against_a_disk(
+    store: ThrowawayS3, sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """A missing object's row is written unverified and counted, a present one gets its
+    size; a byte range past the end of an object is an error naming its URL."""
+    rows = [{"path": "a.bin", "split": "train"}, {"path": "gone.bin", "split": "train"}]
+    past = [{"path": "a.bin", "split": "train", "byte_offset": 90, "byte_length": 20}]
+    with store_env(store):
+        report = ingest_manifest(
+            sqlite_engine,
+            dataset="ds",
+            root="s3://ingest/data",
+            manifest=write_jsonl(tmp_path / "m.jsonl", rows),
+        )
+        assert (report.inserted, report.unverified, report.missing_paths) == (2, 1, ("gone.bin",))
+        got = [(r.path, r.is_verified, r.byte_size) for r in sample_rows(sqlite_engine)]
+        assert got == [("a.bin", True, 100), ("gone.bin", False, None)]
+        with pytest.raises(
+            DataError,
+            match=r"line 1: .*past the end of s3://ingest/data/a\.bin \(100 bytes\); the byte "
+            "range must lie inside the object",
+        ):
+            ingest_manifest(
+                sqlite_engine,
+                dataset="past",
+                root="s3://ingest/data",
+                manifest=write_jsonl(tmp_path / "past.jsonl", past),
+            )

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from batchd_server.catalog.parquet_ingest import ingest_parquet
+from batchd_server.catalog.ingest import ingest_parquet
 from batchd_server.catalog.reader import load_split
 from batchd_server.errors import DataError
 from batchd_server.parquet.rows import ParquetRows

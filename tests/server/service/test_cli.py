@@ -132,3 +132,33 @@ def test_usage_errors_exit_2_and_version_prints_the_version(tmp_path: Path) -> N
     assert missing.returncode == 2 and "--root" in missing.stderr
     version = batchd_server("--version", url=url, home=tmp_path)
     assert version.returncode == 0 and version.stdout.startswith("batchd-server ")
+
+
+def test_every_flag_of_each_ingest_kind_names_a_parameter_of_its_ingest_function() -> None:
+    """``ingest KIND`` passes each parsed argument on by name, so a flag whose dest names no
+    parameter of ``catalog.ingest.ingest_<kind>`` would be dropped without a word."""
+    import argparse
+    import inspect
+
+    from batchd_server import cli_catalog
+    from batchd_server.catalog import ingest
+    from batchd_server.cli import build_parser
+    from batchd_server.config import ServerConfig
+    from batchd_server.settings import declared
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    kinds_action = next(
+        a for a in commands.choices["ingest"]._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    settings = {f.name for f, _ in declared(ServerConfig)} | {"log_level", "help"}
+    passed_on = {"dataset_version", "progress_of"}  # cmd_ingest maps these itself
+    assert set(kinds_action.choices) == {"imagefolder", "manifest", "tar", "parquet"}
+    for kind, sub in kinds_action.choices.items():
+        function = getattr(ingest, f"ingest_{kind}")
+        parameters = set(inspect.signature(function).parameters)
+        assert sub.get_default("func") is cli_catalog.cmd_ingest, kind
+        dests = {a.dest for a in sub._actions} - settings - passed_on
+        assert dests, kind
+        assert dests <= parameters, (kind, dests - parameters)
+        assert {"version", "object_store_retry_s"} <= parameters, kind

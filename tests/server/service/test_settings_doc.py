@@ -1,5 +1,6 @@
-"""Server settings are declared once, on ServerConfig's fields: the committed reference page,
-the flags, the variables, the defaults the help shows and the errors all follow from it."""
+"""Server settings are declared once, on the fields of each feature's settings dataclass,
+composed into ServerConfig: the committed reference page, the flags, the variables, the
+defaults the help shows and the errors all follow from it."""
 
 from __future__ import annotations
 
@@ -166,3 +167,46 @@ def test_a_value_its_rule_refuses_is_an_error_naming_the_flag_and_the_variable(n
     for part in (setting.flag, setting.env):
         assert part is None or part in message, message
     assert "pw" not in message, "a database URL's password never reaches a message"
+
+
+def test_every_features_settings_are_composed_into_server_config() -> None:
+    """A dataclass of settings declared anywhere in the server is a base of ServerConfig, so
+    its flags, variables and reference rows exist (a feature that forgot config.py would
+    have settings no operator can set)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import batchd_server
+
+    found = set()
+    for info in pkgutil.walk_packages(batchd_server.__path__, "batchd_server."):
+        if ".migrations" in info.name:
+            continue
+        module = importlib.import_module(info.name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if (
+                cls.__module__ == info.name
+                and dataclasses.is_dataclass(cls)
+                and any(True for _ in declared(cls))
+            ):
+                found.add(cls)
+    found.discard(ServerConfig)
+    assert len(found) >= 8, found
+    assert {cls for cls in found if not issubclass(ServerConfig, cls)} == set()
+
+
+def test_reading_the_configuration_loads_neither_sqlalchemy_nor_grpc() -> None:
+    """Every command, ``--help`` included, reads the configuration: composing the features'
+    settings must not pull in the catalog's database layer or the gRPC service."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, batchd_server.config\n"
+        "print(' '.join(m for m in ('sqlalchemy', 'grpc', 'pyarrow') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""

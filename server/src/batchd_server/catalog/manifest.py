@@ -1,6 +1,6 @@
 """Reading and checking manifest rows, and verifying their files under a dataset root.
 
-Everything here is pure Python over text and the filesystem; ``ingest.py`` streams the rows it
+Everything here is pure Python over text and the filesystem; ``ingest/`` streams the rows it
 yields into the database. Every problem is a :class:`~batchd_server.errors.DataError` naming
 the file, the line, the field and the value, and saying what is allowed.
 """
@@ -28,6 +28,7 @@ __all__ = [
     "VERSION_MAX_CHARS",
     "Row",
     "RowChecker",
+    "RowVerifier",
     "Verifier",
     "check_name",
     "read_csv",
@@ -254,7 +255,50 @@ def read_csv(f: Iterable[str], checker: RowChecker) -> Iterator[Row]:
 # --------------------------------------------------------------------------- verification
 
 
-class Verifier:
+class RowVerifier:
+    """Appends (is_verified, byte_size) to checked manifest rows from the size of each row's
+    file (:meth:`size_of`): a missing one is counted and its row is written unverified (it
+    may arrive later); a byte range past the end is a DataError."""
+
+    noun = "file"
+    """What a path names, for the error: a file, an object."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.missing_rows = 0
+        self.missing_examples: list[str] = []
+
+    def size_of(self, path: str, line: int) -> int | None:
+        """The size of ``path``, None when it is missing."""
+        raise NotImplementedError
+
+    def place(self, path: str) -> str:
+        """``path`` as errors name it."""
+        return path
+
+    def verify(self, row: Row) -> Row:
+        """Append (is_verified, byte_size) to a checked manifest row."""
+        path, byte_offset, byte_length = row[2], row[3], row[4]
+        size = self.size_of(path, row[0])
+        if size is None:
+            self.missing_rows += 1
+            examples = self.missing_examples
+            if len(examples) < _MISSING_EXAMPLES and path not in examples:
+                examples.append(path)
+            return (*row, False, byte_length)
+        if byte_length is None:
+            return (*row, True, size)
+        if byte_offset + byte_length > size:
+            raise DataError(
+                f"{self.file}, line {row[0]}: byte_offset={byte_offset} + "
+                f"byte_length={byte_length} ends at byte {byte_offset + byte_length}, past the "
+                f"end of {self.place(path)} ({size} bytes); the byte range must lie inside "
+                f"the {self.noun}"
+            )
+        return (*row, True, byte_length)
+
+
+class Verifier(RowVerifier):
     """Stats files under a local root, each distinct path once (shards are shared by rows).
 
     A regular file inside the root is verified; a missing one is counted and its row is
@@ -263,13 +307,11 @@ class Verifier:
     """
 
     def __init__(self, root: Path, file: str) -> None:
+        super().__init__(file)
         self.root = str(root)
-        self.file = file
         self._prefix = self.root.rstrip(os.sep) + os.sep
         self._sizes: dict[str, int | None] = {}
         self._dirs: dict[str, bool] = {}
-        self.missing_rows = 0
-        self.missing_examples: list[str] = []
 
     def inside(self, real: str) -> bool:
         return real == self.root or real.startswith(self._prefix)
@@ -304,32 +346,15 @@ class Verifier:
             raise _bad(where, "path", path, f"{full} exists but is not a regular file")
         return st.st_size
 
-    def verify(self, row: Row) -> Row:
-        """Append (is_verified, byte_size) to a checked manifest row."""
-        path = row[2]
+    def size_of(self, path: str, line: int) -> int | None:
         try:
-            size = self._sizes[path]
+            return self._sizes[path]
         except KeyError:
-            size = self._stat(path, row[0])
+            size = self._stat(path, line)
             if len(self._sizes) >= _STAT_CACHE_MAX:
                 self._sizes.clear()
             self._sizes[path] = size
-        byte_offset, byte_length = row[3], row[4]
-        if size is None:
-            self.missing_rows += 1
-            examples = self.missing_examples
-            if len(examples) < _MISSING_EXAMPLES and path not in examples:
-                examples.append(path)
-            return (*row, False, byte_length)
-        if byte_length is None:
-            return (*row, True, size)
-        if byte_offset + byte_length > size:
-            raise DataError(
-                f"{self.file}, line {row[0]}: byte_offset={byte_offset} + "
-                f"byte_length={byte_length} ends at byte {byte_offset + byte_length}, past the "
-                f"end of {path} ({size} bytes); the byte range must lie inside the file"
-            )
-        return (*row, True, byte_length)
+            return size
 
 
 def trusted(rows: Iterable[Row]) -> Iterator[Row]:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from fnmatch import fnmatchcase
 from typing import Final
 
-from batchd_server.catalog.manifest import Row
+from batchd_server.catalog.manifest import Row, RowVerifier
 from batchd_server.catalog.tar_shards import Shard, expand_braces
 from batchd_server.errors import DataError
 from batchd_server.pipelines.base import BadSample
@@ -49,7 +49,6 @@ __all__ = [
 TAR_BLOCK_BYTES: Final = 8 << 10
 """A tar header read fetches this much. A sample's label member and the next sample's header
 usually come with it (one request per sample); more would mostly fetch payload bytes."""
-_MISSING_EXAMPLES: Final = 5
 _MAGIC: Final = re.compile(r"[*?\[]")
 
 
@@ -93,36 +92,22 @@ class ObjectListing:
         return self._sizes
 
 
-class ObjectVerifier:
+class ObjectVerifier(RowVerifier):
     """Verifies manifest rows against a listing, as ``manifest.Verifier`` does against the
     file system: a missing object makes its row unverified; a range past the end is an
     error."""
 
-    def __init__(self, listing: ObjectListing, file: str) -> None:
-        self.listing = listing
-        self.file = file
-        self.missing_rows = 0
-        self.missing_examples: list[str] = []
+    noun = "object"
 
-    def verify(self, row: Row) -> Row:
-        """Append (is_verified, byte_size) to a checked manifest row."""
-        path, byte_offset, byte_length = row[2], row[3], row[4]
-        size = self.listing.sizes.get(path)
-        if size is None:
-            self.missing_rows += 1
-            if len(self.missing_examples) < _MISSING_EXAMPLES and path not in self.missing_examples:
-                self.missing_examples.append(path)
-            return (*row, False, byte_length)
-        if byte_length is None:
-            return (*row, True, size)
-        if byte_offset + byte_length > size:
-            raise DataError(
-                f"{self.file}, line {row[0]}: byte_offset={byte_offset} + "
-                f"byte_length={byte_length} ends at byte {byte_offset + byte_length}, past the "
-                f"end of {join_url(self.listing.root, path)} ({size} bytes); the byte range "
-                "must lie inside the object"
-            )
-        return (*row, True, byte_length)
+    def __init__(self, listing: ObjectListing, file: str) -> None:
+        super().__init__(file)
+        self.listing = listing
+
+    def size_of(self, path: str, line: int) -> int | None:
+        return self.listing.sizes.get(path)
+
+    def place(self, path: str) -> str:
+        return join_url(self.listing.root, path)
 
 
 def object_images(
@@ -244,6 +229,6 @@ class RangeReader(io.RawIOBase):
 
 
 def iter_object_rows(images: list[tuple[str, str, str, int]]) -> Iterator[Row]:
-    """Image-folder rows (label still the class name, as ``ingest._run`` expects)."""
+    """Image-folder rows (label still the class name, as ``ingest.load.load`` expects)."""
     for line, (s, c, path, size) in enumerate(images, 1):
         yield (line, path, path, None, None, c, s, None, 1.0, None, True, size)

@@ -10,6 +10,8 @@ is, and a changed sample belongs in a new dataset version. That is what lets a s
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
@@ -29,6 +31,14 @@ metadata = sa.MetaData(
 # SQLite only auto-assigns ids to an INTEGER PRIMARY KEY; bigint elsewhere.
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+
+def _owned_by(parent: str, column: str, type_: Any) -> sa.Column[Any]:
+    """``column``, the id of the ``parent`` row that owns this one: deleting the parent
+    deletes it."""
+    owner = sa.ForeignKey(f"{parent}.id", ondelete="CASCADE")
+    return sa.Column(column, type_, owner, nullable=False)
+
 
 datasets = sa.Table(
     "datasets",
@@ -50,12 +60,7 @@ samples = sa.Table(
     "samples",
     metadata,
     sa.Column("id", BigId, sa.Identity(), primary_key=True),
-    sa.Column(
-        "dataset_id",
-        sa.Integer,
-        sa.ForeignKey("datasets.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    _owned_by("datasets", "dataset_id", sa.Integer),
     sa.Column("key", sa.Text, nullable=False),
     sa.Column("path", sa.Text, nullable=False, comment="relative to datasets.root"),
     sa.Column("byte_offset", sa.BigInteger, nullable=True, comment="inside a shard file"),
@@ -82,12 +87,7 @@ sample_errors = sa.Table(
     "sample_errors",
     metadata,
     sa.Column("id", BigId, sa.Identity(), primary_key=True),
-    sa.Column(
-        "sample_id",
-        BigId,
-        sa.ForeignKey("samples.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    _owned_by("samples", "sample_id", BigId),
     sa.Column("kind", sa.String(32), nullable=False, comment="missing, corrupt, escape, ..."),
     sa.Column("message", sa.Text, nullable=False),
     sa.Column("count", sa.Integer, nullable=False, server_default="1"),

@@ -1,59 +1,42 @@
-"""The decode cache's server settings, declared as :class:`ServerConfig`'s are (its base).
-
-``ServerConfig`` inherits these fields, so the command line, the environment loader and the
-settings page list them like every other setting (``batchd_server/config.py``).
-"""
+"""The decode cache's server settings (``docs/server/decode-cache.md``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from batchd_server.settings import at_least, parse_bytes, setting, setting_of
+from batchd_server.settings import at_least, path, setting_of, size
 
 __all__ = ["DecodeCacheSettings"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeCacheSettings:
-    """The decode cache's settings (``docs/server/decode-cache.md``)."""
+    """The decode cache's settings."""
 
-    decode_cache_bytes: int = field(
+    decode_cache_bytes: int = size(
+        flag="--decode-cache-size",
         default=0,
-        metadata=setting(
-            "keep decoded samples in shared memory, up to this many bytes taken from "
-            "--shm-budget, e.g. 8GiB, so later epochs skip reading and decoding them "
-            "(a random crop still crops each epoch); 0: no decode cache",
-            flag="--decode-cache-size",
-            env="BATCHD_DECODE_CACHE_SIZE",
-            parse=parse_bytes,
-            check=at_least(0),
-            metavar="BYTES",
-        ),
+        check=at_least(0),
+        help="keep decoded samples in shared memory, up to this many bytes taken from "
+        "--shm-budget, e.g. 8GiB, so later epochs skip reading and decoding them "
+        "(a random crop still crops each epoch); 0: no decode cache",
     )
-    decode_cache_dir: Path | None = field(
-        default=None,
-        metadata=setting(
-            "a directory on a local disk for the decode cache's second tier, which takes "
-            "what shared memory has no room for and keeps it across restarts (one server "
-            "per directory); needs --decode-cache-size",
-            flag="--decode-cache-dir",
-            env="BATCHD_DECODE_CACHE_DIR",
-            parse=Path,
-            metavar="DIR",
-        ),
+
+    decode_cache_dir: Path | None = path(
+        flag="--decode-cache-dir",
+        help="a directory on a local disk for the decode cache's second tier, which takes "
+        "what shared memory has no room for and keeps it across restarts (one server "
+        "per directory); needs --decode-cache-size",
+        metavar="DIR",
     )
-    decode_cache_dir_bytes: int = field(
+
+    decode_cache_dir_bytes: int = size(
+        flag="--decode-cache-dir-size",
         default=0,
-        metadata=setting(
-            "the most bytes the decode cache keeps in --decode-cache-dir",
-            flag="--decode-cache-dir-size",
-            env="BATCHD_DECODE_CACHE_DIR_SIZE",
-            parse=parse_bytes,
-            check=at_least(0),
-            metavar="BYTES",
-            default_text="4 times --decode-cache-size",
-        ),
+        check=at_least(0),
+        help="the most bytes the decode cache keeps in --decode-cache-dir",
+        default_text="4 times --decode-cache-size",
     )
 
     def check_decode_cache(self) -> None:

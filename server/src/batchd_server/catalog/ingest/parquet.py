@@ -1,4 +1,5 @@
-"""Parquet files as catalog rows: one row of a file, one sample.
+"""Fill the catalog from Parquet files: one row of a file, one sample, through the same staged,
+single-transaction load as every other ingest (``load.py``).
 
 Each sample's row records the file (``path``), its row group and its row in it
 (``row_group``, ``row_index``), and as its byte range the payload column's chunk in that
@@ -8,29 +9,119 @@ read, a row group at a time; the payload itself is read only for a list payload 
 ``--length`` column (a sequence's length is its list's).
 
 Files are opened by ``open_file`` (a seekable binary file object: a local file, or ranged
-reads of an object), so one code path serves every kind of root.
+reads of an object), so one code path serves every kind of root. The worker's side of the
+same files (footers, row groups, pages) is ``parquet/``, which knows nothing of the catalog.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, Final
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from sqlalchemy.engine import Engine
 
-from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, Row
-from batchd_server.errors import DataError
-from batchd_server.parquet.payload import (
-    chunk_range,
-    describe_schema,
-    find_field,
-    resolve_payload,
+from batchd_server.catalog.ingest.load import (
+    PARQUET_STAGE_COLUMNS,
+    IngestReport,
+    Source,
+    Target,
+    find_files,
+    load,
 )
+from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, Row, check_name
+from batchd_server.catalog.types import DatasetRef
+from batchd_server.errors import DataError
+from batchd_server.parquet.payload import chunk_range, describe_schema, find_field, resolve_payload
+from batchd_server.storage.options import DEFAULT_RETRY_S
 
-__all__ = ["ParquetSamples"]
+__all__ = ["ParquetSamples", "ingest_parquet"]
+
+
+def ingest_parquet(
+    engine: Engine,
+    *,
+    dataset: str,
+    version: str = "1",
+    root: str | Path,
+    files: list[str],
+    payload: str,
+    split: str | None = None,
+    split_column: str | None = None,
+    label: str | None = None,
+    key: str | None = None,
+    length: str | None = None,
+    description: str | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+    object_store_retry_s: float = DEFAULT_RETRY_S,
+) -> IngestReport:
+    """Add the rows of Parquet files: one row, one sample (see :class:`ParquetSamples`).
+
+    Args:
+        root: A local directory or an object-store prefix (``s3://BUCKET/PREFIX``: files
+            are matched against one listing of it, and each footer and small column is read
+            with ranged GETs).
+        files: Paths, globs or brace ranges, relative to ``root``; every file must be
+            under it.
+        payload: The column whose value is the sample (``image.bytes`` for a struct's
+            field): binary, a list of numbers or a fixed-size list of numbers. A dataset
+            serves one payload column: every ingest into it names the same.
+        split, split_column: The split of every row, or the column that holds it.
+        label, key, length: Columns of labels (integers), keys (default
+            ``<file>#<row>``) and sequence lengths (default: a list payload's length).
+
+    Raises:
+        DataError: a pattern that matches nothing, a file that is not Parquet or lacks a
+            column, a bad value, another payload column than the dataset's, or (dataset,
+            version) already rooted elsewhere.
+    """
+    if split is not None:
+        check_name("split", split, SPLIT_MAX_CHARS)
+    stored_root, found = find_files(root, files, object_store_retry_s=object_store_retry_s)
+    opens = {shard.rel: shard.open for shard in found}
+    rels = list(opens)
+    samples = ParquetSamples(
+        files=rels,
+        open_file=lambda rel: opens[rel](),
+        payload=payload,
+        split=split,
+        split_column=split_column,
+        label=label,
+        key=key,
+        length=length,
+        progress=progress,
+    )
+    return load(
+        engine,
+        Target(dataset, version, description),
+        Source(
+            root=stored_root,
+            rows=samples.rows(),
+            empty=f"no rows in {len(rels)} Parquet file(s) under {stored_root}",
+            columns=PARQUET_STAGE_COLUMNS,
+            attrs_update=lambda ref, attrs: _parquet_attrs(ref, attrs, payload),
+        ),
+    )
+
+
+def _parquet_attrs(ref: DatasetRef, attrs: dict[str, Any], payload: str) -> bool:
+    """Record the dataset's payload column; refuse a second one."""
+    current = (attrs.get("parquet") or {}).get("payload")
+    if current == payload:
+        return False
+    if current is not None:
+        raise DataError(
+            f"dataset {ref.name!r} version {ref.version!r} serves Parquet column {current!r}; "
+            f"a dataset has one payload column, so ingest --payload {payload!r} into a new "
+            "--version (or another dataset) and mix them"
+        )
+    attrs["parquet"] = {"payload": payload}
+    return True
+
 
 _INT32_MAX: Final = 2**31 - 1
 
