@@ -135,6 +135,7 @@ FLOORS = (
     "sessions",
     "delivery",
     "health",
+    "service_settings",
     "config",
     "assembly",
     "api",
