@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from batchd_server.decode_cache.settings import DecodeCacheSettings
-from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.limits import MAX_SAMPLE_BYTES
 from batchd_server.settings import (
     EVERY_COMMAND,
     Check,

@@ -26,10 +26,8 @@ from batchd._wire.ring import HEADER_BYTES, slot_offset
 from batchd._wire.schedule import global_step
 from batchd_server import metrics
 from batchd_server.catalog_cache import CatalogEntry
-from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
-from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import EpochStart, source_starts
 from batchd_server.planning.packing import packed_mixing
 from batchd_server.planning.sampling import EpochPlan
@@ -41,9 +39,15 @@ from batchd_server.sessions.share import WAIT, RingRef, ShareGroup, ShareMember,
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.sessions.streams import Stream, StreamAt, stream_plan
 from batchd_server.shm.segments import Segment
-from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
-from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SlotField, SourceSpec
+from batchd_server.workers.task import (
+    BatchResult,
+    BatchTask,
+    ReadOptions,
+    SessionSpec,
+    SlotField,
+    SourceSpec,
+)
 
 __all__ = ["Bell", "FieldView", "ReadyBatch", "RingRef", "Session", "Stream", "SubmitsTasks"]
 
@@ -71,10 +75,8 @@ class Session:
         token: bytes,
         pool: SubmitsTasks,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
-        max_sample_bytes: int = MAX_SAMPLE_BYTES,
         roots: Sequence[str] | None = None,
-        decode_cache: DecodeCacheSpec | None = None,
-        store: StoreOptions | None = None,
+        read: ReadOptions | None = None,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
         ``roots``: the directory the workers read each one's files from, as the manager
@@ -149,9 +151,7 @@ class Session:
             ),
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
-            max_sample_bytes=max_sample_bytes,
-            decode_cache=decode_cache,
-            store=store or StoreOptions(),
+            read=read or ReadOptions(),
             pack_seq_len=options.pack.seq_len if options.pack is not None else 0,
         )
         self._cond = threading.Condition()

@@ -33,9 +33,8 @@ import numpy.typing as npt
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline
-from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.tokens import TokensPipeline
-from batchd_server.storage.objects import ObjectFiles
+from batchd_server.workers.rows import RowReader
 from batchd_server.workers.task import (
     SOURCE_FIELD,
     BatchResult,
@@ -53,11 +52,11 @@ _ROW_FIELDS: Final = ("input_ids", "position_ids", "segment_ids", "document_id")
 
 class _Source(Protocol):
     columns: SampleColumns
-    files: SampleFiles | ObjectFiles
+
+    @property
+    def rows(self) -> RowReader: ...
 
     def path(self, position: int) -> str: ...
-
-    def read(self, position: int) -> memoryview: ...
 
 
 class PackedContext(Protocol):
@@ -172,22 +171,7 @@ def _read_pieces(
                     f"{source.path(local)}: reading it hung past the server's task deadline "
                     "(--task-timeout-s) twice; check the file and its file system",
                 )
-            offset, length = int(columns.byte_offsets[local]), int(columns.byte_lengths[local])
-            want = (start + count) * itemsize
-            if offset >= 0 and 0 <= length < want and columns.row_groups[local] < 0:
-                raise BadSample(
-                    "shape",
-                    f"{source.path(local)}: its record has {length // itemsize} tokens, the "
-                    f"catalog's length says at least {start + count}; fix the length column",
-                )
-            if columns.row_groups[local] >= 0:
-                # A row of a Parquet file: its value, as tokens of the pipeline's dtype.
-                data = source.read(local)[start * itemsize : (start + count) * itemsize]
-            else:
-                base = max(offset, 0)
-                data = source.files.read(
-                    source.path(local), base + start * itemsize, count * itemsize
-                )
+            data = source.rows.read_part(local, start * itemsize, count * itemsize)
             if len(data) != count * itemsize:
                 raise BadSample(
                     "shape",
@@ -210,9 +194,9 @@ def _read_pieces(
 def _read_together(
     context: PackedContext, tokens: TokensPipeline, pieces: npt.NDArray[np.int64]
 ) -> npt.NDArray[Any] | None:
-    """Every piece's tokens in a few reads per source (``SampleFiles.read_ranges``), when
-    every piece lies inside its document's byte-range record; None when one does not, or a
-    read fails: then each piece is read on its own, which finds and reports the bad one."""
+    """Every piece's tokens in a few reads per source (``RowReader.read_parts``), when every
+    piece lies inside its document's byte-range record; None when one does not, or a read
+    fails: then each piece is read on its own, which finds and reports the bad one."""
     itemsize = tokens.dtype.itemsize
     located = [context.locate(int(p)) for p in pieces[:, 1].tolist()]
     runs: dict[int, list[int]] = {}
@@ -222,24 +206,12 @@ def _read_together(
     for members in runs.values():
         source = located[members[0]][0]
         local = np.array([located[i][1] for i in members], np.int64)
-        offsets = source.columns.byte_offsets[local]
-        lengths = source.columns.byte_lengths[local]
         first = pieces[members, 2] * itemsize
         count = pieces[members, 3] * itemsize
-        if offsets.min() < 0 or (lengths < first + count).any():
+        got = source.rows.read_parts(local, first, count)
+        if got is None:
             return None
-        if source.columns.row_groups[local].max() >= 0:  # Parquet rows: piece by piece
-            return None
-        seen: dict[str, int] = {}
-        files = np.fromiter(
-            (seen.setdefault(source.path(int(p)), len(seen)) for p in local.tolist()),
-            np.intp,
-            len(members),
-        )
-        try:
-            data, starts = source.files.read_ranges(list(seen), files, offsets + first, count)
-        except BadSample:
-            return None
+        data, starts = got
         for i, start, n in zip(members, starts.tolist(), count.tolist(), strict=True):
             parts[i] = data[start : start + n].view(tokens.dtype).copy()
     out = [parts[i] for i in range(len(pieces))]
