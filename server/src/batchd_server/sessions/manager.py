@@ -34,7 +34,7 @@ from batchd_server.shm import ShmRegistry, format_bytes
 from batchd_server.shm.space import remedy, usable_bytes
 from batchd_server.storage.open import is_local_root
 from batchd_server.storage.roots import check_object_root
-from batchd_server.workers.packed import packed_fields
+from batchd_server.workers.packed import session_pipeline
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import ReadOptions, SlotField
 
@@ -124,11 +124,9 @@ class SessionManager:
             InvalidArgument, NotFound, FailedPrecondition, SnapshotMismatch,
             ResourceExhausted: as the message says.
         """
-        pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
-        check_source_pipelines(options, pipeline)
-        fields = pipeline.fields()
-        if options.pack is not None:
-            fields = packed_fields(pipeline, options.pack.seq_len)
+        decoder = build_pipeline(options.pipeline_kind, options.pipeline_options)
+        check_source_pipelines(options, decoder)
+        fields = session_pipeline(decoder, options.pack).fields()
         layout, slot_bytes = slot_layout(
             fields,
             options.sampler.batch_size,

@@ -152,7 +152,7 @@ class Session:
             shm_dir=str(ring.path.parent),
             dataset=options.dataset,
             read=read or ReadOptions(),
-            pack_seq_len=options.pack.seq_len if options.pack is not None else 0,
+            pack=options.pack,
         )
         self._cond = threading.Condition()
         self.slots = (ring.nbytes - HEADER_BYTES) // slot_bytes

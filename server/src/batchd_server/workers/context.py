@@ -34,7 +34,7 @@ from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
 from batchd_server.storage.cache import STATS as CACHE_STATS
 from batchd_server.workers.fields import SampleField, open_fields
-from batchd_server.workers.packed import run_packed
+from batchd_server.workers.packed import packed_fill, session_pipeline
 from batchd_server.workers.rows import RowReader, sample_path
 from batchd_server.workers.task import (
     ROW_FIELDS,
@@ -94,8 +94,13 @@ class SessionContext:
 
     def __init__(self, spec: SessionSpec) -> None:
         self.spec = spec
-        self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
-        """The session's: it finishes every batch."""
+        decoder = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
+        self._decoder = decoder
+        """What decodes every source without a pipeline of its own."""
+        self.pipeline: Pipeline = session_pipeline(decoder, spec.pack)
+        """The session's: it finishes every batch (a packed session's fills it)."""
+        self._fill = packed_fill(self, self.pipeline) or self._fill_rows
+        """How a task's slot is filled: rows of samples, or the session pipeline's own."""
         decode_cache = spec.read.decode_cache
         self._cache = SampleCache(decode_cache) if decode_cache is not None else None
         self._sources: list[_Source] = []
@@ -125,7 +130,7 @@ class SessionContext:
     def _open(self, source: SourceSpec) -> _Source:
         arrays, attachment = attach_arrays(source.catalog_segment, shm_dir=Path(self.spec.shm_dir))
         try:
-            pipeline = self.pipeline
+            pipeline = self._decoder
             if source.pipeline_kind:
                 pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
             columns = SampleColumns.of(arrays)
@@ -184,16 +189,16 @@ class SessionContext:
         return ids, labels, index.astype(np.int64)
 
     def run(self, task: BatchTask) -> BatchResult:
-        if self.spec.pack_seq_len:
-            for source in self._sources:
-                source.begin_batch()
-            return run_packed(self, task)
+        for source in self._sources:
+            source.begin_batch()
+        return self._fill(task)
+
+    def _fill_rows(self, task: BatchTask) -> BatchResult:
+        """Fill ``task``'s slot with one row per sample position."""
         started_at = time.monotonic()
         self._read_s = self._decode_s = 0.0
         positions = np.frombuffer(task.positions, np.int64)
         block = self.slot_block(task.slot)
-        for source in self._sources:
-            source.begin_batch()
         self._hung = frozenset(task.hung)  # task positions, as ``where`` reports them
         self.where[0] = -1
         one_by_one = task.one_by_one or bool(task.hung)

@@ -1,4 +1,12 @@
-"""How a worker fills a slot with packed rows: the pieces its task names, written in place.
+"""A packed session's pipeline: rows of ``seq_len`` tokens, filled from the pieces a task
+names, written in place.
+
+:func:`session_pipeline` is where a session's pipeline is built, on the server (its fields
+make the ring's layout) and in each worker: the decoding pipeline itself, or, for a packed
+session, :class:`PackedPipeline` around its Tokens pipeline. Its fill (:func:`run_packed`)
+reads through the same row readers as every session (``workers/rows.py``: local files,
+objects through the node cache, Parquet rows), and a document read on its own goes through
+the decode cache where the session has one.
 
 A packed session's task carries its batch's pieces (``planning.packing.PackedRows.pieces``):
 for each, the row of the batch, the document's position (global over the sources), its
@@ -25,6 +33,8 @@ substitute's other length).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Final, Protocol
 
 import numpy as np
@@ -32,9 +42,10 @@ import numpy.typing as npt
 
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import InvalidArgument
-from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline
+from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
 from batchd_server.pipelines.tokens import TokensPipeline
-from batchd_server.workers.rows import RowReader
+from batchd_server.planning.packing import PackOptions
+from batchd_server.workers.fields import SampleField
 from batchd_server.workers.task import (
     SOURCE_FIELD,
     BatchResult,
@@ -44,7 +55,14 @@ from batchd_server.workers.task import (
     StageTimes,
 )
 
-__all__ = ["PackedContext", "packed_fields", "run_packed", "tokens_of"]
+__all__ = [
+    "PackedContext",
+    "PackedPipeline",
+    "packed_fill",
+    "run_packed",
+    "session_pipeline",
+    "tokens_of",
+]
 
 _ROW_FIELDS: Final = ("input_ids", "position_ids", "segment_ids", "document_id")
 """The packed fields of shape ``(rows, seq_len)``."""
@@ -52,9 +70,7 @@ _ROW_FIELDS: Final = ("input_ids", "position_ids", "segment_ids", "document_id")
 
 class _Source(Protocol):
     columns: SampleColumns
-
-    @property
-    def rows(self) -> RowReader: ...
+    fields: tuple[SampleField, ...]
 
     def path(self, position: int) -> str: ...
 
@@ -63,7 +79,6 @@ class PackedContext(Protocol):
     """What filling packed rows needs of a worker's ``SessionContext``."""
 
     spec: SessionSpec
-    pipeline: Pipeline
     where: npt.NDArray[np.int64]
 
     def slot_block(self, slot: int) -> Block: ...
@@ -89,37 +104,67 @@ def tokens_of(pipeline: Pipeline, what: str = "the session's pipeline") -> Token
     return pipeline
 
 
-def packed_fields(pipeline: Pipeline, seq_len: int) -> list[FieldSpec]:
-    """A packed batch's fields (one row's shape at most), from the session's pipeline.
+class PackedPipeline(Pipeline):
+    """A packed session's batches: rows of ``seq_len`` tokens cut from documents that
+    ``tokens`` decodes (see the module docs for the fields).
 
     Raises:
-        InvalidArgument: the pipeline is not a Tokens pipeline.
+        InvalidArgument: ``tokens`` is not a Tokens pipeline.
     """
-    tokens = tokens_of(pipeline)
-    int32 = np.dtype("<i4")
-    return [
-        FieldSpec("input_ids", tokens.dtype, (seq_len,)),
-        FieldSpec("position_ids", int32, (seq_len,)),
-        FieldSpec("segment_ids", int32, (seq_len,)),
-        FieldSpec("document_id", np.dtype("<i8"), (seq_len,)),
-        # At most one piece per token plus the row's padding, over all rows: seq_len + 1 a
-        # row is room enough for ``rows * seq_len + 1`` boundaries.
-        FieldSpec("cu_seqlens", int32, (seq_len + 1,)),
-        # Each row's tokens before padding: what a mix's per-source accounting sums.
-        FieldSpec("length", int32, ()),
-    ]
+
+    def __init__(self, tokens: Pipeline, seq_len: int) -> None:
+        self.tokens = tokens_of(tokens)
+        self.seq_len = seq_len
+
+    def fields(self) -> list[FieldSpec]:
+        """A packed batch's fields (one row's shape at most)."""
+        seq_len, int32 = self.seq_len, np.dtype("<i4")
+        return [
+            FieldSpec("input_ids", self.tokens.dtype, (seq_len,)),
+            FieldSpec("position_ids", int32, (seq_len,)),
+            FieldSpec("segment_ids", int32, (seq_len,)),
+            FieldSpec("document_id", np.dtype("<i8"), (seq_len,)),
+            # At most one piece per token plus the row's padding, over all rows: seq_len + 1
+            # a row is room enough for ``rows * seq_len + 1`` boundaries.
+            FieldSpec("cu_seqlens", int32, (seq_len + 1,)),
+            # Each row's tokens before padding: what a mix's per-source accounting sums.
+            FieldSpec("length", int32, ()),
+        ]
+
+    def decode_into(self, data: memoryview, sample: SampleInfo, row: Block) -> None:
+        """A document's tokens, as its Tokens pipeline decodes them (packing cuts them)."""
+        self.tokens.decode_into(data, sample, row)
 
 
-def run_packed(context: PackedContext, task: BatchTask) -> BatchResult:
+def session_pipeline(decoder: Pipeline, pack: PackOptions | None) -> Pipeline:
+    """A session's pipeline, built once where the session is: ``decoder`` (what decodes its
+    samples), or its packed rows when the session packs.
+
+    Raises:
+        InvalidArgument: ``pack`` is given and ``decoder`` is not a Tokens pipeline.
+    """
+    return decoder if pack is None else PackedPipeline(decoder, pack.seq_len)
+
+
+def packed_fill(
+    context: PackedContext, pipeline: Pipeline
+) -> Callable[[BatchTask], BatchResult] | None:
+    """How a worker fills a task's slot for a session whose pipeline is ``pipeline``: its
+    packed rows, or None when it is not packed (one row per sample)."""
+    if not isinstance(pipeline, PackedPipeline):
+        return None
+    return partial(run_packed, context, pipeline)
+
+
+def run_packed(context: PackedContext, packed: PackedPipeline, task: BatchTask) -> BatchResult:
     """Fill ``task``'s slot with its packed rows (see the module's docs)."""
     started_at = time.monotonic()
-    spec = context.spec
-    seq_len = spec.pack_seq_len
+    seq_len = packed.seq_len
     pieces = np.frombuffer(task.positions, np.int64).reshape(-1, 4)
     rows = int(pieces[:, 0].max()) + 1 if pieces.size else 0
     block = context.slot_block(task.slot)
     read_start = time.perf_counter()
-    pipeline = tokens_of(context.pipeline)
+    pipeline = packed.tokens
     tokens, kept, failures, fatal = _read_pieces(context, pipeline, task, pieces)
     decode_start = time.perf_counter()
     boundaries = 0
@@ -171,7 +216,7 @@ def _read_pieces(
                     f"{source.path(local)}: reading it hung past the server's task deadline "
                     "(--task-timeout-s) twice; check the file and its file system",
                 )
-            data = source.rows.read_part(local, start * itemsize, count * itemsize)
+            data = _piece(context, source, local, task.epoch, start, count, itemsize)
             if len(data) != count * itemsize:
                 raise BadSample(
                     "shape",
@@ -191,6 +236,46 @@ def _read_pieces(
     return joined, kept, failures, False
 
 
+def _piece(
+    context: PackedContext,
+    source: _Source,
+    position: int,
+    epoch: int,
+    first: int,
+    count: int,
+    itemsize: int,
+) -> memoryview:
+    """Tokens ``[first, first + count)`` of the document at ``position``: from its decoded
+    tokens where the decode cache holds them (or now holds them: the whole document is read
+    and decoded once), else only the piece's own bytes.
+
+    Raises:
+        BadSample: the document cannot be read, or holds fewer tokens.
+    """
+    field = source.fields[0]
+    pipeline, cached = field.decoder(position)
+    if cached is None:
+        return field.rows.read_part(position, first * itemsize, count * itemsize)
+    tokens = tokens_of(pipeline, "a source's pipeline")
+    columns = source.columns
+    info = SampleInfo(
+        sample_id=int(columns.ids[position]),
+        label=int(columns.labels[position]),
+        path=source.path(position),
+        length=int(columns.lengths[position]),
+        seed=context.spec.seed,
+        epoch=epoch,
+    )
+    row: Block = {
+        "input_ids": np.empty(tokens.max_len, tokens.dtype),
+        "length": np.zeros((), np.int32),
+    }
+    offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
+    cached.decode(info, offset, length, lambda: field.rows.read(position), row)
+    kept = row["input_ids"][: int(row["length"])].view(np.uint8)
+    return kept[first * itemsize : (first + count) * itemsize].data
+
+
 def _read_together(
     context: PackedContext, tokens: TokensPipeline, pieces: npt.NDArray[np.int64]
 ) -> npt.NDArray[Any] | None:
@@ -208,7 +293,7 @@ def _read_together(
         local = np.array([located[i][1] for i in members], np.int64)
         first = pieces[members, 2] * itemsize
         count = pieces[members, 3] * itemsize
-        got = source.rows.read_parts(local, first, count)
+        got = source.fields[0].rows.read_parts(local, first, count)
         if got is None:
             return None
         data, starts = got

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from batchd_server.decode_cache.worker import CacheCounts, DecodeCacheSpec
 from batchd_server.limits import MAX_SAMPLE_BYTES
+from batchd_server.planning.packing import PackOptions
 from batchd_server.storage.cache import NodeCacheCounts
 from batchd_server.storage.options import StoreOptions
 
@@ -114,9 +115,9 @@ class SessionSpec:
     read: ReadOptions = field(default_factory=ReadOptions)
     """How its samples are read and decoded (the server's, less what the session opted out
     of)."""
-    pack_seq_len: int = 0
-    """A packed session's row length (``workers/packed.py``): its tasks carry pieces, not
-    positions. 0: not packed."""
+    pack: PackOptions | None = None
+    """A packed session's packing (``workers/packed.py``): its tasks carry pieces, not
+    positions. None: not packed."""
 
     def __post_init__(self) -> None:
         assert self.sources and self.sources[0].start == 0, "sources start at position 0"
