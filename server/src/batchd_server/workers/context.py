@@ -229,16 +229,27 @@ class SessionContext:
         shapes.update((name, (rows,)) for name in ours)
         # No view of the ring may outlive the task.
         del block, pipeline_block, fill, source_column
-        times = StageTimes(
-            started_at=started_at,
-            read_s=self._read_s,
-            decode_s=self._decode_s,
-            collate_s=time.perf_counter() - finish_start,
-            node_cache=CACHE_STATS.take() or None,
-        )
+        collate_s = time.perf_counter() - finish_start
+        times = (started_at, self._read_s, self._decode_s, collate_s)
+        return self.result(task, rows, shapes, failures, fatal, times)
+
+    def result(
+        self,
+        task: BatchTask,
+        rows: int,
+        shapes: dict[str, tuple[int, ...]],
+        failures: list[SampleFailure],
+        fatal: bool,
+        times: tuple[float, float, float, float],
+    ) -> BatchResult:
+        """A filled task's result: ``times`` are ``StageTimes``' started_at, read_s,
+        decode_s and collate_s; what it read through the node cache and the decode cache
+        since the last comes with them."""
+        started_at, read_s, decode_s, collate_s = times
+        stages = StageTimes(started_at, read_s, decode_s, collate_s, CACHE_STATS.take() or None)
         counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
         return BatchResult(
-            task.batch_index, task.slot, rows, shapes, failures, fatal, times, counts
+            task.batch_index, task.slot, rows, shapes, failures, fatal, stages, counts
         )
 
     def _runs(self, positions: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[Any]]]:

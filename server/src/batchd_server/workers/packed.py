@@ -52,7 +52,6 @@ from batchd_server.workers.task import (
     BatchTask,
     SampleFailure,
     SessionSpec,
-    StageTimes,
 )
 
 __all__ = [
@@ -82,6 +81,16 @@ class PackedContext(Protocol):
     where: npt.NDArray[np.int64]
 
     def slot_block(self, slot: int) -> Block: ...
+
+    def result(
+        self,
+        task: BatchTask,
+        rows: int,
+        shapes: dict[str, tuple[int, ...]],
+        failures: list[SampleFailure],
+        fatal: bool,
+        times: tuple[float, float, float, float],
+    ) -> BatchResult: ...
 
     def locate(self, position: int) -> tuple[_Source, int]: ...
 
@@ -180,12 +189,8 @@ def run_packed(context: PackedContext, packed: PackedPipeline, task: BatchTask) 
         if name in block:
             shapes[name] = (rows,)
     del block
-    times = StageTimes(
-        started_at=started_at,
-        read_s=decode_start - read_start,
-        decode_s=done - decode_start,
-    )
-    return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
+    times = (started_at, decode_start - read_start, done - decode_start, 0.0)
+    return context.result(task, rows, shapes, failures, fatal, times)
 
 
 def _read_pieces(
