@@ -32,8 +32,8 @@ from batchd_server.sessions.sources import (
 )
 from batchd_server.shm import ShmRegistry, format_bytes
 from batchd_server.shm.space import remedy, usable_bytes
-from batchd_server.storage.open import is_local_root
 from batchd_server.storage.roots import check_object_root
+from batchd_server.storage.schemes import is_local_root
 from batchd_server.workers.packed import session_pipeline
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.task import ReadOptions, SlotField

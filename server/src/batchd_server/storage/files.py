@@ -1,8 +1,10 @@
-"""Read sample bytes from a dataset root, never from outside it.
+"""Read sample bytes from a local dataset root, never from outside it.
 
-A catalog path is untrusted input: an ingest may have recorded ``../../etc/shadow``, an
-absolute path, or a path through a symlink that leads elsewhere. :class:`SampleFiles` is the
-only way workers read sample bytes, and it refuses all three:
+:class:`SampleFiles` is the :class:`~batchd_server.storage.reader.SampleReader` of a root that
+is a directory of this machine (``storage/open.py`` picks it by the root's scheme; its
+object-store sibling is ``storage/objects.py``). A catalog path is untrusted input: an
+ingest may have recorded ``../../etc/shadow``, an absolute path, or a path through a
+symlink that leads elsewhere. It refuses all three:
 
 1. Before touching the filesystem: an absolute path or a ``..`` component is refused.
 2. The path is resolved (``os.path.realpath``) and must lie under the resolved root, so a

@@ -110,7 +110,7 @@ class ObjectFiles(Closeable):
         self._down: BadSample | None = None
         """The batch's first transient failure: later fetches in the batch fail with it."""
 
-    # -- the SampleFiles interface --------------------------------------------------------
+    # -- the SampleReader interface -------------------------------------------------------
 
     def begin_batch(self) -> None:
         """A new batch: fetches are tried again, and what was fetched ahead is dropped."""

@@ -4,7 +4,8 @@
 to a :class:`~batchd_server.storage.files.SampleFiles`, ``s3`` to an
 :class:`~batchd_server.storage.objects.ObjectFiles`, whose bytes come from
 :func:`make_fetcher`. A new store is one more row; nothing above asks "store or disk?"
-(it asks :func:`is_local_root` where a local root is checked against ``--data-root``).
+(it asks ``storage/schemes.is_local_root`` where a local root is checked against
+``--data-root``).
 :func:`make_fetcher` is the one place where the object-store client is made, so it is where
 a wrapper goes (the node cache wraps the client there: a ``CachingFetcher`` is itself a
 :class:`~batchd_server.storage.base.RangeFetcher`). Keep it that small.
@@ -29,15 +30,14 @@ from batchd_server.storage.objects import ObjectFiles
 from batchd_server.storage.options import StoreOptions
 from batchd_server.storage.reader import SampleReader
 from batchd_server.storage.s3 import S3Fetcher
+from batchd_server.storage.schemes import scheme_of
 
 __all__ = [
     "OPEN_CHECK_RETRY_S",
     "READERS",
     "OpenReader",
-    "is_local_root",
     "make_fetcher",
     "open_reader",
-    "scheme_of",
 ]
 
 OPEN_CHECK_RETRY_S: Final = 10.0
@@ -69,18 +69,6 @@ def _object_store(root: str, max_sample_bytes: int, store: StoreOptions) -> Samp
 READERS: Final[Mapping[str, OpenReader]] = MappingProxyType({"": _local, "s3": _object_store})
 """A root's scheme (``s3`` of ``s3://bucket/prefix``; ``""`` for a local path) -> how its
 reader is opened."""
-
-
-def scheme_of(root: str) -> str:
-    """``root``'s scheme: the part before ``://``, ``""`` for a local path."""
-    scheme, sep, _ = root.partition("://")
-    return scheme.lower() if sep else ""
-
-
-def is_local_root(root: str) -> bool:
-    """Whether ``root`` is a directory of this machine (confined by ``--data-root``), not a
-    prefix of a store (confined by the server's credentials)."""
-    return scheme_of(root) == ""
 
 
 def open_reader(

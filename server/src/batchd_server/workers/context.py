@@ -41,6 +41,7 @@ from batchd_server.workers.task import (
     SOURCE_FIELD,
     BatchResult,
     BatchTask,
+    Filled,
     SampleFailure,
     SessionSpec,
     SourceSpec,
@@ -191,9 +192,16 @@ class SessionContext:
     def run(self, task: BatchTask) -> BatchResult:
         for source in self._sources:
             source.begin_batch()
-        return self._fill(task)
+        rows, shapes, failures, fatal, times = self._fill(task)
+        # What the task read through the node cache and the decode cache comes with it.
+        started_at, read_s, decode_s, collate_s = times
+        stages = StageTimes(started_at, read_s, decode_s, collate_s, CACHE_STATS.take() or None)
+        counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
+        return BatchResult(
+            task.batch_index, task.slot, rows, shapes, failures, fatal, stages, counts
+        )
 
-    def _fill_rows(self, task: BatchTask) -> BatchResult:
+    def _fill_rows(self, task: BatchTask) -> Filled:
         """Fill ``task``'s slot with one row per sample position."""
         started_at = time.monotonic()
         self._read_s = self._decode_s = 0.0
@@ -230,27 +238,7 @@ class SessionContext:
         # No view of the ring may outlive the task.
         del block, pipeline_block, fill, source_column
         collate_s = time.perf_counter() - finish_start
-        times = (started_at, self._read_s, self._decode_s, collate_s)
-        return self.result(task, rows, shapes, failures, fatal, times)
-
-    def result(
-        self,
-        task: BatchTask,
-        rows: int,
-        shapes: dict[str, tuple[int, ...]],
-        failures: list[SampleFailure],
-        fatal: bool,
-        times: tuple[float, float, float, float],
-    ) -> BatchResult:
-        """A filled task's result: ``times`` are ``StageTimes``' started_at, read_s,
-        decode_s and collate_s; what it read through the node cache and the decode cache
-        since the last comes with them."""
-        started_at, read_s, decode_s, collate_s = times
-        stages = StageTimes(started_at, read_s, decode_s, collate_s, CACHE_STATS.take() or None)
-        counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
-        return BatchResult(
-            task.batch_index, task.slot, rows, shapes, failures, fatal, stages, counts
-        )
+        return rows, shapes, failures, fatal, (started_at, self._read_s, self._decode_s, collate_s)
 
     def _runs(self, positions: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[Any]]]:
         """The task's positions as runs of one source each: (source index, the run's rows in

@@ -46,13 +46,7 @@ from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, 
 from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.planning.packing import PackOptions
 from batchd_server.workers.fields import SampleField
-from batchd_server.workers.task import (
-    SOURCE_FIELD,
-    BatchResult,
-    BatchTask,
-    SampleFailure,
-    SessionSpec,
-)
+from batchd_server.workers.task import SOURCE_FIELD, BatchTask, Filled, SampleFailure, SessionSpec
 
 __all__ = [
     "PackedContext",
@@ -81,16 +75,6 @@ class PackedContext(Protocol):
     where: npt.NDArray[np.int64]
 
     def slot_block(self, slot: int) -> Block: ...
-
-    def result(
-        self,
-        task: BatchTask,
-        rows: int,
-        shapes: dict[str, tuple[int, ...]],
-        failures: list[SampleFailure],
-        fatal: bool,
-        times: tuple[float, float, float, float],
-    ) -> BatchResult: ...
 
     def locate(self, position: int) -> tuple[_Source, int]: ...
 
@@ -155,9 +139,7 @@ def session_pipeline(decoder: Pipeline, pack: PackOptions | None) -> Pipeline:
     return decoder if pack is None else PackedPipeline(decoder, pack.seq_len)
 
 
-def packed_fill(
-    context: PackedContext, pipeline: Pipeline
-) -> Callable[[BatchTask], BatchResult] | None:
+def packed_fill(context: PackedContext, pipeline: Pipeline) -> Callable[[BatchTask], Filled] | None:
     """How a worker fills a task's slot for a session whose pipeline is ``pipeline``: its
     packed rows, or None when it is not packed (one row per sample)."""
     if not isinstance(pipeline, PackedPipeline):
@@ -165,7 +147,7 @@ def packed_fill(
     return partial(run_packed, context, pipeline)
 
 
-def run_packed(context: PackedContext, packed: PackedPipeline, task: BatchTask) -> BatchResult:
+def run_packed(context: PackedContext, packed: PackedPipeline, task: BatchTask) -> Filled:
     """Fill ``task``'s slot with its packed rows (see the module's docs)."""
     started_at = time.monotonic()
     seq_len = packed.seq_len
@@ -190,7 +172,7 @@ def run_packed(context: PackedContext, packed: PackedPipeline, task: BatchTask) 
             shapes[name] = (rows,)
     del block
     times = (started_at, decode_start - read_start, done - decode_start, 0.0)
-    return context.result(task, rows, shapes, failures, fatal, times)
+    return rows, shapes, failures, fatal, times
 
 
 def _read_pieces(

@@ -24,6 +24,7 @@ __all__ = [
     "SOURCE_FIELD",
     "BatchResult",
     "BatchTask",
+    "Filled",
     "ReadOptions",
     "SampleFailure",
     "SessionSpec",
@@ -178,6 +179,14 @@ class StageTimes:
     node_cache: NodeCacheCounts | None = None
     """What the worker read through the node cache of object-store bytes since its previous
     result (None: nothing)."""
+
+
+Filled = tuple[
+    int, dict[str, tuple[int, ...]], list["SampleFailure"], bool, tuple[float, float, float, float]
+]
+"""What a fill of a task's slot did (``workers/context.py``, ``workers/packed.py``): the rows
+filled, each field's shape, the failures, whether the batch must fail, and its
+``StageTimes`` (started_at, read_s, decode_s, collate_s); the worker adds the caches' counts."""
 
 
 @dataclass(frozen=True)
