@@ -67,11 +67,6 @@ class _Source:
     """Its samples' fields (one today: the payload)."""
     attachment: Attachment
 
-    @property
-    def rows(self) -> RowReader:
-        """Where the payload field's rows come from (what packing reads)."""
-        return self.fields[0].rows
-
     def path(self, position: int) -> str:
         return sample_path(self.columns, position)
 
@@ -90,8 +85,8 @@ class _Source:
 
 
 class SessionContext:
-    """A worker's open handles for one session: every source's catalog columns, files and
-    pipeline, the ring's mapping and the session's pipeline."""
+    """A worker's open handles for one session: every source's catalog columns and fields
+    (their row readers and pipelines), the ring's mapping and the session's pipeline."""
 
     def __init__(self, spec: SessionSpec) -> None:
         self.spec = spec
