@@ -27,7 +27,7 @@ from batchd_server.demo_data import write_demo_images
 from batchd_server.metrics import node_cache as cache_metrics
 
 from chaos_harness import wait_until
-from serving import RECORD_FLOATS, record_dataset, serve
+from serving import RECORD_FLOATS, record_dataset, serve, token_dataset
 
 pytestmark = pytest.mark.slow(seconds=90)
 
@@ -57,7 +57,7 @@ def s3() -> Iterator[ThrowawayS3]:
 def catalog(s3: ThrowawayS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Records (byte ranges of one shard) and images (whole objects), each as local files
     (``records``, ``images``) and as the same files in the store (``s3records``,
-    ``s3images``)."""
+    ``s3images``); token documents (whole objects) in the store (``s3tokens``)."""
     tmp = tmp_path_factory.mktemp("object-cache")
     url = f"sqlite:///{tmp / 'catalog.db'}"
     engine: Engine = make_engine(url)
@@ -71,6 +71,10 @@ def catalog(s3: ThrowawayS3, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     s3.upload_tree(tmp / "images", BUCKET, "images")
     _ingest(url, s3.env(), "imagefolder", "--dataset", "s3images", "--root",
             f"s3://{BUCKET}/images")  # fmt: skip
+    token_dataset(engine, tmp / "tokens", n=60)
+    s3.upload_tree(tmp / "tokens", BUCKET, "tokens")
+    _ingest(url, s3.env(), "manifest", "--dataset", "s3tokens", "--root",
+            f"s3://{BUCKET}/tokens", str(tmp / "tokens.jsonl"))  # fmt: skip
     engine.dispose()
     yield url
 
@@ -202,3 +206,32 @@ def test_the_server_prefetches_ahead_of_a_stream_that_waits(
         rest = list(batches)
     assert len(rest) == 7  # 16 training images
     assert _counter(cache_metrics.CACHE_HITS, dataset="s3images") > hits
+
+
+def test_the_server_prefetches_the_documents_of_a_packed_stream_that_waits(
+    s3: ThrowawayS3, catalog: str, tmp_path: Path
+) -> None:
+    """A packed session's plan is followed like any other's: while its loop holds the first
+    batch, the cache manager fetches the documents of the batches after the workers', so
+    the rest of the epoch reads them from the node cache."""
+    cache = tmp_path / "cache"
+    prefetched = _counter(cache_metrics.CACHE_FETCHED_BYTES, reader="prefetch")
+    hits = _counter(cache_metrics.CACHE_HITS, dataset="s3tokens")
+    with (
+        _cached_server(catalog, tmp_path, cache) as server,
+        batchd.Loader(
+            server.address, dataset="s3tokens", batch_size=2, prefetch=1, shuffle=False,
+            pipeline=batchd.Tokens(max_len=64), pack=batchd.Pack(seq_len=16), device="cpu",
+        ) as loader,
+    ):  # fmt: skip
+        batches = iter(loader)
+        first = next(batches)
+        wait_until(
+            lambda: _counter(cache_metrics.CACHE_FETCHED_BYTES, reader="prefetch") > prefetched,
+            "a prefetch",
+            timeout_s=60,
+        )
+        rest = list(batches)
+    tokens = sum(int(np.asarray(b["length"]).sum()) for b in [first, *rest])
+    assert tokens == sum(i % 13 + 1 for i in range(60)), "every document's tokens, once"
+    assert _counter(cache_metrics.CACHE_HITS, dataset="s3tokens") > hits

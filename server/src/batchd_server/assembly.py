@@ -43,7 +43,7 @@ from batchd_server.storage.open import make_fetcher
 from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.sizing import Autoscaler
-from batchd_server.workers.task import BatchResult, BatchTask
+from batchd_server.workers.task import BatchResult, BatchTask, ReadOptions
 
 if TYPE_CHECKING:  # only catalog/ imports SQLAlchemy
     from batchd_server.catalog.db import Engine
@@ -242,9 +242,11 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         record_errors=sample_errors.submit,
         doorbell=bell_path.name,
         data_roots=config.data_roots,
-        max_sample_bytes=config.max_sample_bytes,
-        decode_cache=decode_cache.spec if decode_cache is not None else None,
-        store=store,
+        read=ReadOptions(
+            max_sample_bytes=config.max_sample_bytes,
+            store=store,
+            decode_cache=decode_cache.spec if decode_cache is not None else None,
+        ),
     )
     if decode_cache is not None:
         decode_cache.live_roots = sessions.live_roots

@@ -12,10 +12,12 @@ from batchd_server.errors import InvalidArgument
 
 __all__ = [
     "INT64_MAX",
+    "MAX_CACHED_BUFFER_BYTES",
     "MAX_CLIENT_FRAME_BYTES",
     "MAX_NAME_CHARS",
     "MAX_PREFETCH",
     "MAX_REQUEST_BYTES",
+    "MAX_SAMPLE_BYTES",
     "MAX_SLOT_BYTES",
     "MAX_UNIX_PATH_BYTES",
     "check_name",
@@ -35,6 +37,11 @@ MAX_NAME_CHARS: Final = 256
 """A dataset, split or version name at most."""
 INT64_MAX: Final = (1 << 63) - 1
 """The largest int64: what sample ids, byte offsets and epochs are stored and sent as."""
+MAX_SAMPLE_BYTES: Final = 256 << 20
+"""A sample's bytes at most, unless the operator says otherwise (``--max-sample-bytes``);
+a larger one is a bad sample of kind ``too_large``."""
+MAX_CACHED_BUFFER_BYTES: Final = 64 << 20
+"""A reused read or decode buffer grows up to this; a larger one is made for its use alone."""
 
 
 def check_name(what: str, value: str, *, required: bool = True) -> str:

@@ -24,6 +24,7 @@ from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.blocks import BlockStore
 from batchd_server.storage.cache import CacheStats, CachingFetcher
 from batchd_server.storage.objects import ObjectFiles
+from batchd_server.storage.ranges import Ranges
 from batchd_server.storage.s3 import S3Fetcher
 
 BUCKET = "inplace"
@@ -165,12 +166,12 @@ def test_rows_of_an_uncompressed_file_are_read_in_place_through_the_cache(
     rows = ParquetRows(files, "image", None)
     paths, which, groups, within, offsets, lengths, wanted = _batch(name)
     rows.begin_batch()
-    rows.load(paths, which, groups, offsets, lengths, within)
+    rows.load(Ranges(paths, which, offsets, lengths), groups, within)
     # Rows read in place are read together for the batch, as tar members are.
     assert len(files._staged) == (len(wanted) if name == "plain.parquet" else 0)
     for g, r, o, n, i in zip(groups, within, offsets, lengths, wanted, strict=True):
         assert bytes(rows.value(name, int(g), int(r), int(o), int(n))[0]) == _VALUES[int(i)]
-    got = rows.gather(paths, which, groups, within, offsets, lengths)
+    got = rows.gather(Ranges(paths, which, offsets, lengths), groups, within)
     assert got is not None
     data, starts, sizes, numbers = got
     assert not numbers

@@ -19,7 +19,9 @@ from batchd_server.catalog.reader import load_split
 from batchd_server.errors import DataError
 from batchd_server.parquet.rows import ParquetRows
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.files import SampleFiles
+from batchd_server.storage.files import SampleFiles
+from batchd_server.storage.ranges import Ranges
+from batchd_server.storage.reader import LocalHooks
 
 
 def _blobs(n: int) -> list[bytes]:
@@ -173,7 +175,7 @@ def test_refusals_name_what_is_wrong_and_write_nothing(engine: Engine, tmp_path:
 # --------------------------------------------------------------------------- worker side
 
 
-class CountingReader:
+class CountingReader(LocalHooks):
     """A ``SampleFiles`` that counts each size query and each ranged read."""
 
     def __init__(self, root: Path) -> None:
@@ -190,9 +192,9 @@ class CountingReader:
         self.reads[(path, offset, length)] += 1
         return self.files.read(path, offset, length)
 
-    def read_ranges(self, paths: Any, files: Any, offsets: Any, lengths: Any) -> Any:
+    def read_ranges(self, ranges: Ranges) -> Any:
         self.range_calls += 1
-        return self.files.read_ranges(paths, files, offsets, lengths)
+        return self.files.read_ranges(ranges)
 
 
 def test_a_worker_reads_each_footer_once_and_each_row_groups_chunk_once(tmp_path: Path) -> None:
@@ -294,7 +296,7 @@ def test_gather_copies_the_rows_of_several_groups_in_order_or_declines_a_bad_row
     ]
     offsets = np.array([r[0] for r in ranges], np.int64)
     lengths = np.array([r[1] for r in ranges], np.int64)
-    got = rows.gather(paths, files, groups, within, offsets, lengths)
+    got = rows.gather(Ranges(paths, files, offsets, lengths), groups, within)
     assert got is not None
     data, starts, sizes, numbers = got
     assert not numbers
@@ -303,7 +305,7 @@ def test_gather_copies_the_rows_of_several_groups_in_order_or_declines_a_bad_row
     ]
     files[0], groups[0], within[0] = 1, 1, 1  # sample 11: the null row
     offsets[0], lengths[0] = _chunk(tmp_path / "g1.parquet", 1, "png")
-    assert rows.gather(paths, files, groups, within, offsets, lengths) is None
+    assert rows.gather(Ranges(paths, files, offsets, lengths), groups, within) is None
 
 
 def test_load_reads_a_batchs_row_groups_together_and_then_rows_cost_no_read(
@@ -322,7 +324,7 @@ def test_load_reads_a_batchs_row_groups_together_and_then_rows_cost_no_read(
     offsets = np.array([r[0] for r in ranges], np.int64)
     lengths = np.array([r[1] for r in ranges], np.int64)
     files = np.zeros(len(wanted), np.intp)
-    rows.load(["l.parquet"], files, groups, offsets, lengths)
+    rows.load(Ranges(["l.parquet"], files, offsets, lengths), groups)
     assert reader.range_calls == 1
     reads = sum(reader.reads.values())  # the footer's two
     for i, g, (offset, length) in zip(wanted.tolist(), groups.tolist(), ranges, strict=True):

@@ -16,7 +16,8 @@ import simplejpeg
 from PIL import Image
 
 from batchd_server.errors import InvalidArgument
-from batchd_server.pipelines import BadSample, ImagePipeline, SampleFiles, sample_rng
+from batchd_server.pipelines import BadSample, ImagePipeline, sample_rng
+from batchd_server.storage.files import SampleFiles
 
 from pipeline_reference import (
     bad_kind,

@@ -251,6 +251,27 @@ def test_a_packed_plans_batch_is_the_pieces_of_its_rows() -> None:
         assert mine[:, 3].sum() <= 256
 
 
+def test_a_packed_plans_catalog_plan_reads_each_batchs_documents() -> None:
+    """What the node cache prefetches for a packed session: batch k of the catalog plan is
+    exactly the documents of batch k's pieces (repeats of the last filling it out)."""
+    split = _split(_long_tailed(300, seed=3))
+    packed = PackedMixing(
+        OneSplit(MixSourceOptions(dataset="web", weight=1.0)),
+        PackOptions(seq_len=256),
+        [split],
+        [(2, 8192)],
+    )
+    plan = packed.plan([split], _options(), EpochStart(0, 0, 1))
+    documents = plan.catalog_plan()
+    assert documents.num_batches == plan.num_batches
+    assert documents is plan.catalog_plan()
+    for k in range(plan.num_batches):
+        read = plan.batch(k).reshape(-1, 4)[:, 1]
+        got = documents.batch(k)
+        assert got[: read.size].tolist() == read.tolist()
+        assert set(got[read.size :].tolist()) <= {int(read[-1])}
+
+
 def test_a_packed_mix_mixes_rows_of_each_source_and_serves_each_token_at_most_once() -> None:
     """A mix packs each source over all its documents and mixes rows by weight; with
     stop='first' no token repeats in the epoch, and the counts are the same every epoch."""

@@ -23,6 +23,7 @@ from batchd_server.catalog.object_roots import ObjectListing, object_shards
 from batchd_server.errors import DataError
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.objects import ObjectFiles
+from batchd_server.storage.ranges import Ranges
 from batchd_server.storage.s3 import S3Fetcher, list_objects, store_config
 
 pytestmark = pytest.mark.slow(seconds=30)
@@ -137,7 +138,7 @@ def test_a_batch_over_three_objects_costs_one_fetch_per_object_and_returns_the_b
         which = np.array([0, 1, 2, 0, 1, 2, 0], np.intp)
         offsets = np.array([0, 100, 5000, 9000, 200, 5100, 16000], np.int64)
         lengths = np.array([10, 20, 30, 40, 50, 60, 384], np.int64)
-        data, starts = files.read_ranges(paths, which, offsets, lengths)
+        data, starts = files.read_ranges(Ranges(paths, which, offsets, lengths))
         for i in range(len(offsets)):
             got = bytes(data[starts[i] : starts[i] + lengths[i]])
             assert got == BLOB[offsets[i] : offsets[i] + lengths[i]]
@@ -190,7 +191,7 @@ def test_a_worker_keeps_several_requests_in_flight(proxy: FaultyProxy) -> None:
     proxy.hold = threading.Barrier(3, timeout=10)
     paths = ["a.bin", "b.bin", "c.bin"]
     data, starts = files.read_ranges(
-        paths, np.arange(3, dtype=np.intp), np.array([1, 2, 3]), np.array([4, 4, 4])
+        Ranges(paths, np.arange(3, dtype=np.intp), np.array([1, 2, 3]), np.array([4, 4, 4]))
     )
     assert [bytes(data[s : s + 4]) for s in starts] == [BLOB[1:5], BLOB[2:6], BLOB[3:7]]
     proxy.hold = threading.Barrier(3, timeout=10)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.files import MAX_SAMPLE_BYTES, SampleFiles
-from batchd_server.pipelines.ranges import plan_reads
+from batchd_server.storage.files import MAX_SAMPLE_BYTES, SampleFiles
+from batchd_server.storage.ranges import Ranges, plan_reads
 
 INT64_MAX = (1 << 63) - 1
 
@@ -37,10 +37,12 @@ def _ranges(
     files: SampleFiles, offsets: list[int], lengths: list[int]
 ) -> tuple[np.ndarray, np.ndarray]:
     return files.read_ranges(
-        ["shard.bin"],
-        np.zeros(len(offsets), np.intp),
-        np.array(offsets, np.int64),
-        np.array(lengths, np.int64),
+        Ranges(
+            ["shard.bin"],
+            np.zeros(len(offsets), np.intp),
+            np.array(offsets, np.int64),
+            np.array(lengths, np.int64),
+        )
     )
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from batchd_server.errors import FailedPrecondition
-from batchd_server.pipelines import files as files_module
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.files import SampleFiles
+from batchd_server.storage import files as files_module
+from batchd_server.storage.files import SampleFiles
 
 NOBODY = 65534
 

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchd_server.pipelines import files as files_module
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.files import MAX_READS_PER_FILE, SampleFiles
-from batchd_server.pipelines.ranges import MAX_GAP_BYTES, plan_reads
+from batchd_server.storage import files as files_module
+from batchd_server.storage.files import MAX_READS_PER_FILE, SampleFiles
+from batchd_server.storage.ranges import MAX_GAP_BYTES, Ranges, plan_reads
 
 I64 = np.int64
 
@@ -58,7 +58,7 @@ def ranges(files: SampleFiles, paths: list[str], which: list[int], spans: list[t
     """read_ranges of (offset, length) spans, sample i in paths[which[i]], as a list of bytes."""
     offsets = np.array([o for o, _ in spans], I64)
     lengths = np.array([n for _, n in spans], I64)
-    data, starts = files.read_ranges(paths, np.array(which, np.intp), offsets, lengths)
+    data, starts = files.read_ranges(Ranges(paths, np.array(which, np.intp), offsets, lengths))
     return [bytes(data[s : s + n]) for s, n in zip(starts, lengths, strict=True)]
 
 

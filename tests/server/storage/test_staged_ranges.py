@@ -18,6 +18,7 @@ from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.blocks import BlockStore
 from batchd_server.storage.cache import CacheStats, CachingFetcher
 from batchd_server.storage.objects import ObjectFiles
+from batchd_server.storage.ranges import Ranges
 from batchd_server.storage.s3 import S3Fetcher
 
 pytestmark = pytest.mark.slow(seconds=20)
@@ -83,7 +84,7 @@ def test_a_staged_batch_is_one_request_per_object_and_serves_every_sample(
     files = ObjectFiles(ROOT, fetcher, inner.size, max_sample_bytes=1 << 20)
     paths, which, offsets, lengths = _batch()
     files.begin_batch()
-    files.stage(paths, which, offsets, lengths)
+    files.stage(Ranges(paths, which, offsets, lengths))
     assert sorted(url for url, _ in inner.calls) == [f"{ROOT}/{p}" for p in paths]
     before = len(inner.calls)
     got = [
@@ -104,7 +105,7 @@ def test_a_stage_that_fails_leaves_each_sample_to_report_itself(s3: ThrowawayS3)
     paths = ["s0.tar", "nope.tar"]
     which = np.array([0, 1], np.intp)
     files.begin_batch()
-    files.stage(paths, which, np.array([10, 10], np.int64), np.array([5, 5], np.int64))
+    files.stage(Ranges(paths, which, np.array([10, 10], np.int64), np.array([5, 5], np.int64)))
     files.begin_batch()  # a batch starts again after a store's failure
     assert bytes(files.read("s0.tar", 10, 5)) == SHARDS["s0.tar"][10:15]
     with pytest.raises(BadSample) as missing:
@@ -135,7 +136,7 @@ def test_objects_on_the_nodes_disk_are_read_in_the_readers_thread(
     paths, which, offsets, lengths = _batch()
     files.read(paths[0], 0, 10)  # s0.tar's one block is on the disk now
     threads.clear()
-    data, starts = files.read_ranges(paths, which, offsets, lengths)
+    data, starts = files.read_ranges(Ranges(paths, which, offsets, lengths))
     got = [bytes(data[a : a + n]) for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
     assert got == _expected(paths, which, offsets, lengths)
     assert threads[f"{ROOT}/{paths[0]}"] == threading.current_thread().name
@@ -155,10 +156,10 @@ def test_a_batch_staged_from_the_nodes_disk_is_views_of_its_reads_not_a_copy(
     )
     paths, which, offsets, lengths = _batch()
     files.begin_batch()
-    files.stage(paths, which, offsets, lengths)
+    files.stage(Ranges(paths, which, offsets, lengths))
     before = len(inner.calls)
     files.begin_batch()
-    files.stage(paths, which, offsets, lengths)
+    files.stage(Ranges(paths, which, offsets, lengths))
     assert len(inner.calls) == before
     views = [
         files.read(paths[f], o, n)

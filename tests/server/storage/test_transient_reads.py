@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.transient import (
     FAULTS_ENV,
     FIRST_DELAY_S,
@@ -20,6 +19,7 @@ from batchd_server.pipelines.transient import (
     TransientError,
     retrying,
 )
+from batchd_server.storage.files import SampleFiles
 
 
 def test_the_errnos_the_issue_names_are_transient_and_a_permission_error_is_not() -> None:

@@ -55,6 +55,7 @@ from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.blocks import BlockKey
 from batchd_server.storage.cache import CachingFetcher
+from batchd_server.storage.schemes import is_local_root
 
 __all__ = ["CacheManager", "Reading", "SourceRef"]
 
@@ -86,7 +87,7 @@ class SourceRef:
     def remote(self) -> bool:
         """Whether its bytes come through the cache: an object-store root (``s3://...``),
         not a local directory (which the kernel's page cache serves)."""
-        return "://" in self.root
+        return not is_local_root(self.root)
 
 
 @dataclass(frozen=True)

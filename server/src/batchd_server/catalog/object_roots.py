@@ -34,6 +34,7 @@ from batchd_server.errors import DataError
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.options import DEFAULT_RETRY_S
 from batchd_server.storage.s3 import S3Fetcher, StoreUnreachable, join_url, list_objects, split_url
+from batchd_server.storage.schemes import is_local_root
 
 __all__ = [
     "TAR_BLOCK_BYTES",
@@ -148,7 +149,7 @@ def object_shards(listing: ObjectListing, patterns: list[str]) -> list[Shard]:
     for pattern in patterns:
         matched: list[str] = []
         for expanded in expand_braces(pattern):
-            if expanded.startswith("s3://"):
+            if not is_local_root(expanded):
                 if not expanded.startswith(root):
                     raise DataError(f"shard {expanded} is not under --root {listing.root}")
                 expanded = expanded[len(root) :]

@@ -16,7 +16,7 @@ as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -25,6 +25,7 @@ import numpy.typing as npt
 import pyarrow.parquet as pq
 
 from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.ranges import Ranges
 
 __all__ = [
     "NotPlain",
@@ -124,29 +125,25 @@ def row_places(read: Read, start: int, size: int, max_definition: int) -> RowPla
 
 PlacesOf = Callable[[str, int, int, int], "RowPlaces | None"]
 """``(path, row group, chunk offset, chunk length)`` -> the rows' places, None: not plain."""
-ReadRanges = Callable[
-    [Sequence[str], npt.NDArray[np.intp], npt.NDArray[np.int64], npt.NDArray[np.int64]],
-    tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]],
-]
+ReadRanges = Callable[[Ranges], tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]]
 
 
 def places_of_rows(
     places_of: PlacesOf,
-    paths: Sequence[str],
-    files: npt.NDArray[np.intp],
+    chunks: Ranges,
     row_groups: npt.NDArray[np.int32],
     rows: npt.NDArray[np.int32],
-    offsets: npt.NDArray[np.int64],
-    lengths: npt.NDArray[np.int64],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
     """Where each of many rows lies, ``(offset, length)`` (-1: null): row ``rows[i]`` of row
-    group ``row_groups[i]`` of ``paths[files[i]]``, whose payload chunk the catalog puts at
-    ``offsets[i]``, ``lengths[i]``. None when a row group cannot be read or a row is past
-    its row group's end (the rows one by one then say which).
+    group ``row_groups[i]`` of ``chunks.paths[chunks.files[i]]``, whose payload chunk the
+    catalog puts at ``chunks.offsets[i]``, ``chunks.lengths[i]``. None when a row group
+    cannot be read or a row is past its row group's end (the rows one by one then say
+    which).
 
     Raises:
         NotPlain: some row group's chunk is not stored plainly (decode them).
     """
+    paths, files, offsets, lengths = chunks.paths, chunks.files, chunks.offsets, chunks.lengths
     n = len(rows)
     at = np.empty(n, np.int64)
     size = np.empty(n, np.int64)
@@ -170,12 +167,9 @@ def places_of_rows(
 def gather_in_place(
     places_of: PlacesOf,
     read_ranges: ReadRanges,
-    paths: Sequence[str],
-    files: npt.NDArray[np.intp],
+    chunks: Ranges,
     row_groups: npt.NDArray[np.int32],
     rows: npt.NDArray[np.int32],
-    offsets: npt.NDArray[np.int64],
-    lengths: npt.NDArray[np.int64],
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64], bool] | None:
     """``ParquetRows.gather`` of rows that all lie in plainly stored chunks, read where they
     lie with one ``read_ranges``; None as ``gather`` (a row group or row that cannot be
@@ -184,14 +178,14 @@ def gather_in_place(
     Raises:
         NotPlain: some row group's chunk is not stored plainly (decode them).
     """
-    found = places_of_rows(places_of, paths, files, row_groups, rows, offsets, lengths)
+    found = places_of_rows(places_of, chunks, row_groups, rows)
     if found is None:
         return None
     at, size = found
     if len(at) and at.min() < 0:
         return None
     try:
-        data, starts = read_ranges(paths, files, at, size)
+        data, starts = read_ranges(Ranges(chunks.paths, chunks.files, at, size))
     except BadSample:
         return None
     return data, starts, size, False

@@ -1,7 +1,7 @@
 """A worker's side of Parquet: read a row group's payloads once, serve its rows as bytes.
 
-Every byte comes through the source's sample reader (``SampleFiles`` or its object-store
-sibling: ``size(path)`` and ranged ``read(path, offset, length)``), so the node cache and an
+Every byte comes through the source's :class:`~batchd_server.storage.reader.SampleReader`
+(``size(path)`` and ranged ``read(path, offset, length)``), so the node cache and an
 object store see plain ranged reads:
 
 1. **Footer, once per file per worker.** The last 8 bytes give the footer's length, one
@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -44,8 +43,10 @@ from batchd_server.parquet.pages import (
 from batchd_server.parquet.payload import Payload, chunk_range, resolve_payload
 from batchd_server.pipelines.base import BadSample
 from batchd_server.pipelines.ranges import take_ranges
+from batchd_server.storage.ranges import Ranges
+from batchd_server.storage.reader import SampleReader
 
-__all__ = ["ParquetRows", "SampleReader"]
+__all__ = ["ParquetRows"]
 
 _MAGIC: Final = b"PAR1"
 _MAX_FILES: Final = 64
@@ -54,22 +55,6 @@ _DECODED_CACHE_BYTES: Final = 256 << 20
 """Decoded row groups kept beyond the current batch's, per source."""
 _MAX_PLACES: Final = 1 << 16
 """Row groups whose rows' places in their file are kept, per source."""
-
-
-class SampleReader(Protocol):
-    """What Parquet needs of a source's reader (``SampleFiles`` and its siblings)."""
-
-    def read(self, path: str, offset: int = -1, length: int = -1) -> memoryview: ...
-
-    def read_ranges(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]: ...
-
-    def size(self, path: str) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -154,10 +139,10 @@ class ParquetRows:
         self.files = files
         self.column = column
         self.target = target
-        self._own_memory: bool = getattr(files, "fresh_buffers", False)
+        self._own_memory = files.fresh_buffers
         """Whether the reader's answers are memory of their own (an object store's) that a
         chunk may view, rather than a buffer its next read reuses (a local file's)."""
-        self._in_place: bool = self._own_memory and getattr(files, "cached", False)
+        self._in_place = self._own_memory and files.cached
         """Whether rows of plainly stored binary chunks are read where they lie (through the
         node cache, where a small read is a file read) rather than decoded with their row
         group (``parquet/pages.py``)."""
@@ -220,11 +205,8 @@ class ParquetRows:
 
     def load(
         self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
+        chunks: Ranges,
         row_groups: npt.NDArray[np.int32],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
         rows: npt.NDArray[np.int32] | None = None,
     ) -> None:
         """Read the payload chunks of a batch's row groups that are not decoded yet in one
@@ -233,6 +215,7 @@ class ParquetRows:
         (``pages.py``) are instead read together, when ``rows`` are given, for
         :meth:`value` to serve. Arguments as :meth:`gather`. What fails here is left for
         :meth:`value` and :meth:`gather` to meet again and report, row by row."""
+        paths, files, offsets, lengths = chunks.paths, chunks.files, chunks.offsets, chunks.lengths
         keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
         distinct, first = np.unique(keys, return_index=True)
         todo = [
@@ -241,33 +224,29 @@ class ParquetRows:
             if (paths[key >> 32], key & 0xFFFFFFFF) not in self._groups
         ]
         if self._in_place and todo:
-            todo = self._place(paths, files, row_groups, offsets, lengths, todo)
+            todo = self._place(chunks, row_groups, todo)
             if rows is not None and not todo:  # all in place: read together, as tar members
-                found = places_of_rows(
-                    self._row_places, paths, files, row_groups, rows, offsets, lengths
-                )
+                found = places_of_rows(self._row_places, chunks, row_groups, rows)
                 if found is not None:
                     at, size = found
                     kept = at >= 0
-                    self.files.stage(paths, files[kept], at[kept], size[kept])  # type: ignore[attr-defined]
+                    self.files.stage(Ranges(paths, files[kept], at[kept], size[kept]))
         if len(todo) < 2:
             return
         chosen = np.array(todo, np.intp)
         try:
             for name in {paths[int(files[i])] for i in todo}:
                 self._file(name)
-            data, starts = self.files.read_ranges(
-                paths, files[chosen], offsets[chosen], lengths[chosen]
-            )
+            data, starts = self.files.read_ranges(chunks.take(chosen))
         except BadSample:
             return
         # A local reader's ``data`` is its buffer until its next read: chunks are copied.
         own = self._own_memory
-        chunks = [
+        fetched = [
             data[int(a) : int(a) + int(n)].data if own else bytes(data[int(a) : int(a) + int(n)])
             for a, n in zip(starts.tolist(), lengths[chosen].tolist(), strict=True)
         ]
-        for i, chunk in zip(todo, chunks, strict=True):
+        for i, chunk in zip(todo, fetched, strict=True):
             path, group = paths[int(files[i])], int(row_groups[i])
             try:
                 self._group(path, group, int(offsets[i]), int(lengths[i]), chunk)
@@ -275,17 +254,12 @@ class ParquetRows:
                 continue
 
     def gather(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        row_groups: npt.NDArray[np.int32],
-        rows: npt.NDArray[np.int32],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
+        self, chunks: Ranges, row_groups: npt.NDArray[np.int32], rows: npt.NDArray[np.int32]
     ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64], bool] | None:
         """The values of many rows at once, for a pipeline's ``decode_batch``: sample ``i``
-        is row ``rows[i]`` of ``row_groups[i]`` of ``paths[files[i]]`` (``offsets`` and
-        ``lengths``: the catalog's byte ranges, as for :meth:`value`).
+        is row ``rows[i]`` of ``row_groups[i]`` of ``chunks.paths[chunks.files[i]]``
+        (``chunks``: the catalog's byte ranges of each row's payload chunk, as for
+        :meth:`value`).
 
         Returns:
             ``(data, starts, lengths, numbers)``: sample ``i``'s bytes are
@@ -296,17 +270,11 @@ class ParquetRows:
         if self._in_place:
             try:
                 return gather_in_place(
-                    self._row_places,
-                    self.files.read_ranges,
-                    paths,
-                    files,
-                    row_groups,
-                    rows,
-                    offsets,
-                    lengths,
+                    self._row_places, self.files.read_ranges, chunks, row_groups, rows
                 )
             except NotPlain:
                 pass  # some row groups are decoded
+        paths, files, offsets, lengths = chunks.paths, chunks.files, chunks.offsets, chunks.lengths
         n = len(rows)
         keys = files.astype(np.int64) << 32 | row_groups.astype(np.int64)
         distinct, which = np.unique(keys, return_inverse=True)
@@ -349,20 +317,14 @@ class ParquetRows:
         return data, starts, sizes, numbers
 
     def _place(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        row_groups: npt.NDArray[np.int32],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-        todo: list[int],
+        self, chunks: Ranges, row_groups: npt.NDArray[np.int32], todo: list[int]
     ) -> list[int]:
         """Find the rows' places of the ``todo`` row groups (their chunks first brought into
         the node cache together); returns those that must be decoded instead."""
+        paths, files, offsets, lengths = chunks.paths, chunks.files, chunks.offsets, chunks.lengths
         fresh = [i for i in todo if (paths[int(files[i])], int(row_groups[i])) not in self._places]
         if fresh:
-            chosen = np.array(fresh, np.intp)
-            self.files.warm(paths, files[chosen], offsets[chosen], lengths[chosen])  # type: ignore[attr-defined]
+            self.files.warm(chunks.take(np.array(fresh, np.intp)))
         rest = []
         for i in todo:
             try:

@@ -1,7 +1,7 @@
 """Decode pipelines: sample bytes to rows of a batch.
 
 Workers build one pipeline per session with :func:`build_pipeline`, read each sample's bytes
-through one :class:`SampleFiles` per session, and call :meth:`Pipeline.decode_into` per
+through a source's reader (``storage/reader.py``), and call :meth:`Pipeline.decode_into` per
 sample, treating :class:`BadSample` as the only error a sample can cause.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import BadSample, FieldSpec, Pipeline, SampleInfo, sample_rng
-from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.image import ImagePipeline
 from batchd_server.pipelines.registry import (
     BUILTIN,
@@ -27,7 +26,6 @@ __all__ = [
     "FieldSpec",
     "ImagePipeline",
     "Pipeline",
-    "SampleFiles",
     "SampleInfo",
     "TokensPipeline",
     "build_pipeline",

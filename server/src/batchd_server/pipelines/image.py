@@ -69,8 +69,8 @@ from batchd._wire.specs import (
     MAX_IMAGE_SIZE,
 )
 from batchd_server.errors import InvalidArgument
+from batchd_server.limits import MAX_CACHED_BUFFER_BYTES
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
-from batchd_server.pipelines.files import MAX_CACHED_BUFFER_BYTES
 
 try:
     import simplejpeg

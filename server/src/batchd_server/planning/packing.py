@@ -161,6 +161,27 @@ class PackedPlan(EpochPlan):
     def batch(self, k: int) -> Int64Array:
         return self.rows.pieces(super().batch(k)).reshape(-1)
 
+    def catalog_plan(self) -> EpochPlan:
+        """The documents each batch's pieces read, batch by batch: every batch padded to the
+        most documents any has by repeating its last (a repeat reads nothing more). Made
+        once per plan."""
+        made: EpochPlan | None = self.__dict__.get("_catalog_plan")
+        if made is not None:
+            return made
+        table = self.rows.pieces(self.positions)
+        documents = table[:, 1]
+        batch_of = table[:, 0] // self.batch_size
+        counts = np.bincount(batch_of, minlength=self.num_batches)
+        width = max(int(counts.max(initial=0)), 1)
+        starts = np.cumsum(counts) - counts
+        grid = np.zeros((self.num_batches, width), np.int64)
+        if documents.size:
+            grid[:] = documents[np.maximum(starts + counts - 1, 0)][:, None]
+            grid[batch_of, np.arange(documents.size) - starts[batch_of]] = documents
+        made = EpochPlan(grid.reshape(-1), width, self.num_batches)
+        object.__setattr__(self, "_catalog_plan", made)
+        return made
+
 
 def document_lengths(split: SplitArrays, itemsize: int, max_len: int) -> Int64Array:
     """Each document's tokens as the Tokens pipeline will read them: the catalog's

@@ -157,6 +157,11 @@ class EpochPlan:
         start = k * self.batch_size
         return self.positions[start : start + self.batch_size]
 
+    def catalog_plan(self) -> EpochPlan:
+        """These batches as the catalog rows they read, batch by batch (what a prefetch of
+        their bytes follows): the plan itself, whose positions are catalog rows."""
+        return self
+
 
 def samples_per_rank(n: int, options: SamplerOptions, *, start: int = 0) -> int:
     """Samples each rank gets in an epoch of a split of ``n`` samples, padding included

@@ -51,9 +51,6 @@ def readings_of(
     def readings() -> list[Reading]:
         found = []
         for session in live():
-            if session.options.pack is not None:
-                # A packed plan deals packed rows, not catalog rows: not mapped to blocks yet.
-                continue
             at = session.position()
             if at is None:
                 continue
@@ -65,7 +62,7 @@ def readings_of(
             found.append(
                 Reading(
                     dataset=session.options.dataset,
-                    plan=stream.plan,
+                    plan=stream.plan.catalog_plan(),
                     cursor=cursor,
                     ahead=min(stream.next_submit, cursor + stream.stride * max(workers(), 1)),
                     stride=stream.stride,
@@ -83,6 +80,6 @@ def _next_plan(session: Session, epoch: int) -> Callable[[], EpochPlan | None]:
     def plan() -> EpochPlan | None:
         if session.closed:
             return None
-        return session.plan(epoch)
+        return session.plan(epoch).catalog_plan()
 
     return plan

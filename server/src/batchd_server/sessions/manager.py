@@ -15,12 +15,10 @@ from typing import Final
 
 from batchd._wire.ring import slot_offset
 from batchd_server.catalog_cache import CatalogCache
-from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from batchd_server.limits import MAX_SLOT_BYTES
 from batchd_server.logs import session_log_id
 from batchd_server.metrics.admission import REFUSED, SESSIONS
-from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.ring import SessionRing
@@ -34,12 +32,11 @@ from batchd_server.sessions.sources import (
 )
 from batchd_server.shm import ShmRegistry, format_bytes
 from batchd_server.shm.space import remedy, usable_bytes
-from batchd_server.storage.options import StoreOptions
 from batchd_server.storage.roots import check_object_root
-from batchd_server.storage.s3 import is_object_url
-from batchd_server.workers.packed import packed_fields
+from batchd_server.storage.schemes import is_local_root
+from batchd_server.workers.packed import session_pipeline
 from batchd_server.workers.pool import WorkerPool
-from batchd_server.workers.task import SlotField
+from batchd_server.workers.task import ReadOptions, SlotField
 
 __all__ = ["SessionManager"]
 
@@ -86,14 +83,11 @@ class SessionManager:
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         doorbell: str = "",
         data_roots: tuple[Path, ...] = (),
-        max_sample_bytes: int = MAX_SAMPLE_BYTES,
-        decode_cache: DecodeCacheSpec | None = None,
-        store: StoreOptions | None = None,
+        read: ReadOptions | None = None,
     ) -> None:
-        self._max_sample_bytes = max_sample_bytes
-        self._decode_cache = decode_cache
-        """The server's decode cache, given to every session that does not opt out."""
-        self._store = store or StoreOptions()
+        self._read = read or ReadOptions()
+        """How workers read and decode samples; its decode cache goes to every session that
+        does not opt out."""
         self._catalog = catalog
         self._pool = pool
         self._registry = registry
@@ -131,11 +125,9 @@ class SessionManager:
             InvalidArgument, NotFound, FailedPrecondition, SnapshotMismatch,
             ResourceExhausted: as the message says.
         """
-        pipeline = build_pipeline(options.pipeline_kind, options.pipeline_options)
-        check_source_pipelines(options, pipeline)
-        fields = pipeline.fields()
-        if options.pack is not None:
-            fields = packed_fields(pipeline, options.pack.seq_len)
+        decoder = build_pipeline(options.pipeline_kind, options.pipeline_options)
+        check_source_pipelines(options, decoder)
+        fields = session_pipeline(decoder, options.pack).fields()
         layout, slot_bytes = slot_layout(
             fields,
             options.sampler.batch_size,
@@ -260,10 +252,8 @@ class SessionManager:
                 ring=session_ring,
                 dispatch=dispatch,
                 record_errors=self._record_errors,
-                max_sample_bytes=self._max_sample_bytes,
                 roots=roots,
-                decode_cache=self._decode_cache if options.decode_cache else None,
-                store=self._store,
+                read=self._read.for_session(decode_cache=options.decode_cache),
             )
             if session.num_batches == 0:
                 raise FailedPrecondition(
@@ -310,8 +300,8 @@ class SessionManager:
             FailedPrecondition: the root is outside every data root, or not a directory
                 (or an object-store prefix that cannot be reached).
         """
-        if is_object_url(root):
-            check_object_root(dataset, root, self._store)
+        if not is_local_root(root):
+            check_object_root(dataset, root, self._read.store)
             return root
         resolved = Path(root).resolve()
         if self._data_roots and not any(resolved.is_relative_to(r) for r in self._data_roots):

@@ -23,11 +23,9 @@ import numpy as np
 
 from batchd._wire.ring import HEADER_BYTES
 from batchd_server.catalog_cache import CatalogEntry
-from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.metrics import admission, delivery
-from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
 from batchd_server.planning.mixing import source_starts
 from batchd_server.planning.packing import packed_mixing
 from batchd_server.planning.sampling import EpochPlan
@@ -39,9 +37,8 @@ from batchd_server.sessions.ready import Bell, ReadyBatch, field_views
 from batchd_server.sessions.ring import SessionRing
 from batchd_server.sessions.slots import SlotBook, SlotState
 from batchd_server.sessions.streams import EpochPlans, Stream, StreamAt, may_join, stream_plan
-from batchd_server.storage.options import StoreOptions
 from batchd_server.workers.deadline import HungBatch
-from batchd_server.workers.task import BatchResult, BatchTask, SessionSpec, SourceSpec
+from batchd_server.workers.task import BatchResult, BatchTask, ReadOptions, SessionSpec, SourceSpec
 
 __all__ = ["Session"]
 
@@ -65,10 +62,8 @@ class Session:
         ring: SessionRing,
         dispatch: Dispatch,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
-        max_sample_bytes: int = MAX_SAMPLE_BYTES,
         roots: Sequence[str] | None = None,
-        decode_cache: DecodeCacheSpec | None = None,
-        store: StoreOptions | None = None,
+        read: ReadOptions | None = None,
     ) -> None:
         """``sources``: the catalog entry of each of ``options.mixing.sources``, in order;
         ``dispatch``: who decodes its batches, built around ``ring`` (``dispatch.py``);
@@ -150,10 +145,8 @@ class Session:
             ),
             shm_dir=str(ring.segment.path.parent),
             dataset=options.dataset,
-            max_sample_bytes=max_sample_bytes,
-            decode_cache=decode_cache,
-            store=store or StoreOptions(),
-            pack_seq_len=options.pack.seq_len if options.pack is not None else 0,
+            read=read or ReadOptions(),
+            pack=options.pack,
         )
         self._cond = threading.Condition()
         self._book = SlotBook(self.slots)

@@ -1,9 +1,9 @@
-"""Read sample bytes from an object-store prefix: the sibling of ``pipelines/files.py``.
+"""Read sample bytes from an object-store prefix: the sibling of ``storage/files.py``.
 
-:class:`ObjectFiles` has :class:`~batchd_server.pipelines.files.SampleFiles`'s interface
-(``read``, ``read_ranges``, ``map_whole``, ``begin_batch``, ``close``, plus ``prefetch``)
-for a dataset whose root is ``s3://BUCKET/PREFIX``; ``storage/open.py`` picks one or the
-other by the root's scheme. Every byte comes through a
+:class:`ObjectFiles` is the :class:`~batchd_server.storage.reader.SampleReader` of a dataset
+whose root is ``s3://BUCKET/PREFIX`` (``storage/open.py`` picks a reader by the root's
+scheme); its batch hooks (``stage``, ``prefetch``, ``warm``) do what a local reader's
+skip. Every byte comes through a
 :class:`~batchd_server.storage.base.RangeFetcher` (the store's client, or the node cache
 around it), so this class knows nothing of HTTP.
 
@@ -11,7 +11,7 @@ around it), so this class knows nothing of HTTP.
   empty component or a NUL would name a key outside the prefix, and is refused as
   ``unsafe_path`` before any request.
 - **Coalescing.** A batch's byte ranges of one object are sorted and neighbours within
-  :data:`OBJECT_GAP_BYTES` merged into runs (``pipelines/ranges.plan_reads``): a request
+  :data:`OBJECT_GAP_BYTES` merged into runs (``storage/ranges.plan_reads``): a request
   costs a round trip of a millisecond or more, so fetching up to 1 MiB of gap is cheaper
   than another request. Through the node cache only touching ranges are merged: the cache
   fetches its misses as runs of whole blocks anyway, and a gap read from its disk would
@@ -39,11 +39,10 @@ import numpy as np
 import numpy.typing as npt
 
 from batchd._wire.lifetime import Closeable
-from batchd_server.limits import INT64_MAX
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.ranges import ReadPlan, plan_reads
-from batchd_server.shm.space import format_bytes
 from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
+from batchd_server.storage.ranges import Ranges, ReadPlan
+from batchd_server.storage.reader import check_ranges, check_read, too_large
 from batchd_server.storage.s3 import join_url
 
 __all__ = ["FETCH_THREADS", "OBJECT_GAP_BYTES", "PREFETCH_BYTES", "ObjectFiles"]
@@ -80,6 +79,9 @@ class ObjectFiles(Closeable):
     fresh_buffers: Final = True
     """What :meth:`read` and :meth:`read_ranges` return is memory of its own, never reused by
     a later read (a local reader's buffer is), so a caller may keep a view of it."""
+    fetches_ahead: Final = True
+    """A read costs a round trip: :meth:`stage` and :meth:`prefetch` fetch a batch's bytes
+    together."""
 
     def __init__(
         self, root: str, fetcher: RangeFetcher, size_of: SizeOf, *, max_sample_bytes: int
@@ -108,7 +110,7 @@ class ObjectFiles(Closeable):
         self._down: BadSample | None = None
         """The batch's first transient failure: later fetches in the batch fail with it."""
 
-    # -- the SampleFiles interface --------------------------------------------------------
+    # -- the SampleReader interface -------------------------------------------------------
 
     def begin_batch(self) -> None:
         """A new batch: fetches are tried again, and what was fetched ahead is dropped."""
@@ -116,24 +118,19 @@ class ObjectFiles(Closeable):
         self._drop_ahead()
         self._staged = {}
 
-    def stage(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-    ) -> None:
+    def stage(self, ranges: Ranges) -> None:
         """Fetch a batch's byte ranges at once (as :meth:`read_ranges`: several objects in
         flight, through the node cache each block once) for :meth:`read` to serve until the
         next :meth:`begin_batch`. At most :data:`PREFETCH_BYTES`; a failure is left for
         :meth:`read` to meet again, sample by sample, and report."""
         self._staged = {}
-        if not len(offsets) or int(lengths.sum()) > PREFETCH_BYTES:
+        if not len(ranges) or int(ranges.lengths.sum()) > PREFETCH_BYTES:
             return
         try:
-            groups, plans, fetched = self._fetch_planned(paths, files, offsets, lengths)
+            groups, plans, fetched = self._fetch_planned(ranges)
         except BadSample:
             return
+        paths, files, offsets, lengths = ranges.paths, ranges.files, ranges.offsets, ranges.lengths
         # Each sample is a view of the run its bytes came in (no copy into one buffer, as
         # read_ranges makes: warm from the node cache, that copy was most of what a batch
         # cost beyond local files' reads).
@@ -158,16 +155,7 @@ class ObjectFiles(Closeable):
                 ``bad_range`` or ``transient``.
         """
         url = self._url(path)
-        if offset < -1 or length < -1:
-            raise BadSample(
-                "unreadable", f"{url}: byte range offset={offset}, length={length} is invalid"
-            )
-        if offset >= 0 and length >= 0 and offset > INT64_MAX - length:
-            raise BadSample(
-                "bad_range",
-                f"{url}: byte range offset={offset}, length={length} ends past 2**63 - 1; "
-                "the catalog row is wrong: fix its byte_offset and byte_length and re-ingest",
-            )
+        check_read(url, offset, length)
         staged = self._staged.get((path, offset, length))
         if staged is not None:
             return staged
@@ -183,23 +171,17 @@ class ObjectFiles(Closeable):
         self._check_size(url, length)
         return memoryview(self._fetch(url, [(start, length)])[0])
 
-    def read_ranges(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+    def read_ranges(self, ranges: Ranges) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
         """Many samples' byte ranges, coalesced per object and fetched several objects at
         once; as :meth:`SampleFiles.read_ranges` (``data[starts[i]:][:lengths[i]]``).
 
         Raises:
             BadSample: as :meth:`read`; which sample is at fault is not said.
         """
-        groups, plans, fetched = self._fetch_planned(paths, files, offsets, lengths)
+        groups, plans, fetched = self._fetch_planned(ranges)
         total = sum(p.total_bytes for p in plans)
         data = np.empty(total, np.uint8)
-        starts = np.empty(len(offsets), np.int64)
+        starts = np.empty(len(ranges), np.int64)
         base = 0
         for rows, plan, chunks in zip(groups, plans, fetched, strict=True):
             at = base
@@ -211,29 +193,14 @@ class ObjectFiles(Closeable):
         return data, starts
 
     def _fetch_planned(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
+        self, ranges: Ranges
     ) -> tuple[list[npt.NDArray[np.intp]], list[ReadPlan], list[list[bytes | memoryview]]]:
         """The ranges' rows of each object, its read plan and the bytes of each of its runs,
         fetched several objects at once (as :meth:`read_ranges`)."""
-        n = len(offsets)
-        if n and (offsets.min() < 0 or lengths.min() < 0):
-            raise BadSample("unreadable", "a byte range has a negative offset or length")
-        if n and int(lengths.max()) > self.max_sample_bytes:
-            i = int(lengths.argmax())
-            self._check_size(self._url(paths[int(files[i])]), int(lengths[i]))
-        urls = [self._url(p) for p in paths]
-        if len(paths) == 1:
-            groups = [np.arange(n)]
-        else:
-            groups = [np.flatnonzero(files == k) for k in range(len(paths))]
-        try:
-            plans = [plan_reads(offsets[g], lengths[g], self._gap) for g in groups]
-        except ValueError as e:
-            raise BadSample("bad_range", f"{urls[0]}: {e}") from e
+        urls = [self._url(p) for p in ranges.paths]
+        check_ranges(ranges, urls, self.max_sample_bytes)
+        groups = ranges.by_file()
+        plans = ranges.plans(self._gap)
         runs = [
             list(zip(p.run_offsets.tolist(), p.run_lengths.tolist(), strict=True)) for p in plans
         ]
@@ -255,21 +222,16 @@ class ObjectFiles(Closeable):
             ]
         return groups, plans, fetched
 
-    def warm(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-    ) -> None:
+    def warm(self, ranges: Ranges) -> None:
         """Bring the blocks of these byte ranges into the node cache, several objects at
         once, and return nothing: for a caller about to make many small reads inside them.
         Objects whose blocks are all on the disk are left alone; failures are left for the
         reads to meet and report."""
         prefetch = getattr(self._fetcher, "prefetch", None)
         on_disk = getattr(self._fetcher, "has_ranges", None)
-        if prefetch is None or not len(offsets):
+        if prefetch is None or not len(ranges):
             return
+        paths, files, offsets, lengths = ranges.paths, ranges.files, ranges.offsets, ranges.lengths
         jobs = []
         for k in np.unique(files).tolist():
             mine = files == k
@@ -277,9 +239,9 @@ class ObjectFiles(Closeable):
                 url = self._url(paths[k])
             except BadSample:
                 continue
-            ranges = list(zip(offsets[mine].tolist(), lengths[mine].tolist(), strict=True))
-            if on_disk is None or not on_disk(url, ranges):
-                jobs.append(self._threads().submit(prefetch, url, ranges))
+            spans = list(zip(offsets[mine].tolist(), lengths[mine].tolist(), strict=True))
+            if on_disk is None or not on_disk(url, spans):
+                jobs.append(self._threads().submit(prefetch, url, spans))
         for job in jobs:
             try:
                 job.result()
@@ -363,13 +325,7 @@ class ObjectFiles(Closeable):
 
     def _check_size(self, url: str, count: int) -> None:
         if count > self.max_sample_bytes:
-            raise BadSample(
-                "too_large",
-                f"{url}: reading this sample means reading {format_bytes(count)} ({count} "
-                f"bytes), more than the {format_bytes(self.max_sample_bytes)} a sample may "
-                "have. If it is right, raise the server's --max-sample-bytes "
-                "(BATCHD_MAX_SAMPLE_BYTES)",
-            )
+            raise too_large(url, count, self.max_sample_bytes)
 
     def _size(self, url: str) -> int:
         with self._sizes_lock:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.limits import MAX_SAMPLE_BYTES
 from batchd_server.settings import (
     EVERY_COMMAND,
     Check,

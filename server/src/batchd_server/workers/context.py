@@ -4,10 +4,11 @@ A session serves one or more sources (a split, or a mix's splits). Its task posi
 global over the sources' rows concatenated in order, and the plan groups each batch's rows
 by source (NOTE [ Mixed order ] in ``planning/mixing.py``), so a batch is a few runs of rows
 of one source each, one run for a session on one split. Each run is filled with its
-source's catalog columns, files and pipeline: byte-range records in one vectorised read and
-decode (``Pipeline.decode_batch``), rows of Parquet files from their decoded row groups
-(``parquet/rows.py``; gathered and decoded in one go where the pipeline can), anything else
-sample by sample; the session's pipeline then finishes the whole batch. A replacement under
+source's catalog columns and fields (``workers/fields.py``: each field's rows come from one
+:class:`~batchd_server.workers.rows.RowReader`, whatever the bytes are: byte ranges of files,
+tar members or objects, rows of Parquet files): a run is read and decoded in one go where
+its reader and pipeline can (``RowReader.read_batch``, ``Pipeline.decode_batch``), sample by
+sample otherwise; the session's pipeline then finishes the whole batch. A replacement under
 ``on_error="replace"`` is drawn from the bad sample's own source. Where the layout has a
 ``source`` field (a mix's batches), each row's source index goes there.
 """
@@ -26,24 +27,21 @@ import numpy.typing as npt
 
 from batchd._wire.ring import slot_offset
 from batchd_server.catalog.types import SampleColumns
-from batchd_server.decode_cache.worker import CacheCounts, CachedSource, SampleCache
-from batchd_server.parquet.rows import ParquetRows
-from batchd_server.pipelines.array import ArrayPipeline
+from batchd_server.decode_cache.worker import CacheCounts, SampleCache
 from batchd_server.pipelines.base import BadSample, Block, Pipeline, SampleInfo, sample_rng
-from batchd_server.pipelines.files import SampleFiles
 from batchd_server.pipelines.registry import build_pipeline
-from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
 from batchd_server.storage.cache import STATS as CACHE_STATS
-from batchd_server.storage.objects import ObjectFiles
-from batchd_server.storage.open import open_sample_files
-from batchd_server.workers.packed import run_packed
+from batchd_server.workers.fields import SampleField, open_fields
+from batchd_server.workers.packed import packed_fill, session_pipeline
+from batchd_server.workers.rows import RowReader, sample_path
 from batchd_server.workers.task import (
     ROW_FIELDS,
     SOURCE_FIELD,
     BatchResult,
     BatchTask,
+    Filled,
     SampleFailure,
     SessionSpec,
     SourceSpec,
@@ -60,105 +58,47 @@ _OWN_FIELDS: Final = (*ROW_FIELDS, SOURCE_FIELD)
 
 @dataclass(eq=False)
 class _Source:
-    """One source's open handles in a worker: its catalog columns, files and pipeline."""
+    """One source's open handles in a worker: its catalog columns and its samples' fields."""
 
     start: int
     """Its first task position."""
     columns: SampleColumns
-    files: SampleFiles | ObjectFiles
-    pipeline: Pipeline
+    fields: tuple[SampleField, ...]
+    """Its samples' fields (one today: the payload)."""
     attachment: Attachment
-    cached: CachedSource | None = None
-    """Its samples through the decode cache; None when they are not cached."""
-    parquet: ParquetRows | None = None
-    """Its Parquet rows' reader, when it has any."""
-    numbers_pipeline: Pipeline | None = None
-    """What decodes a Parquet row whose value is numbers (raw, of the pipeline's dtype)."""
-    numbers_cached: CachedSource | None = None
-    """``numbers_pipeline``'s samples through the decode cache."""
 
     def path(self, position: int) -> str:
-        start, end = self.columns.path_offsets[position], self.columns.path_offsets[position + 1]
-        return self.columns.path_bytes[start:end].tobytes().decode("utf-8", "replace")
+        return sample_path(self.columns, position)
 
     def describe(self, position: int) -> str:
-        """Sample ``position`` for messages: its path, and a Parquet row's place in it."""
-        row_group = int(self.columns.row_groups[position])
-        if row_group < 0:
-            return self.path(position)
-        row = int(self.columns.row_indexes[position])
-        return f"{self.path(position)} (row group {row_group}, row {row})"
-
-    def read(self, position: int) -> memoryview:
-        """Sample ``position``'s bytes: a file's byte range, or a Parquet row's value.
-
-        Raises:
-            BadSample: As ``SampleFiles.read`` and ``ParquetRows.value``.
-        """
-        columns = self.columns
-        offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
-        row_group = int(columns.row_groups[position])
-        if row_group < 0:
-            return self.files.read(self.path(position), offset, length)
-        row = int(columns.row_indexes[position])
-        return self._parquet().value(self.path(position), row_group, row, offset, length)[0]
-
-    def decoder(self, position: int) -> tuple[Pipeline, CachedSource | None]:
-        """What decodes sample ``position``'s bytes, and through which cache: a Parquet
-        row of numbers goes to ``numbers_pipeline``.
-
-        Raises:
-            BadSample: A Parquet row whose file cannot be read.
-        """
-        if self.columns.row_groups[position] < 0 or self.numbers_pipeline is None:
-            return self.pipeline, self.cached
-        if self._parquet().numeric(self.path(position)):
-            return self.numbers_pipeline, self.numbers_cached
-        return self.pipeline, self.cached
-
-    def _parquet(self) -> ParquetRows:
-        if self.parquet is None:
-            raise BadSample(
-                "corrupt",
-                "a Parquet row of a dataset that names no payload column; re-ingest it with "
-                "batchd-server ingest parquet",
-            )
-        return self.parquet
+        """Sample ``position`` for messages: its path, and its place in it."""
+        return self.fields[0].rows.describe(position)
 
     def begin_batch(self) -> None:
-        self.files.begin_batch()
-        if self.parquet is not None:
-            self.parquet.begin_batch()
+        for f in self.fields:
+            f.rows.begin_batch()
 
     def close(self) -> None:
-        if self.parquet is not None:
-            self.parquet.close()
-        self.files.close()
+        for f in self.fields:
+            f.rows.close()
         self.attachment.close()
 
 
-def _parquet_readers(
-    files: SampleFiles | ObjectFiles, column: str, pipeline: Pipeline
-) -> tuple[ParquetRows, Pipeline]:
-    """A Parquet source's row reader and the pipeline of its numeric values: those arrive
-    as raw numbers of the pipeline's own dtype (an array pipeline reads them raw)."""
-    if isinstance(pipeline, ArrayPipeline):
-        raw = pipeline if pipeline.raw else ArrayPipeline(pipeline.shape, pipeline.dtype.str, True)
-        return ParquetRows(files, column, pipeline.dtype), raw
-    if isinstance(pipeline, TokensPipeline):
-        return ParquetRows(files, column, pipeline.dtype), pipeline
-    return ParquetRows(files, column, None), pipeline
-
-
 class SessionContext:
-    """A worker's open handles for one session: every source's catalog columns, files and
-    pipeline, the ring's mapping and the session's pipeline."""
+    """A worker's open handles for one session: every source's catalog columns and fields
+    (their row readers and pipelines), the ring's mapping and the session's pipeline."""
 
     def __init__(self, spec: SessionSpec) -> None:
         self.spec = spec
-        self.pipeline: Pipeline = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
-        """The session's: it finishes every batch."""
-        self._cache = SampleCache(spec.decode_cache) if spec.decode_cache is not None else None
+        decoder = build_pipeline(spec.pipeline_kind, spec.pipeline_options)
+        self._decoder = decoder
+        """What decodes every source without a pipeline of its own."""
+        self.pipeline: Pipeline = session_pipeline(decoder, spec.pack)
+        """The session's: it finishes every batch (a packed session's fills it)."""
+        self._fill = packed_fill(self, self.pipeline) or self._fill_rows
+        """How a task's slot is filled: rows of samples, or the session pipeline's own."""
+        decode_cache = spec.read.decode_cache
+        self._cache = SampleCache(decode_cache) if decode_cache is not None else None
         self._sources: list[_Source] = []
         self._ring: Attachment | None = None
         try:
@@ -186,24 +126,12 @@ class SessionContext:
     def _open(self, source: SourceSpec) -> _Source:
         arrays, attachment = attach_arrays(source.catalog_segment, shm_dir=Path(self.spec.shm_dir))
         try:
-            pipeline = self.pipeline
+            pipeline = self._decoder
             if source.pipeline_kind:
                 pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
             columns = SampleColumns.of(arrays)
-            files = open_sample_files(
-                source.root, max_sample_bytes=self.spec.max_sample_bytes, store=self.spec.store
-            )
-            cached = CachedSource.of(self._cache, pipeline, source.root)
-            opened = _Source(source.start, columns, files, pipeline, attachment, cached)
-            if source.parquet_payload and len(columns) and columns.row_groups.max() >= 0:
-                opened.parquet, numbers = _parquet_readers(files, source.parquet_payload, pipeline)
-                opened.numbers_pipeline = numbers
-                opened.numbers_cached = (
-                    cached
-                    if numbers is pipeline
-                    else CachedSource.of(self._cache, numbers, source.root)
-                )
-            return opened
+            fields = open_fields(source, columns, pipeline, self._cache, self.spec.read)
+            return _Source(source.start, columns, fields, attachment)
         except BaseException:
             attachment.close()
             raise
@@ -257,16 +185,23 @@ class SessionContext:
         return ids, labels, index.astype(np.int64)
 
     def run(self, task: BatchTask) -> BatchResult:
-        if self.spec.pack_seq_len:
-            for source in self._sources:
-                source.files.begin_batch()
-            return run_packed(self, task)
+        for source in self._sources:
+            source.begin_batch()
+        rows, shapes, failures, fatal, times = self._fill(task)
+        # What the task read through the node cache and the decode cache comes with it.
+        started_at, read_s, decode_s, collate_s = times
+        stages = StageTimes(started_at, read_s, decode_s, collate_s, CACHE_STATS.take() or None)
+        counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
+        return BatchResult(
+            task.batch_index, task.slot, rows, shapes, failures, fatal, stages, counts
+        )
+
+    def _fill_rows(self, task: BatchTask) -> Filled:
+        """Fill ``task``'s slot with one row per sample position."""
         started_at = time.monotonic()
         self._read_s = self._decode_s = 0.0
         positions = np.frombuffer(task.positions, np.int64)
         block = self.slot_block(task.slot)
-        for source in self._sources:
-            source.begin_batch()
         self._hung = frozenset(task.hung)  # task positions, as ``where`` reports them
         self.where[0] = -1
         one_by_one = task.one_by_one or bool(task.hung)
@@ -297,17 +232,8 @@ class SessionContext:
         shapes.update((name, (rows,)) for name in ours)
         # No view of the ring may outlive the task.
         del block, pipeline_block, fill, source_column
-        times = StageTimes(
-            started_at=started_at,
-            read_s=self._read_s,
-            decode_s=self._decode_s,
-            collate_s=time.perf_counter() - finish_start,
-            node_cache=CACHE_STATS.take() or None,
-        )
-        counts = self._cache.take_counts() if self._cache is not None else CacheCounts()
-        return BatchResult(
-            task.batch_index, task.slot, rows, shapes, failures, fatal, times, counts
-        )
+        collate_s = time.perf_counter() - finish_start
+        return rows, shapes, failures, fatal, (started_at, self._read_s, self._decode_s, collate_s)
 
     def _runs(self, positions: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[Any]]]:
         """The task's positions as runs of one source each: (source index, the run's rows in
@@ -324,145 +250,29 @@ class SessionContext:
     def _read_records(
         self, source: _Source, positions: npt.NDArray[np.int64], block: Block
     ) -> int | None:
-        """A run of byte-range samples: read in a few reads, decoded in one go
-        (``Pipeline.decode_batch``), no Python call per sample. None when the run does not
+        """A run of samples read at once and decoded in one go (``RowReader.read_batch``,
+        ``Pipeline.decode_batch``), no Python call per sample. None when the run does not
         qualify or a sample in it is not right; then each sample is read on its own, which
         also finds and reports whichever sample is bad."""
-        columns = source.columns
-        if source.parquet is not None and columns.row_groups[positions].max() >= 0:
-            return self._read_parquet_rows(source, source.parquet, positions, block)
-        offsets = columns.byte_offsets[positions]
-        lengths = columns.byte_lengths[positions]
-        if offsets.min() < 0 or lengths.min() < 0:  # whole files, or "to the end"
-            return None
-        read_start = time.perf_counter()
-        paths, files = self._batch_paths(source, positions)
-        try:
-            data, starts = source.files.read_ranges(paths, files, offsets, lengths)
-        except BadSample:
-            return None
-        finally:
+        for f in source.fields:
+            if not f.batches:
+                return None
+            read_start = time.perf_counter()
+            gathered = f.rows.read_batch(positions)
             self._read_s += time.perf_counter() - read_start
+            if gathered is None:
+                return None
+            data, starts, lengths, numbers = gathered
+            pipeline = f.numbers if numbers and f.numbers is not None else f.pipeline
+            decode_start = time.perf_counter()
+            decoded = pipeline.decode_batch(data, starts, lengths, block)
+            self._decode_s += time.perf_counter() - decode_start
+            if not decoded:
+                return None
         rows = len(positions)
-        decode_start = time.perf_counter()
-        decoded = source.pipeline.decode_batch(data, starts, lengths, block)
-        self._decode_s += time.perf_counter() - decode_start
-        if not decoded:
-            return None
-        block["sample_id"][:rows] = columns.ids[positions]
-        block["label"][:rows] = columns.labels[positions]
+        block["sample_id"][:rows] = source.columns.ids[positions]
+        block["label"][:rows] = source.columns.labels[positions]
         return rows
-
-    def _read_parquet_rows(
-        self, source: _Source, parquet: ParquetRows, positions: npt.NDArray[np.int64], block: Block
-    ) -> int | None:
-        """A run of Parquet rows, for a pipeline with a batch path: their values gathered
-        from their decoded row groups and decoded in one go. None as ``_read_records``."""
-        columns = source.columns
-        numbers_pipeline = source.numbers_pipeline or source.pipeline
-        if (
-            columns.row_groups[positions].min() < 0
-            or type(numbers_pipeline).decode_batch is Pipeline.decode_batch
-        ):
-            return None
-        read_start = time.perf_counter()
-        paths, files = self._batch_paths(source, positions)
-        parquet.load(
-            paths,
-            files,
-            columns.row_groups[positions],
-            columns.byte_offsets[positions],
-            columns.byte_lengths[positions],
-        )
-        gathered = parquet.gather(
-            paths,
-            files,
-            columns.row_groups[positions],
-            columns.row_indexes[positions],
-            columns.byte_offsets[positions],
-            columns.byte_lengths[positions],
-        )
-        self._read_s += time.perf_counter() - read_start
-        if gathered is None:
-            return None
-        data, starts, lengths, numbers = gathered
-        pipeline = numbers_pipeline if numbers else source.pipeline
-        decode_start = time.perf_counter()
-        decoded = pipeline.decode_batch(data, starts, lengths, block)
-        self._decode_s += time.perf_counter() - decode_start
-        if not decoded:
-            return None
-        rows = len(positions)
-        block["sample_id"][:rows] = columns.ids[positions]
-        block["label"][:rows] = columns.labels[positions]
-        return rows
-
-    def _read_together(self, source: _Source, positions: npt.NDArray[np.int64]) -> None:
-        """What a run's samples read, fetched together before they are decoded one by one:
-        the row groups of Parquet rows (``ParquetRows.load``), and the byte ranges of samples
-        inside objects, such as tar members (``ObjectFiles.stage``: several objects at once
-        and each block once, not one round trip per sample). Neither in a redo, which looks
-        for the sample that hangs one by one; ranges not when decoded samples may come from
-        the decode cache (their bytes would be read for nothing)."""
-        if positions.size < 2 or self._one_by_one:
-            return
-        columns = source.columns
-        read_start = time.perf_counter()
-        in_parquet = columns.row_groups[positions] >= 0
-        rows = positions[in_parquet]
-        if source.parquet is not None and rows.size >= 2:
-            paths, files = self._batch_paths(source, rows)
-            source.parquet.load(
-                paths,
-                files,
-                columns.row_groups[rows],
-                columns.byte_offsets[rows],
-                columns.byte_lengths[rows],
-                columns.row_indexes[rows] if source.cached is None else None,
-            )
-        if isinstance(source.files, ObjectFiles) and source.cached is None:
-            rows = positions[
-                ~in_parquet
-                & (columns.byte_offsets[positions] >= 0)
-                & (columns.byte_lengths[positions] >= 0)
-            ]
-            if rows.size >= 2:
-                paths, files = self._batch_paths(source, rows)
-                source.files.stage(
-                    paths, files, columns.byte_offsets[rows], columns.byte_lengths[rows]
-                )
-        self._read_s += time.perf_counter() - read_start
-
-    @staticmethod
-    def _batch_paths(
-        source: _Source, positions: npt.NDArray[np.int64]
-    ) -> tuple[list[str], npt.NDArray[Any]]:
-        """The distinct paths of the samples at ``positions``, and each sample's index in them."""
-        raw = source.columns.path_bytes
-        starts = source.columns.path_offsets[positions]
-        ends = source.columns.path_offsets[positions + 1]
-        width = int(ends[0] - starts[0])
-        if width and (ends - starts == width).all():  # the usual run: one shard for all
-            names = raw[starts[:, None] + np.arange(width)]
-            if (names == names[0]).all():
-                return [source.path(int(positions[0]))], np.zeros(len(positions), np.intp)
-            # Files of one naming pattern (part-0000.parquet, ...): one vectorised unique.
-            distinct, files = np.unique(
-                np.ascontiguousarray(names).view(np.dtype((np.void, width))).reshape(-1),
-                return_inverse=True,
-            )
-            paths = [d.tobytes().decode("utf-8", "replace") for d in distinct]
-            return paths, files.astype(np.intp).reshape(-1)
-        seen: dict[bytes, int] = {}
-        files = np.fromiter(
-            (
-                seen.setdefault(raw[a:b].tobytes(), len(seen))
-                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
-            ),
-            np.intp,
-            len(positions),
-        )
-        return [k.decode("utf-8", "replace") for k in seen], files
 
     def _decode_one(self, source: _Source, position: int, epoch: int, row: Block) -> None:
         self.where[0] = source.start + position
@@ -485,22 +295,23 @@ class SessionContext:
             )
         offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
         read_s = 0.0
-
-        def read() -> memoryview:
-            nonlocal read_s
-            read_start = time.perf_counter()
-            try:
-                return source.read(position)
-            finally:
-                read_s += time.perf_counter() - read_start
-
         start = time.perf_counter()
         try:
-            pipeline, cached = source.decoder(position)
-            if cached is not None:
-                cached.decode(info, offset, length, read, row)
-            else:
-                pipeline.decode_into(read(), info, row)
+            for f in source.fields:
+
+                def read(rows: RowReader = f.rows) -> memoryview:
+                    nonlocal read_s
+                    read_start = time.perf_counter()
+                    try:
+                        return rows.read(position)
+                    finally:
+                        read_s += time.perf_counter() - read_start
+
+                pipeline, cached = f.decoder(position)
+                if cached is not None:
+                    cached.decode(info, offset, length, read, row)
+                else:
+                    pipeline.decode_into(read(), info, row)
             row["sample_id"][...] = sample_id
             row["label"][...] = info.label
         finally:
@@ -513,12 +324,11 @@ class SessionContext:
         policy = self.spec.on_error
         failures: list[SampleFailure] = []
         rows = 0
-        if isinstance(source.files, ObjectFiles):
-            # Whole objects (image files) are fetched ahead, several at once, while the
-            # first ones decode: one round trip per sample would bound the worker's rate.
-            whole = positions[source.columns.byte_offsets[positions] < 0]
-            source.files.prefetch([source.path(int(p)) for p in whole.tolist()])
-        self._read_together(source, positions)
+        read_start = time.perf_counter()
+        together = positions.size >= 2 and not self._one_by_one
+        for f in source.fields:
+            f.rows.read_ahead(positions, together=together, decoded_cached=f.cached is not None)
+        self._read_s += time.perf_counter() - read_start
         for position in positions.tolist():
             row = {name: array[rows, ...] for name, array in block.items()}
             try:

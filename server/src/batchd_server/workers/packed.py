@@ -1,4 +1,12 @@
-"""How a worker fills a slot with packed rows: the pieces its task names, written in place.
+"""A packed session's pipeline: rows of ``seq_len`` tokens, filled from the pieces a task
+names, written in place.
+
+:func:`session_pipeline` is where a session's pipeline is built, on the server (its fields
+make the ring's layout) and in each worker: the decoding pipeline itself, or, for a packed
+session, :class:`PackedPipeline` around its Tokens pipeline. Its fill (:func:`run_packed`)
+reads through the same row readers as every session (``workers/rows.py``: local files,
+objects through the node cache, Parquet rows), and a document read on its own goes through
+the decode cache where the session has one.
 
 A packed session's task carries its batch's pieces (``planning.packing.PackedRows.pieces``):
 for each, the row of the batch, the document's position (global over the sources), its
@@ -25,6 +33,8 @@ substitute's other length).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Final, Protocol
 
 import numpy as np
@@ -32,20 +42,20 @@ import numpy.typing as npt
 
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import InvalidArgument
-from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline
-from batchd_server.pipelines.files import SampleFiles
+from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
 from batchd_server.pipelines.tokens import TokensPipeline
-from batchd_server.storage.objects import ObjectFiles
-from batchd_server.workers.task import (
-    SOURCE_FIELD,
-    BatchResult,
-    BatchTask,
-    SampleFailure,
-    SessionSpec,
-    StageTimes,
-)
+from batchd_server.planning.packing import PackOptions
+from batchd_server.workers.fields import SampleField
+from batchd_server.workers.task import SOURCE_FIELD, BatchTask, Filled, SampleFailure, SessionSpec
 
-__all__ = ["PackedContext", "packed_fields", "run_packed", "tokens_of"]
+__all__ = [
+    "PackedContext",
+    "PackedPipeline",
+    "packed_fill",
+    "run_packed",
+    "session_pipeline",
+    "tokens_of",
+]
 
 _ROW_FIELDS: Final = ("input_ids", "position_ids", "segment_ids", "document_id")
 """The packed fields of shape ``(rows, seq_len)``."""
@@ -53,18 +63,15 @@ _ROW_FIELDS: Final = ("input_ids", "position_ids", "segment_ids", "document_id")
 
 class _Source(Protocol):
     columns: SampleColumns
-    files: SampleFiles | ObjectFiles
+    fields: tuple[SampleField, ...]
 
     def path(self, position: int) -> str: ...
-
-    def read(self, position: int) -> memoryview: ...
 
 
 class PackedContext(Protocol):
     """What filling packed rows needs of a worker's ``SessionContext``."""
 
     spec: SessionSpec
-    pipeline: Pipeline
     where: npt.NDArray[np.int64]
 
     def slot_block(self, slot: int) -> Block: ...
@@ -90,37 +97,65 @@ def tokens_of(pipeline: Pipeline, what: str = "the session's pipeline") -> Token
     return pipeline
 
 
-def packed_fields(pipeline: Pipeline, seq_len: int) -> list[FieldSpec]:
-    """A packed batch's fields (one row's shape at most), from the session's pipeline.
+class PackedPipeline(Pipeline):
+    """A packed session's batches: rows of ``seq_len`` tokens cut from documents that
+    ``tokens`` decodes (see the module docs for the fields).
 
     Raises:
-        InvalidArgument: the pipeline is not a Tokens pipeline.
+        InvalidArgument: ``tokens`` is not a Tokens pipeline.
     """
-    tokens = tokens_of(pipeline)
-    int32 = np.dtype("<i4")
-    return [
-        FieldSpec("input_ids", tokens.dtype, (seq_len,)),
-        FieldSpec("position_ids", int32, (seq_len,)),
-        FieldSpec("segment_ids", int32, (seq_len,)),
-        FieldSpec("document_id", np.dtype("<i8"), (seq_len,)),
-        # At most one piece per token plus the row's padding, over all rows: seq_len + 1 a
-        # row is room enough for ``rows * seq_len + 1`` boundaries.
-        FieldSpec("cu_seqlens", int32, (seq_len + 1,)),
-        # Each row's tokens before padding: what a mix's per-source accounting sums.
-        FieldSpec("length", int32, ()),
-    ]
+
+    def __init__(self, tokens: Pipeline, seq_len: int) -> None:
+        self.tokens = tokens_of(tokens)
+        self.seq_len = seq_len
+
+    def fields(self) -> list[FieldSpec]:
+        """A packed batch's fields (one row's shape at most)."""
+        seq_len, int32 = self.seq_len, np.dtype("<i4")
+        return [
+            FieldSpec("input_ids", self.tokens.dtype, (seq_len,)),
+            FieldSpec("position_ids", int32, (seq_len,)),
+            FieldSpec("segment_ids", int32, (seq_len,)),
+            FieldSpec("document_id", np.dtype("<i8"), (seq_len,)),
+            # At most one piece per token plus the row's padding, over all rows: seq_len + 1
+            # a row is room enough for ``rows * seq_len + 1`` boundaries.
+            FieldSpec("cu_seqlens", int32, (seq_len + 1,)),
+            # Each row's tokens before padding: what a mix's per-source accounting sums.
+            FieldSpec("length", int32, ()),
+        ]
+
+    def decode_into(self, data: memoryview, sample: SampleInfo, row: Block) -> None:
+        """A document's tokens, as its Tokens pipeline decodes them (packing cuts them)."""
+        self.tokens.decode_into(data, sample, row)
 
 
-def run_packed(context: PackedContext, task: BatchTask) -> BatchResult:
+def session_pipeline(decoder: Pipeline, pack: PackOptions | None) -> Pipeline:
+    """A session's pipeline, built once where the session is: ``decoder`` (what decodes its
+    samples), or its packed rows when the session packs.
+
+    Raises:
+        InvalidArgument: ``pack`` is given and ``decoder`` is not a Tokens pipeline.
+    """
+    return decoder if pack is None else PackedPipeline(decoder, pack.seq_len)
+
+
+def packed_fill(context: PackedContext, pipeline: Pipeline) -> Callable[[BatchTask], Filled] | None:
+    """How a worker fills a task's slot for a session whose pipeline is ``pipeline``: its
+    packed rows, or None when it is not packed (one row per sample)."""
+    if not isinstance(pipeline, PackedPipeline):
+        return None
+    return partial(run_packed, context, pipeline)
+
+
+def run_packed(context: PackedContext, packed: PackedPipeline, task: BatchTask) -> Filled:
     """Fill ``task``'s slot with its packed rows (see the module's docs)."""
     started_at = time.monotonic()
-    spec = context.spec
-    seq_len = spec.pack_seq_len
+    seq_len = packed.seq_len
     pieces = np.frombuffer(task.positions, np.int64).reshape(-1, 4)
     rows = int(pieces[:, 0].max()) + 1 if pieces.size else 0
     block = context.slot_block(task.slot)
     read_start = time.perf_counter()
-    pipeline = tokens_of(context.pipeline)
+    pipeline = packed.tokens
     tokens, kept, failures, fatal = _read_pieces(context, pipeline, task, pieces)
     decode_start = time.perf_counter()
     boundaries = 0
@@ -136,12 +171,8 @@ def run_packed(context: PackedContext, task: BatchTask) -> BatchResult:
         if name in block:
             shapes[name] = (rows,)
     del block
-    times = StageTimes(
-        started_at=started_at,
-        read_s=decode_start - read_start,
-        decode_s=done - decode_start,
-    )
-    return BatchResult(task.batch_index, task.slot, rows, shapes, failures, fatal, times)
+    times = (started_at, decode_start - read_start, done - decode_start, 0.0)
+    return rows, shapes, failures, fatal, times
 
 
 def _read_pieces(
@@ -172,22 +203,7 @@ def _read_pieces(
                     f"{source.path(local)}: reading it hung past the server's task deadline "
                     "(--task-timeout-s) twice; check the file and its file system",
                 )
-            offset, length = int(columns.byte_offsets[local]), int(columns.byte_lengths[local])
-            want = (start + count) * itemsize
-            if offset >= 0 and 0 <= length < want and columns.row_groups[local] < 0:
-                raise BadSample(
-                    "shape",
-                    f"{source.path(local)}: its record has {length // itemsize} tokens, the "
-                    f"catalog's length says at least {start + count}; fix the length column",
-                )
-            if columns.row_groups[local] >= 0:
-                # A row of a Parquet file: its value, as tokens of the pipeline's dtype.
-                data = source.read(local)[start * itemsize : (start + count) * itemsize]
-            else:
-                base = max(offset, 0)
-                data = source.files.read(
-                    source.path(local), base + start * itemsize, count * itemsize
-                )
+            data = _piece(context, source, local, task.epoch, start, count, itemsize)
             if len(data) != count * itemsize:
                 raise BadSample(
                     "shape",
@@ -207,12 +223,52 @@ def _read_pieces(
     return joined, kept, failures, False
 
 
+def _piece(
+    context: PackedContext,
+    source: _Source,
+    position: int,
+    epoch: int,
+    first: int,
+    count: int,
+    itemsize: int,
+) -> memoryview:
+    """Tokens ``[first, first + count)`` of the document at ``position``: from its decoded
+    tokens where the decode cache holds them (or now holds them: the whole document is read
+    and decoded once), else only the piece's own bytes.
+
+    Raises:
+        BadSample: the document cannot be read, or holds fewer tokens.
+    """
+    field = source.fields[0]
+    pipeline, cached = field.decoder(position)
+    if cached is None:
+        return field.rows.read_part(position, first * itemsize, count * itemsize)
+    tokens = tokens_of(pipeline, "a source's pipeline")
+    columns = source.columns
+    info = SampleInfo(
+        sample_id=int(columns.ids[position]),
+        label=int(columns.labels[position]),
+        path=source.path(position),
+        length=int(columns.lengths[position]),
+        seed=context.spec.seed,
+        epoch=epoch,
+    )
+    row: Block = {
+        "input_ids": np.empty(tokens.max_len, tokens.dtype),
+        "length": np.zeros((), np.int32),
+    }
+    offset, length = int(columns.byte_offsets[position]), int(columns.byte_lengths[position])
+    cached.decode(info, offset, length, lambda: field.rows.read(position), row)
+    kept = row["input_ids"][: int(row["length"])].view(np.uint8)
+    return kept[first * itemsize : (first + count) * itemsize].data
+
+
 def _read_together(
     context: PackedContext, tokens: TokensPipeline, pieces: npt.NDArray[np.int64]
 ) -> npt.NDArray[Any] | None:
-    """Every piece's tokens in a few reads per source (``SampleFiles.read_ranges``), when
-    every piece lies inside its document's byte-range record; None when one does not, or a
-    read fails: then each piece is read on its own, which finds and reports the bad one."""
+    """Every piece's tokens in a few reads per source (``RowReader.read_parts``), when every
+    piece lies inside its document's byte-range record; None when one does not, or a read
+    fails: then each piece is read on its own, which finds and reports the bad one."""
     itemsize = tokens.dtype.itemsize
     located = [context.locate(int(p)) for p in pieces[:, 1].tolist()]
     runs: dict[int, list[int]] = {}
@@ -222,24 +278,12 @@ def _read_together(
     for members in runs.values():
         source = located[members[0]][0]
         local = np.array([located[i][1] for i in members], np.int64)
-        offsets = source.columns.byte_offsets[local]
-        lengths = source.columns.byte_lengths[local]
         first = pieces[members, 2] * itemsize
         count = pieces[members, 3] * itemsize
-        if offsets.min() < 0 or (lengths < first + count).any():
+        got = source.fields[0].rows.read_parts(local, first, count)
+        if got is None:
             return None
-        if source.columns.row_groups[local].max() >= 0:  # Parquet rows: piece by piece
-            return None
-        seen: dict[str, int] = {}
-        files = np.fromiter(
-            (seen.setdefault(source.path(int(p)), len(seen)) for p in local.tolist()),
-            np.intp,
-            len(members),
-        )
-        try:
-            data, starts = source.files.read_ranges(list(seen), files, offsets + first, count)
-        except BadSample:
-            return None
+        data, starts = got
         for i, start, n in zip(members, starts.tolist(), count.tolist(), strict=True):
             parts[i] = data[start : start + n].view(tokens.dtype).copy()
     out = [parts[i] for i in range(len(pieces))]

@@ -10,11 +10,12 @@ ring (``context.py``; NOTE [ Slot lifecycle ] in ``batchd_server/sessions/slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from batchd_server.decode_cache.worker import CacheCounts, DecodeCacheSpec
-from batchd_server.pipelines.files import MAX_SAMPLE_BYTES
+from batchd_server.limits import MAX_SAMPLE_BYTES
+from batchd_server.planning.packing import PackOptions
 from batchd_server.storage.cache import NodeCacheCounts
 from batchd_server.storage.options import StoreOptions
 
@@ -23,6 +24,8 @@ __all__ = [
     "SOURCE_FIELD",
     "BatchResult",
     "BatchTask",
+    "Filled",
+    "ReadOptions",
     "SampleFailure",
     "SessionSpec",
     "SlotField",
@@ -70,6 +73,26 @@ class SourceSpec:
 
 
 @dataclass(frozen=True)
+class ReadOptions:
+    """How a server's workers read and decode samples: made once from the configuration at
+    the composition root (``assembly.py``) and carried to the workers on every task's
+    :class:`SessionSpec` (a worker is spawned before any session and knows nothing of the
+    server's configuration)."""
+
+    max_sample_bytes: int = MAX_SAMPLE_BYTES
+    """The most bytes one sample may have (``--max-sample-bytes``); more is ``too_large``."""
+    store: StoreOptions = field(default_factory=StoreOptions)
+    """The object-store settings, for sources whose root is a store's."""
+    decode_cache: DecodeCacheSpec | None = None
+    """The server's decode cache; None when it has none (or, on a session's spec, the
+    session opted out)."""
+
+    def for_session(self, *, decode_cache: bool) -> ReadOptions:
+        """These options for a session that asked for the decode cache or opted out."""
+        return self if decode_cache else replace(self, decode_cache=None)
+
+
+@dataclass(frozen=True)
 class SessionSpec:
     """What a worker needs to know about a session; sent with every task (a few hundred bytes)."""
 
@@ -90,18 +113,20 @@ class SessionSpec:
     shm_dir: str = "/dev/shm"
     dataset: str = ""
     """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
-    max_sample_bytes: int = MAX_SAMPLE_BYTES
-    """The most bytes one sample may have (``--max-sample-bytes``); more is ``too_large``."""
-    decode_cache: DecodeCacheSpec | None = None
-    """The server's decode cache; None when it has none or the session opted out."""
-    store: StoreOptions = field(default_factory=StoreOptions)
-    """The object-store settings, for sources whose root is ``s3://``."""
-    pack_seq_len: int = 0
-    """A packed session's row length (``workers/packed.py``): its tasks carry pieces, not
-    positions. 0: not packed."""
+    read: ReadOptions = field(default_factory=ReadOptions)
+    """How its samples are read and decoded (the server's, less what the session opted out
+    of)."""
+    pack: PackOptions | None = None
+    """A packed session's packing (``workers/packed.py``): its tasks carry pieces, not
+    positions. None: not packed."""
 
     def __post_init__(self) -> None:
         assert self.sources and self.sources[0].start == 0, "sources start at position 0"
+
+    @property
+    def decode_cache(self) -> DecodeCacheSpec | None:
+        """The decode cache its workers use; None: none."""
+        return self.read.decode_cache
 
     @property
     def root(self) -> str:
@@ -154,6 +179,14 @@ class StageTimes:
     node_cache: NodeCacheCounts | None = None
     """What the worker read through the node cache of object-store bytes since its previous
     result (None: nothing)."""
+
+
+Filled = tuple[
+    int, dict[str, tuple[int, ...]], list["SampleFailure"], bool, tuple[float, float, float, float]
+]
+"""What a fill of a task's slot did (``workers/context.py``, ``workers/packed.py``): the rows
+filled, each field's shape, the failures, whether the batch must fail, and its
+``StageTimes`` (started_at, read_s, decode_s, collate_s); the worker adds the caches' counts."""
 
 
 @dataclass(frozen=True)

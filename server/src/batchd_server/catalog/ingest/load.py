@@ -40,6 +40,7 @@ from batchd_server.catalog.queries import DatasetRef
 from batchd_server.catalog.schema import datasets
 from batchd_server.catalog.tar_shards import Shard, expand_shards, local_shards
 from batchd_server.errors import DataError
+from batchd_server.storage.schemes import is_local_root
 
 __all__ = [
     "CHUNK_ROWS",
@@ -228,7 +229,7 @@ def _dataset_row(
 def resolve_root(root: str | Path, *, must_exist: bool) -> tuple[str, Path | None]:
     """The root as stored in ``datasets.root``, and as a local directory (None for a URI)."""
     text = str(root)
-    if "://" in text:
+    if not is_local_root(text):
         return check_object_root(text), None
     path = Path(text).expanduser()
     if must_exist and not path.is_dir():

@@ -1,8 +1,10 @@
-"""Read sample bytes from a dataset root, never from outside it.
+"""Read sample bytes from a local dataset root, never from outside it.
 
-A catalog path is untrusted input: an ingest may have recorded ``../../etc/shadow``, an
-absolute path, or a path through a symlink that leads elsewhere. :class:`SampleFiles` is the
-only way workers read sample bytes, and it refuses all three:
+:class:`SampleFiles` is the :class:`~batchd_server.storage.reader.SampleReader` of a root that
+is a directory of this machine (``storage/open.py`` picks it by the root's scheme; its
+object-store sibling is ``storage/objects.py``). A catalog path is untrusted input: an
+ingest may have recorded ``../../etc/shadow``, an absolute path, or a path through a
+symlink that leads elsewhere. It refuses all three:
 
 1. Before touching the filesystem: an absolute path or a ``..`` component is refused.
 2. The path is resolved (``os.path.realpath``) and must lie under the resolved root, so a
@@ -26,7 +28,7 @@ closed and the path opened and confined again. So a shard replaced, appended to 
 is seen from the next batch on, and a directory swapped for a symlink that leads out of the
 root is refused as it would be on a first open. :meth:`SampleFiles.read_ranges` reads many
 ranges of a batch at once, in as few reads as their layout allows (see
-:mod:`~batchd_server.pipelines.ranges`).
+:mod:`~batchd_server.storage.ranges`).
 
 Reads land in one reused buffer: allocating a fresh buffer per sample costs about 15% of the
 decode rate here (glibc hands large blocks back to the kernel and faults them in again).
@@ -48,7 +50,7 @@ import os
 import stat
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Final, TypeVar
 
 import numpy as np
@@ -56,9 +58,8 @@ import numpy.typing as npt
 
 from batchd._wire.lifetime import Closeable
 from batchd_server.errors import FailedPrecondition
-from batchd_server.limits import INT64_MAX
+from batchd_server.limits import MAX_CACHED_BUFFER_BYTES, MAX_SAMPLE_BYTES
 from batchd_server.pipelines.base import BadSample
-from batchd_server.pipelines.ranges import ends_past_int64, plan_reads
 from batchd_server.pipelines.transient import (
     InjectedFaults,
     TransientError,
@@ -66,14 +67,12 @@ from batchd_server.pipelines.transient import (
     retrying,
 )
 from batchd_server.shm.space import format_bytes
+from batchd_server.storage.ranges import Ranges
+from batchd_server.storage.reader import LocalHooks, check_ranges, check_read, too_large
 
 __all__ = ["MAX_CACHED_BUFFER_BYTES", "MAX_READS_PER_FILE", "MAX_SAMPLE_BYTES", "SampleFiles"]
 
-MAX_CACHED_BUFFER_BYTES: Final = 64 << 20
-"""The reused read buffer grows up to this; a larger read gets a buffer of its own."""
-MAX_SAMPLE_BYTES: Final = 256 << 20
-"""A sample's bytes at most, unless the operator says otherwise (``--max-sample-bytes``,
-passed to :class:`SampleFiles` as ``max_sample_bytes``); a larger one is ``too_large``."""
+_WHY_TOO_LARGE: Final = ": the file may be sparse, truncated to a huge size or not a sample at all"
 
 _OPEN_FLAGS: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 _MAX_OPEN_FDS: Final = 16
@@ -117,7 +116,7 @@ def _close_all(fds: dict[str, _Open]) -> None:
     fds.clear()
 
 
-class SampleFiles(Closeable):
+class SampleFiles(LocalHooks, Closeable):
     """Confined, buffer-reusing reads of sample files under one dataset root.
 
     Not thread-safe: a worker process holds one per session. Descriptors of shard files
@@ -183,25 +182,13 @@ class SampleFiles(Closeable):
             BadSample: ``unsafe_path``, ``missing``, ``unreadable``, ``too_large``,
                 ``bad_range`` or ``transient`` (see module docs).
         """
-        if offset < -1 or length < -1:
-            raise BadSample(
-                "unreadable", f"{path}: byte range offset={offset}, length={length} is invalid"
-            )
-        if offset >= 0 and length >= 0 and offset > INT64_MAX - length:
-            raise _bad_range(path, offset, length)
+        check_read(path, offset, length)
         self._check_size(path, length)
         return self._retrying(lambda: self._read(path, offset, length))
 
     def _check_size(self, path: str, count: int) -> None:
         if count > self.max_sample_bytes:
-            raise BadSample(
-                "too_large",
-                f"{path}: reading this sample means reading {format_bytes(count)} ({count} "
-                f"bytes), more than the {format_bytes(self.max_sample_bytes)} a sample may "
-                "have: the file may be sparse, truncated to a huge size or not a sample at "
-                "all. If it is right, raise the server's --max-sample-bytes "
-                "(BATCHD_MAX_SAMPLE_BYTES)",
-            )
+            raise too_large(path, count, self.max_sample_bytes, _WHY_TOO_LARGE)
 
     def _read(self, path: str, offset: int, length: int) -> memoryview:
         whole = offset == -1 and length == -1
@@ -227,19 +214,11 @@ class SampleFiles(Closeable):
             if whole:
                 os.close(fd)
 
-    def read_ranges(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+    def read_ranges(self, ranges: Ranges) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
         """The byte ranges of many samples, fetched in as few reads as their layout allows.
 
-        Sample ``i`` is ``lengths[i]`` bytes at ``offsets[i]`` of ``paths[files[i]]``.
-
         The ranges of each file are sorted and coalesced into runs
-        (:func:`~batchd_server.pipelines.ranges.plan_reads`), one ``pread`` per run, into one
+        (:func:`~batchd_server.storage.ranges.plan_reads`), one ``pread`` per run, into one
         buffer. A batch of one file whose ranges are scattered (more than
         :data:`MAX_READS_PER_FILE` runs: shuffled small records) costs no read at all: the
         result is a read-only map of the whole file, cached with its descriptor, and the
@@ -258,30 +237,13 @@ class SampleFiles(Closeable):
                 allocated. Which sample is at fault is not said: read each with :meth:`read`
                 to find out.
         """
-        if len(offsets):
-            if offsets.min() < 0 or lengths.min() < 0:
-                raise BadSample("unreadable", "a byte range has a negative offset or length")
-            wraps = ends_past_int64(offsets, lengths)
-            if len(wraps):
-                i = int(wraps[0])
-                raise _bad_range(paths[int(files[i])], int(offsets[i]), int(lengths[i]))
-            longest = int(lengths.argmax())
-            self._check_size(paths[int(files[longest])], int(lengths[longest]))
-        return self._retrying(lambda: self._read_ranges(paths, files, offsets, lengths))
+        check_ranges(ranges, ranges.paths, self.max_sample_bytes, _WHY_TOO_LARGE)
+        return self._retrying(lambda: self._read_ranges(ranges))
 
-    def _read_ranges(
-        self,
-        paths: Sequence[str],
-        files: npt.NDArray[np.intp],
-        offsets: npt.NDArray[np.int64],
-        lengths: npt.NDArray[np.int64],
-    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
-        n = len(offsets)
-        if len(paths) == 1:
-            groups = [np.arange(n)]
-        else:
-            groups = [np.flatnonzero(files == k) for k in range(len(paths))]
-        plans = [plan_reads(offsets[rows], lengths[rows]) for rows in groups]
+    def _read_ranges(self, ranges: Ranges) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+        paths = ranges.paths
+        groups = ranges.by_file()
+        plans = ranges.plans()
         entries = [self._cached(path) for path in paths]
         for path, entry, plan in zip(paths, entries, plans, strict=True):
             if plan.end > entry.size:
@@ -290,9 +252,9 @@ class SampleFiles(Closeable):
                     f"{path}: a byte range ends at {plan.end}, past {entry.size} bytes",
                 )
         if len(paths) == 1 and len(plans[0].run_offsets) > MAX_READS_PER_FILE:
-            return self._mapping(entries[0], paths[0]), offsets.astype(np.int64, copy=True)
+            return self._mapping(entries[0], paths[0]), ranges.offsets.astype(np.int64, copy=True)
         view = self._view(sum(p.total_bytes for p in plans), "a batch of byte ranges")
-        starts = np.empty(n, np.int64)
+        starts = np.empty(len(ranges), np.int64)
         base = 0
         for path, entry, rows, plan in zip(paths, entries, groups, plans, strict=True):
             runs = zip(plan.run_offsets.tolist(), plan.run_lengths.tolist(), strict=True)
@@ -501,15 +463,6 @@ def _pread_into(
                 "unreadable", f"{path}: file ended at byte {offset + done} while reading"
             )
         done += got
-
-
-def _bad_range(path: str, offset: int, length: int) -> BadSample:
-    return BadSample(
-        "bad_range",
-        f"{path}: byte range offset={offset}, length={length} ends past 2**63 - 1, beyond any "
-        "file; the catalog row is wrong (ingested with --no-verify?): fix its byte_offset "
-        "and byte_length and re-ingest",
-    )
 
 
 def _describe(e: OSError) -> str:
