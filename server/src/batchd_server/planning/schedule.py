@@ -177,28 +177,3 @@ def scheduled_order(
         order[batch * global_batch + rank] = start + rows(s, total)
         start += n
     return order
-    batches = counts.shape[0]
-    start = 0
-    keys: list[npt.NDArray[np.float64]] = []
-    sources: list[Int64Array] = []
-    batch_of: list[Int64Array] = []
-    values: list[Int64Array] = []
-    for s, n in enumerate(sizes):
-        per_batch = counts[:, s]
-        total = int(per_batch.sum())
-        batch = np.repeat(np.arange(batches, dtype=np.int64), per_batch)
-        # Each item's index within its batch's items of this source.
-        first_item = np.cumsum(per_batch) - per_batch
-        local = np.arange(total, dtype=np.int64) - np.repeat(first_item, per_batch)
-        keys.append((2 * local + 1) / per_batch[batch].astype(np.float64))
-        sources.append(np.full(total, s, np.int64))
-        batch_of.append(batch)
-        values.append(start + rows(s, total))
-        start += n
-    key, source, batch = np.concatenate(keys), np.concatenate(sources), np.concatenate(batch_of)
-    # Batch by batch; within one, by due time, ties to the lower source. Equal rationals
-    # divide to equal floats, so every machine breaks the same ties.
-    ranked = np.lexsort((source, key, batch))
-    order[:] = np.concatenate(values)[ranked]
-    assert np.array_equal(batch[ranked][:: max(1, global_batch)], np.arange(batches)), "batches"
-    return order
