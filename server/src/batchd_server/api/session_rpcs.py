@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import grpc
 
@@ -105,13 +105,11 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         mode=_SAMPLING[request.sampling],
     )
     kind, options = _pipeline(request.pipeline)
-    dataset, version, split, mix = (
-        _mix_target(request, sampler) if request.HasField("mix") else _split_target(request)
-    )
+    target = _mix_target(request, sampler) if request.HasField("mix") else _split_target(request)
     return SessionOptions(
-        dataset=dataset,
-        version=version,
-        split=split,
+        dataset=target.dataset,
+        version=target.version,
+        split=target.split,
         sampler=sampler,
         pipeline_kind=kind,
         pipeline_options=options,
@@ -119,7 +117,7 @@ def session_options(request: pb.OpenSessionRequest) -> SessionOptions:
         snapshot=request.snapshot or None,
         on_error=_ON_ERROR[request.on_error],
         max_error_fraction=request.max_error_fraction or 0.01,
-        mix=mix,
+        mix=target.mix,
         decode_cache=not request.no_decode_cache,
         pack=_pack(request),
         share=request.share,
@@ -144,8 +142,14 @@ def _pack(request: pb.OpenSessionRequest) -> PackOptions | None:
     return PackOptions(seq_len=request.pack.seq_len, method=method)
 
 
-_Target = tuple[str, str | None, str, MixOptions | None]
-"""What a session serves: dataset (a mix's label), version, split, and the mix if any."""
+class _Target(NamedTuple):
+    """What a session serves."""
+
+    dataset: str
+    """The dataset's name, or a mix's label."""
+    version: str | None
+    split: str
+    mix: MixOptions | None
 
 
 def _split_target(request: pb.OpenSessionRequest) -> _Target:
@@ -153,7 +157,7 @@ def _split_target(request: pb.OpenSessionRequest) -> _Target:
     check_name("dataset", request.dataset)
     check_name("version", request.version, required=False)
     check_name("split", request.split, required=False)
-    return request.dataset, request.version or None, request.split or "train", None
+    return _Target(request.dataset, request.version or None, request.split or "train", None)
 
 
 def _mix_target(request: pb.OpenSessionRequest, sampler: SamplerOptions) -> _Target:
@@ -189,7 +193,7 @@ def _mix_target(request: pb.OpenSessionRequest, sampler: SamplerOptions) -> _Tar
             f"sampling={sampler.mode!r} cannot be used with a mix: the mix's weights decide how "
             "samples are drawn; use sampling 'uniform'"
         )
-    return mix.label, None, "", mix
+    return _Target(mix.label, None, "", mix)
 
 
 def _schedule(mix: pb.Mix, base: tuple[float, ...]) -> WeightSchedule | None:
