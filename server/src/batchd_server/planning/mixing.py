@@ -51,7 +51,6 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from batchd._wire.mix import valid_weight
 from batchd._wire.schedule import WeightSchedule
@@ -59,6 +58,7 @@ from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.planning.sampling import (
     MIX_PASS_TAG,
     EpochPlan,
+    Int64Array,
     SamplerOptions,
     num_batches,
     rest_of_order,
@@ -92,8 +92,6 @@ MAX_MIX_SOURCES: Final = 64
 MAX_EPOCH_SAMPLES: Final = 1 << 36
 """An epoch of a mix at most; keeps ``(2j + 1) * W`` within int64."""
 _TOKEN_PREFIX: Final = "m1."
-
-Int64Array = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, kw_only=True)

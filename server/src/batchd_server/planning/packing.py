@@ -42,7 +42,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
-import numpy.typing as npt
 
 from batchd._wire.pack import MAX_SEQ_LEN, PACK_METHODS
 from batchd_server.errors import InvalidArgument
@@ -57,7 +56,13 @@ from batchd_server.planning.mixing import (
     plan_mix_epoch,
     source_starts,
 )
-from batchd_server.planning.sampling import EpochPlan, SamplerOptions, epoch_order, num_batches
+from batchd_server.planning.sampling import (
+    EpochPlan,
+    Int64Array,
+    SamplerOptions,
+    epoch_order,
+    num_batches,
+)
 from batchd_server.planning.sampling import rest_of_order as rest_of_global_order
 
 if TYPE_CHECKING:
@@ -79,8 +84,6 @@ PACK_TAG: Final = 5
 """A packed mix's per-source document orders (a random stream's purpose tag; see sampling)."""
 PIECE_COLUMNS: Final = 4
 """A task's piece: (row in the batch, document position, first token, tokens), int64."""
-
-Int64Array = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,6 +54,7 @@ __all__ = [
     "MIX_PASS_TAG",
     "SAMPLING_MODES",
     "EpochPlan",
+    "Int64Array",
     "SamplerOptions",
     "deal",
     "epoch_order",
@@ -82,6 +83,7 @@ MIX_PASS_TAG: Final = 4
 """A weighted mix's per-source orders (``batchd_server.planning.mixing``)."""
 
 Int64Array = npt.NDArray[np.int64]
+"""The planning package's arrays of positions, orders and counts."""
 
 
 @dataclass(frozen=True, kw_only=True)

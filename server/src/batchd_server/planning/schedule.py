@@ -40,12 +40,11 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 
 from batchd._wire.epoch import rest_of_epoch
 from batchd._wire.schedule import WeightSchedule
 from batchd_server.errors import InvalidArgument
-from batchd_server.planning.sampling import SamplerOptions
+from batchd_server.planning.sampling import Int64Array, SamplerOptions
 
 __all__ = ["MAX_SCHEDULED_BATCHES", "batch_counts", "scheduled_order"]
 
@@ -57,7 +56,6 @@ _MAX_WORLD_SIZE: Final = 1 << 16
 _MAX_GLOBAL_BATCH: Final = 1 << 31
 """Keeps ``(2j + 1) * count`` (the ranks within a global batch) within int64."""
 
-Int64Array = npt.NDArray[np.int64]
 RowsOf = Callable[[int, int], Int64Array]
 """``rows(s, count)``: source ``s``'s rows for its items 0..count-1 (its passes)."""
 
