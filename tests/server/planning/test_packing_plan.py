@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd.errors import InvalidArgument
-from batchd_server.planning.mixing import EpochStart, MixOptions, MixSourceOptions
+from batchd_server.planning.mixing import MixOptions, MixSourceOptions
 from batchd_server.planning.one_split import OneSplit
 from batchd_server.planning.packing import (
     PackedMixing,
@@ -24,7 +24,7 @@ from batchd_server.planning.packing import (
     pack_documents,
     placements,
 )
-from batchd_server.planning.sampling import SamplerOptions
+from batchd_server.planning.sampling import EpochStart, SamplerOptions
 
 PROPERTY = settings(max_examples=120, deadline=None)
 METHODS = ("best_fit", "first_fit", "concat")

@@ -16,6 +16,7 @@ from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.planning.sampling import (
     SAMPLING_MODES,
     EpochPlan,
+    EpochStart,
     SamplerOptions,
     _sort_pools,
     epoch_order,
@@ -45,7 +46,7 @@ def random_columns(n: int, seed: int = 0) -> Columns:
 
 def all_ranks(n: int, options: SamplerOptions, epoch: int, **columns: Any) -> list[EpochPlan]:
     return [
-        plan_epoch(n, dataclasses.replace(options, rank=rank), epoch, **columns)
+        plan_epoch(n, dataclasses.replace(options, rank=rank), EpochStart(epoch), **columns)
         for rank in range(options.world_size)
     ]
 
@@ -164,8 +165,8 @@ def test_a_new_epoch_or_seed_gives_a_new_order(setup: Setup, data: st.DataObject
 def test_resuming_at_batch_k_serves_exactly_the_rest_of_the_epoch(setup: Setup) -> None:
     """Batches k, k + 1, ... of a fresh plan are what the uninterrupted plan serves after k."""
     n, columns, options, epoch = setup
-    uninterrupted = plan_epoch(n, options, epoch, **columns)
-    resumed = plan_epoch(n, options, epoch, **columns)
+    uninterrupted = plan_epoch(n, options, EpochStart(epoch), **columns)
+    resumed = plan_epoch(n, options, EpochStart(epoch), **columns)
     for k in range(uninterrupted.num_batches + 1):
         rest = [resumed.batch(j) for j in range(k, resumed.num_batches)]
         served = np.concatenate(rest) if rest else np.empty(0, np.int64)
@@ -225,14 +226,14 @@ def test_a_world_larger_than_the_split_wraps_around_more_than_once() -> None:
 def test_drop_last_with_fewer_samples_than_one_batch_per_rank_gives_no_batches() -> None:
     """7 samples, 2 ranks of batch 4: nothing fills a batch on every rank, so nothing is served."""
     options = SamplerOptions(batch_size=4, world_size=2, drop_last=True)
-    plan = plan_epoch(7, options, 0)
+    plan = plan_epoch(7, options, EpochStart(0))
     assert (plan.num_batches, plan.positions.size) == (0, 0)
     assert epoch_order(7, options, 0).size == 0
 
 
 def test_batches_are_read_only_views_and_those_outside_the_epoch_raise_index_error() -> None:
     """batch(k) is a read-only slice of the positions; batch(-1), batch(num_batches) raise."""
-    plan = plan_epoch(10, SamplerOptions(batch_size=4), 0)
+    plan = plan_epoch(10, SamplerOptions(batch_size=4), EpochStart(0))
     assert plan.batch(2).tolist() == plan.positions[8:].tolist()
     for k in (-1, 3):
         with pytest.raises(IndexError, match=f"batch {k} is out of range.*3 batches"):
@@ -334,7 +335,7 @@ def test_an_empty_split_is_a_failed_precondition() -> None:
         lambda: samples_per_rank(0, options),
         lambda: num_batches(0, options),
         lambda: epoch_order(0, options, 0),
-        lambda: plan_epoch(0, options, 0),
+        lambda: plan_epoch(0, options, EpochStart(0)),
     ]
     for call in calls:
         with pytest.raises(FailedPrecondition, match="no verified samples"):
@@ -394,11 +395,11 @@ def test_missing_or_unusable_columns_are_invalid_arguments(
     """The column a mode reads must be there, one number per sample, usable by the mode."""
     options = SamplerOptions(batch_size=2, mode=mode)
     with pytest.raises(InvalidArgument, match=message):
-        plan_epoch(4, options, 0, **columns)
+        plan_epoch(4, options, EpochStart(0), **columns)
 
 
 @pytest.mark.parametrize("epoch", [-1, 1 << 63, 1.5])
 def test_an_invalid_epoch_is_an_invalid_argument(epoch: Any) -> None:
     """Epochs are integers from 0 to 2**63 - 1 (they travel as int64)."""
     with pytest.raises(InvalidArgument, match=f"epoch={epoch!r} must be an integer from 0"):
-        plan_epoch(4, SamplerOptions(batch_size=2), epoch)
+        plan_epoch(4, SamplerOptions(batch_size=2), EpochStart(epoch))

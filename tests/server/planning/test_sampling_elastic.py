@@ -12,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd._wire.epoch import rest_of_epoch
-from batchd_server.planning.sampling import SAMPLING_MODES, SamplerOptions, num_batches, plan_epoch
+from batchd_server.planning.sampling import (
+    SAMPLING_MODES,
+    EpochStart,
+    SamplerOptions,
+    num_batches,
+    plan_epoch,
+)
 
 PROPERTY = settings(max_examples=200, deadline=None)
 PERMUTING_MODES = ("uniform", "bucketed")
@@ -33,7 +39,8 @@ def _served(
     """Positions every rank serves in its first ``batches`` batches (default: all)."""
     out: list[int] = []
     for rank in range(options.world_size):
-        plan = plan_epoch(n, dataclasses.replace(options, rank=rank), epoch, **_columns(n), **kw)
+        at = EpochStart(epoch, **kw)
+        plan = plan_epoch(n, dataclasses.replace(options, rank=rank), at, **_columns(n))
         count = plan.num_batches if batches is None else batches
         out.extend(int(p) for k in range(count) for p in plan.batch(k))
     return out
@@ -91,9 +98,7 @@ def test_state_of_n_ranks_resumed_on_m_ranks_serves_the_rest_of_the_epoch_once(
         plan_epoch(
             n,
             dataclasses.replace(resumed, rank=r),
-            epoch,
-            start=consumed,
-            order_world_size=options.world_size,
+            EpochStart(epoch, consumed, options.world_size),
             **_columns(n),
         ).num_batches
         for r in range(m)
@@ -138,8 +143,8 @@ def test_a_plan_from_whole_global_batches_is_the_tail_of_the_epochs_plan(
     consumed = k * options.batch_size * options.world_size
     for rank in range(options.world_size):
         mine = dataclasses.replace(options, rank=rank)
-        whole = plan_epoch(n, mine, epoch, **_columns(n))
-        rest = plan_epoch(n, mine, epoch, start=consumed, **_columns(n))
+        whole = plan_epoch(n, mine, EpochStart(epoch), **_columns(n))
+        rest = plan_epoch(n, mine, EpochStart(epoch, consumed), **_columns(n))
         assert rest.num_batches == max(whole.num_batches - k, 0)
         assert rest.positions.tolist() == whole.positions[k * options.batch_size :].tolist()
 
@@ -148,4 +153,4 @@ def test_a_start_past_the_epoch_leaves_no_batches() -> None:
     """Everything consumed (the saving job was in its padded last batch): nothing is left."""
     options = SamplerOptions(batch_size=4, world_size=3)
     assert num_batches(10, options, start=12) == 0
-    assert plan_epoch(10, options, 0, start=12).positions.size == 0
+    assert plan_epoch(10, options, EpochStart(0, 12)).positions.size == 0

@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from batchd._options import LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._state import Cursor, Position
-from batchd_server.planning.sampling import EpochPlan, SamplerOptions, num_batches, plan_epoch
+from batchd_server.planning.sampling import (
+    EpochPlan,
+    EpochStart,
+    SamplerOptions,
+    num_batches,
+    plan_epoch,
+)
 from batchd_server.sessions.streams import StreamAt, stream_plan
 
 PROPERTY = settings(max_examples=150, deadline=None)
@@ -59,7 +65,7 @@ def _serve(n: int, options: SamplerOptions, epoch: int, position: Position) -> l
         def plan(
             e: int, start: int, ows: int, rotation: int, s: SamplerOptions = sampler
         ) -> EpochPlan:
-            return plan_epoch(n, s, e, start=start, order_world_size=ows or None, rotation=rotation)
+            return plan_epoch(n, s, EpochStart(e, start, ows or None, rotation))
 
         at = StreamAt(epoch, cursor.start, cursor.order_world_size, cursor.rotation)
         whole, r = stream_plan(plan, sampler, at, join=None, slots=0)
@@ -116,7 +122,7 @@ def test_a_rotated_epoch_resumed_at_any_world_size_serves_the_rest_once(
     assert state["format"] == 3 and state["rotation"] == r * batch * w
     served = []  # what i batches of each rank served
     for rank in range(w):
-        plan = plan_epoch(n, _sampler(options, w, rank), epoch)
+        plan = plan_epoch(n, _sampler(options, w, rank), EpochStart(epoch))
         served += [int(p) for j in range(i) for p in plan.batch((r + j) % plan.num_batches)]
     on_m = dataclasses.replace(options, world_size=m)
     resumed = _position(on_m)

@@ -58,6 +58,7 @@ from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.planning.sampling import (
     MIX_PASS_TAG,
     EpochPlan,
+    EpochStart,
     Int64Array,
     SamplerOptions,
     num_batches,
@@ -72,7 +73,6 @@ __all__ = [
     "MAX_EPOCH_SAMPLES",
     "MAX_MIX_SOURCES",
     "SHARE_RESOLUTION",
-    "EpochStart",
     "MixOptions",
     "MixSourceOptions",
     "Mixing",
@@ -123,19 +123,6 @@ class MixSourceOptions:
         """``dataset:split``, with ``@version`` when one is asked for."""
         version = f"@{self.version}" if self.version else ""
         return f"{self.dataset}:{self.split}{version}"
-
-
-@dataclass(frozen=True)
-class EpochStart:
-    """Where a plan of an epoch starts: ``epoch`` from entry ``start`` of its global order on
-    (an elastic resume), the order built for ``order_world_size`` ranks where it depends on
-    them (a session's plans are cached by it); the order rotated to begin at its entry
-    ``rotation`` (a rotated epoch, ``start`` counting from there; 0: the epoch's own)."""
-
-    epoch: int
-    start: int
-    order_world_size: int
-    rotation: int = 0
 
 
 class Mixing(Protocol):

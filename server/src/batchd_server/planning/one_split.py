@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batchd_server.planning.mixing import EpochStart, MixSourceOptions
-from batchd_server.planning.sampling import EpochPlan, SamplerOptions, plan_epoch
+from batchd_server.planning.mixing import MixSourceOptions
+from batchd_server.planning.sampling import EpochPlan, EpochStart, SamplerOptions, plan_epoch
 
 if TYPE_CHECKING:
     from batchd_server.catalog.types import SplitArrays
@@ -49,13 +49,10 @@ class OneSplit:
         return plan_epoch(
             len(split),
             options,
-            at.epoch,
-            start=at.start,
-            order_world_size=at.order_world_size,
+            at,
             weights=split.weights,
             labels=split.labels,
             lengths=split.lengths,
-            rotation=at.rotation,
         )
 
     def pins(self, token: str | None) -> Sequence[tuple[str | None, str | None]]:

@@ -48,7 +48,6 @@ from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.planning.mixing import (
-    EpochStart,
     Mixing,
     MixOptions,
     MixSourceOptions,
@@ -58,6 +57,7 @@ from batchd_server.planning.mixing import (
 )
 from batchd_server.planning.sampling import (
     EpochPlan,
+    EpochStart,
     Int64Array,
     SamplerOptions,
     epoch_order,

@@ -54,6 +54,7 @@ __all__ = [
     "MIX_PASS_TAG",
     "SAMPLING_MODES",
     "EpochPlan",
+    "EpochStart",
     "Int64Array",
     "SamplerOptions",
     "deal",
@@ -123,6 +124,20 @@ class SamplerOptions:
                 f"sampling mode {self.mode!r} is unknown; use one of {', '.join(SAMPLING_MODES)}"
             )
         _require_int("bucket_batches", self.bucket_batches, 1, _MAX_BUCKET_BATCHES)
+
+
+@dataclass(frozen=True)
+class EpochStart:
+    """Where a plan of an epoch starts: ``epoch`` from entry ``start`` of its global order on
+    (an elastic resume), the order built for ``order_world_size`` ranks where it depends on
+    them (a session's plans are cached by it; None: the plan's own ``world_size``); the
+    order rotated to begin at its entry ``rotation`` (a rotated epoch, ``start`` counting
+    from there; 0: the epoch's own)."""
+
+    epoch: int
+    start: int = 0
+    order_world_size: int | None = None
+    rotation: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,29 +293,26 @@ def _rest_of_order(order: Int64Array, total: int, start: int) -> Int64Array:
 def plan_epoch(
     n: int,
     options: SamplerOptions,
-    epoch: int,
+    at: EpochStart,
     *,
-    start: int = 0,
-    order_world_size: int | None = None,
     weights: npt.ArrayLike | None = None,
     labels: npt.ArrayLike | None = None,
     lengths: npt.ArrayLike | None = None,
-    rotation: int = 0,
 ) -> EpochPlan:
-    """This rank's batches of one epoch (from global entry ``start`` on); arguments and
-    errors as for ``epoch_order``."""
+    """This rank's batches of the epoch ``at`` says, from its entry ``at.start`` on; the
+    columns and errors as for ``epoch_order``."""
     order = epoch_order(
         n,
         options,
-        epoch,
-        start=start,
-        order_world_size=order_world_size,
+        at.epoch,
+        start=at.start,
+        order_world_size=at.order_world_size,
         weights=weights,
         labels=labels,
         lengths=lengths,
-        rotation=rotation,
+        rotation=at.rotation,
     )
-    return deal(order, options, num_batches(n, options, start=start))
+    return deal(order, options, num_batches(n, options, start=at.start))
 
 
 def deal(order: Int64Array, options: SamplerOptions, batches: int) -> EpochPlan:

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 from batchd_server.errors import InvalidArgument
-from batchd_server.planning.mixing import EpochStart
-from batchd_server.planning.sampling import EpochPlan, SamplerOptions
+from batchd_server.planning.sampling import EpochPlan, EpochStart, SamplerOptions
 from batchd_server.workers.task import BatchResult
 
 __all__ = ["EpochPlans", "Stream", "StreamAt", "may_join", "stream_plan"]
