@@ -11,6 +11,7 @@ admission, credentials, the listener) over the :class:`Parts` built here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import time
@@ -204,76 +205,63 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
         FailedPrecondition: the metrics address cannot be bound.
     """
     engine = make_engine(config.database_url, statement_timeout_s=SERVING_STATEMENT_TIMEOUT_S)
-    shm = config.shm_limits(_shm_size_bytes(config))
-    try:
+    # Until the parts are whole, each step's undo is pushed as it is built and a failure
+    # unwinds them in reverse; then Parts.close takes over.
+    with contextlib.ExitStack() as undo:
+        undo.callback(engine.dispose)
+        shm = config.shm_limits(_shm_size_bytes(config))
         registry = ShmRegistry(budget_bytes=shm.budget_bytes, shm_dir=config.shm_dir)
-    except BaseException:
-        engine.dispose()
-        raise
-    try:
+        undo.callback(registry.close)
+        after_workers = undo.enter_context(contextlib.ExitStack())
         pool = _start_workers(config, registry)
-    except BaseException:
-        registry.close()
-        engine.dispose()
-        raise
-    try:
+        undo.callback(pool.stop)
         decode_cache = _start_decode_cache(config, registry)
-    except BaseException:
-        pool.stop()
-        registry.close()
-        engine.dispose()
-        raise
-    catalog = CatalogCache(engine, registry)
-    sample_errors = SampleErrorWriter(engine)
-    bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
-    store = StoreOptions(
-        retry_s=config.object_store_retry_s,
-        cache_dir=None if config.cache_dir is None else str(config.cache_dir),
-        cache_size_bytes=config.cache_size_bytes,
-    )
-    sessions = SessionManager(
-        catalog=catalog,
-        pool=pool,
-        registry=registry,
-        lease_timeout_s=config.lease_timeout_s,
-        max_sessions=config.max_sessions,
-        client_max_sessions=config.client_max_sessions,
-        client_shm_quota_bytes=shm.client_quota_bytes,
-        record_errors=sample_errors.submit,
-        doorbell=bell_path.name,
-        data_roots=config.data_roots,
-        read=ReadOptions(
-            max_sample_bytes=config.max_sample_bytes,
-            store=store,
-            decode_cache=decode_cache.spec if decode_cache is not None else None,
-        ),
-    )
-    if decode_cache is not None:
-        decode_cache.live_roots = sessions.live_roots
-    monitor = HealthMonitor(
-        space=registry.space,
-        min_free_shm_bytes=config.min_free_shm_bytes,
-        catalog_probe=lambda: ping(engine),
-        catalog_timeout_s=config.catalog_timeout_s,
-        workers_wanted=lambda: pool.size,
-        workers_alive=lambda: pool.alive,
-        dispatcher_alive=lambda: pool.dispatcher_alive,
-        crash_loop=lambda: pool.crash_loop,
-        interval_s=config.health_interval_s,
-        on_change=on_health_change,
-    )
-    try:
-        doorbell = DoorbellServer(bell_path, sessions, heartbeat_s=config.heartbeat_interval_s)
-    except BaseException:
-        sessions.close_all()
-        catalog.close()
-        sample_errors.close()
-        pool.stop()
         if decode_cache is not None:
-            decode_cache.close()
-        registry.close()
-        engine.dispose()
-        raise
+            after_workers.callback(decode_cache.close)  # once the workers stop writing to it
+        catalog = CatalogCache(engine, registry)
+        sample_errors = SampleErrorWriter(engine)
+        undo.callback(sample_errors.close)
+        undo.callback(catalog.close)
+        bell_path = registry.shm_dir / f"{PREFIX}-{registry.instance}-bell-{secrets.token_hex(16)}"
+        store = StoreOptions(
+            retry_s=config.object_store_retry_s,
+            cache_dir=None if config.cache_dir is None else str(config.cache_dir),
+            cache_size_bytes=config.cache_size_bytes,
+        )
+        sessions = SessionManager(
+            catalog=catalog,
+            pool=pool,
+            registry=registry,
+            lease_timeout_s=config.lease_timeout_s,
+            max_sessions=config.max_sessions,
+            client_max_sessions=config.client_max_sessions,
+            client_shm_quota_bytes=shm.client_quota_bytes,
+            record_errors=sample_errors.submit,
+            doorbell=bell_path.name,
+            data_roots=config.data_roots,
+            read=ReadOptions(
+                max_sample_bytes=config.max_sample_bytes,
+                store=store,
+                decode_cache=decode_cache.spec if decode_cache is not None else None,
+            ),
+        )
+        undo.callback(sessions.close_all)
+        if decode_cache is not None:
+            decode_cache.live_roots = sessions.live_roots
+        monitor = HealthMonitor(
+            space=registry.space,
+            min_free_shm_bytes=config.min_free_shm_bytes,
+            catalog_probe=lambda: ping(engine),
+            catalog_timeout_s=config.catalog_timeout_s,
+            workers_wanted=lambda: pool.size,
+            workers_alive=lambda: pool.alive,
+            dispatcher_alive=lambda: pool.dispatcher_alive,
+            crash_loop=lambda: pool.crash_loop,
+            interval_s=config.health_interval_s,
+            on_change=on_health_change,
+        )
+        doorbell = DoorbellServer(bell_path, sessions, heartbeat_s=config.heartbeat_interval_s)
+        undo.pop_all()
     parts = Parts(engine, registry, pool, catalog, sessions, doorbell, monitor, sample_errors)
     parts.decode_cache = decode_cache
     try:

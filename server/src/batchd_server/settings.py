@@ -238,34 +238,23 @@ def setting(
     default_factory: Callable[[], Any] | None = None,
     flag: str | None = None,
     env: str | None = None,
-    parse: Callable[[str], Any] = str,
-    check: Check | None = None,
-    metavar: str | None = None,
-    default_text: str | None = None,
-    default_in: Callable[[Mapping[str, str]], Any] | None = None,
-    many: str | None = None,
-    commands: tuple[str, ...] = ("serve",),
-    secret: bool = False,
+    **declared: Any,
 ) -> Any:
     """A field of a feature's settings dataclass that is a setting:
     ``listen: str = setting("where to serve gRPC", default="127.0.0.1:50051", flag="--listen")``.
 
     The variable is the flag's (``--listen``: ``BATCHD_LISTEN``) unless ``env`` names
-    another; a setting with no flag names its variable. :func:`seconds`, :func:`count`,
-    :func:`size`, :func:`path` and :func:`switch` are this for the usual kinds of value."""
+    another; a setting with no flag names its variable. ``declared`` are the rest of the
+    :class:`Setting`'s fields (``parse``, ``check``, ``metavar``, ...), given to it as they
+    are, so a new field of the declaration is one line there. :func:`seconds`,
+    :func:`count`, :func:`size`, :func:`path` and :func:`switch` are this for the usual
+    kinds of value."""
     assert flag is not None or env is not None, f"{help!r}: a setting needs a flag or a variable"
     declaration = Setting(
         help=help,
         flag=flag,
         env=env if env is not None or flag is None else _env_of(flag),
-        parse=parse,
-        check=check,
-        metavar=metavar,
-        default_text=default_text,
-        default_in=default_in,
-        many=many,
-        commands=commands,
-        secret=secret,
+        **declared,
     )
     metadata = {_KEY: declaration}
     if default_factory is not None:

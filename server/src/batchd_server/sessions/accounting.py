@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import Final
 
 import numpy as np
 
@@ -20,21 +20,13 @@ from batchd._wire.schedule import global_step
 from batchd_server.metrics.mixing import record_mix_batch
 from batchd_server.planning.mixing import MixOptions
 from batchd_server.planning.sampling import SamplerOptions
+from batchd_server.sessions.ready import FieldView
 from batchd_server.sessions.streams import Stream
 
 __all__ = ["MixAccount"]
 
 _SOURCE: Final = "source"
 _TOKENS: Final = "length"
-
-
-class _View(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def offset(self) -> int: ...
 
 
 class MixAccount:
@@ -63,7 +55,7 @@ class MixAccount:
         return self._schedule.shares_at(step)
 
     def record(
-        self, slot: memoryview, views: Sequence[_View], rows: int, stream: Stream, batch: int
+        self, slot: memoryview, views: Sequence[FieldView], rows: int, stream: Stream, batch: int
     ) -> None:
         """Count the batch of ``rows`` whose fields ``views`` place in ``slot``: ``stream``'s
         plan's ``batch``, at its global step (``global_step``)."""
