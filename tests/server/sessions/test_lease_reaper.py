@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 
 from batchd_server.catalog_cache import CatalogCache
 from batchd_server.planning.sampling import SamplerOptions
+from batchd_server.service_settings import SessionSettings
 from batchd_server.sessions import Session, SessionManager, SessionOptions
 from batchd_server.shm import ShmRegistry
 from batchd_server.workers.task import BatchResult, BatchTask
@@ -104,8 +105,7 @@ def test_a_stream_started_after_the_reapers_look_keeps_its_session_and_blocks_no
             catalog=catalog,
             pool=pool,  # type: ignore[arg-type]
             registry=registry,
-            lease_timeout_s=LEASE_S,
-            max_sessions=8,
+            limits=SessionSettings(lease_timeout_s=LEASE_S, max_sessions=8),
             record_errors=lambda rows: None,
         )
         try:

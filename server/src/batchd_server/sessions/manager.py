@@ -20,6 +20,7 @@ from batchd_server.limits import MAX_SLOT_BYTES
 from batchd_server.logs import session_log_id
 from batchd_server.metrics.admission import REFUSED, SESSIONS
 from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.service_settings import SessionSettings
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.ring import SessionRing
 from batchd_server.sessions.session import Session
@@ -76,24 +77,23 @@ class SessionManager:
         catalog: CatalogCache,
         pool: WorkerPool,
         registry: ShmRegistry,
-        lease_timeout_s: float,
-        max_sessions: int,
-        client_max_sessions: int | None = None,
+        limits: SessionSettings,
         client_shm_quota_bytes: int | None = None,
         record_errors: Callable[[list[tuple[int, str, str]]], object],
         doorbell: str = "",
-        data_roots: tuple[Path, ...] = (),
         read: ReadOptions | None = None,
     ) -> None:
+        """``limits``: the sessions' settings (``--max-sessions``, ``--client-max-sessions``,
+        ``--lease-timeout-s``, ``--data-root``); the server's whole configuration is one."""
         self._read = read or ReadOptions()
         """How workers read and decode samples; its decode cache goes to every session that
         does not opt out."""
         self._catalog = catalog
         self._pool = pool
         self._registry = registry
-        self.lease_timeout_s = lease_timeout_s
-        self._max_sessions = max_sessions
-        self._client_max_sessions = client_max_sessions or max_sessions
+        self.lease_timeout_s = limits.lease_timeout_s
+        self._max_sessions = limits.max_sessions
+        self._client_max_sessions = min(limits.client_max_sessions, limits.max_sessions)
         self._client_shm_quota = client_shm_quota_bytes or registry.budget_bytes
         self._usage: dict[str, _Usage] = {}
         """Per client: its sessions (open or opening) and their ring bytes."""
@@ -105,7 +105,7 @@ class SessionManager:
         """Opens past the max-sessions check and not yet in ``_sessions``."""
         self.doorbell = doorbell
         """The doorbell socket's name in the shm directory (``RingLayout.doorbell``)."""
-        self._data_roots = tuple(r.resolve() for r in data_roots)
+        self._data_roots = tuple(r.resolve() for r in limits.data_roots)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.shares = ShareGroups(pool)
