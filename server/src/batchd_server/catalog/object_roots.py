@@ -35,6 +35,7 @@ from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.options import DEFAULT_RETRY_S
 from batchd_server.storage.s3 import S3Fetcher, StoreUnreachable, join_url, list_objects, split_url
 from batchd_server.storage.schemes import is_local_root
+from batchd_server.storage.seekable import SeekableBytes
 
 __all__ = [
     "TAR_BLOCK_BYTES",
@@ -186,7 +187,7 @@ class _Open:
         return io.BufferedReader(RangeReader(self.fetcher, self.url, self.size), TAR_BLOCK_BYTES)
 
 
-class RangeReader(io.RawIOBase):
+class RangeReader(SeekableBytes):
     """A seekable read-only file over one object: each read is a byte-range GET.
 
     Wrap it in ``io.BufferedReader`` so that small reads (tar headers) share a request.
@@ -194,27 +195,9 @@ class RangeReader(io.RawIOBase):
     """
 
     def __init__(self, fetcher: S3Fetcher, url: str, size: int) -> None:
-        super().__init__()
+        super().__init__(url, size)
         self._fetcher = fetcher
         self.url = url
-        self._size = size
-        self._at = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._at
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise OSError(f"{self.url}: seek to a negative offset")
-        self._at = base + offset
-        return self._at
 
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
         count = min(len(buffer), max(self._size - self._at, 0))

@@ -22,7 +22,6 @@ object store see plain ranged reads:
 
 from __future__ import annotations
 
-import io
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Final
@@ -45,6 +44,7 @@ from batchd_server.pipelines.base import BadSample
 from batchd_server.pipelines.ranges import take_ranges
 from batchd_server.storage.ranges import Ranges
 from batchd_server.storage.reader import SampleReader
+from batchd_server.storage.seekable import SeekableBytes
 
 __all__ = ["ParquetRows"]
 
@@ -81,35 +81,20 @@ class _Group:
         return int(self.data.nbytes + self.starts.nbytes)
 
 
-class _Window(io.RawIOBase):
+class _Window(SeekableBytes):
     """A read-only file of ``size`` bytes whose bytes at ``start`` are ``data``; a read
     elsewhere goes through the sample reader."""
 
     def __init__(self, files: SampleReader, path: str, size: int) -> None:
-        super().__init__()
-        self._files, self._path, self._size = files, path, size
-        self._pos = 0
+        super().__init__(path, size)
+        self._files, self._path = files, path
         self.start = 0
         self.data: bytes | memoryview = b""
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
     def read(self, size: int = -1) -> bytes | memoryview:
-        start = self._pos
+        start = self._at
         end = self._size if size < 0 else min(self._size, start + size)
-        self._pos = max(start, end)
+        self._at = max(start, end)
         if end <= start:
             return b""
         first = start - self.start
