@@ -142,10 +142,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             f"{metafunc.definition.nodeid}: backend({backend!r}) is not one of {BACKENDS}"
         )
     if "catalog_url" not in metafunc.fixturenames:
-        raise pytest.UsageError(
-            f"{metafunc.definition.nodeid} is marked backend({backend!r}) but uses no "
-            "catalog (engine or catalog_url): drop the mark"
-        )
+        return  # a file's mark: this test of it has no catalog
     metafunc.definition.add_marker(pytest.mark.parametrize("catalog_url", [backend], indirect=True))
 
 

@@ -15,10 +15,10 @@ from batchd_server.pipelines import (
     ArrayPipeline,
     BadSample,
     ImagePipeline,
-    SampleFiles,
     TokensPipeline,
     build_pipeline,
 )
+from batchd_server.storage.files import SampleFiles
 
 from pipeline_reference import bad_kind, decode_row, info
 from serving import install_decoders
