@@ -11,15 +11,9 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
-import numpy as np
 import pytest
 
-from batchd._wire.ring import HEADER_BYTES
-from batchd_server.pipelines.base import FieldSpec
 from batchd_server.planning.sampling import SamplerOptions
 from batchd_server.sessions import (
     ReadyBatch,
@@ -28,11 +22,11 @@ from batchd_server.sessions import (
     SlotBook,
     SlotState,
     Stream,
-    slot_layout,
 )
 from batchd_server.sessions.dispatch import SoloDispatch
-from batchd_server.sessions.ring import SessionRing
 from batchd_server.workers.task import BatchResult, BatchTask
+
+from session_doubles import fake_ring, fake_source, result_of
 
 FREE, WORKING, DELIVERED, LEASED = (
     SlotState.FREE,
@@ -62,29 +56,11 @@ class FakePool:
         task, future = self.tasks[batch_index]
         if not future.running():
             self.start(batch_index)
-        future.set_result(
-            BatchResult(
-                batch_index,
-                task.slot,
-                BATCH_SIZE,
-                {"x": (BATCH_SIZE, 3), "sample_id": (BATCH_SIZE,), "label": (BATCH_SIZE,)},
-            )
-        )
+        future.set_result(result_of(task, BATCH_SIZE))
 
 
 def make_session(pool: FakePool, *, samples: int, slots: int) -> Session:
     """A session over ``samples`` rows whose ring has exactly ``slots`` slots."""
-    layout, slot_bytes = slot_layout([FieldSpec("x", np.dtype("<f4"), (3,))], BATCH_SIZE)
-    ring_bytes = HEADER_BYTES + slots * slot_bytes
-    ring: Any = SimpleNamespace(
-        name="batchd-test-ring",
-        nbytes=ring_bytes,
-        path=Path("/dev/shm/x"),
-        buf=bytearray(ring_bytes),
-    )
-    catalog: Any = SimpleNamespace(
-        arrays=_Rows(samples), segment=SimpleNamespace(name="batchd-test-catalog")
-    )
     options = SessionOptions(
         dataset="d",
         version=None,
@@ -96,23 +72,11 @@ def make_session(pool: FakePool, *, samples: int, slots: int) -> Session:
     return Session(
         session_id="s",
         options=options,
-        sources=(catalog,),
-        ring=SessionRing("s", ring, layout, slot_bytes, b"t" * 16),
+        sources=(fake_source(samples),),
+        ring=fake_ring("s", slots, BATCH_SIZE, "batchd-test-ring"),
         dispatch=SoloDispatch(pool),
         record_errors=lambda rows: None,
     )
-
-
-class _Rows:
-    """The catalog arrays as a session reads them: a length and the optional columns."""
-
-    def __init__(self, n: int) -> None:
-        self._n = n
-        self.dataset = SimpleNamespace(root="/data", parquet_payload=None)
-        self.weights = self.labels = self.lengths = None
-
-    def __len__(self) -> int:
-        return self._n
 
 
 def states(session: Session) -> Counter[SlotState]:

@@ -12,21 +12,17 @@ import inspect
 import threading
 from collections import Counter
 from concurrent.futures import Future
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 
-from batchd._wire.ring import HEADER_BYTES
-from batchd_server.pipelines.base import FieldSpec
 from batchd_server.planning.sampling import SamplerOptions
-from batchd_server.sessions import Session, SessionOptions, SlotState, slot_layout
+from batchd_server.sessions import Session, SessionOptions, SlotState
 from batchd_server.sessions.dispatch import Dispatch, SoloDispatch
-from batchd_server.sessions.ring import SessionRing
 from batchd_server.sessions.share_groups import GroupDispatch, ShareGroups
 from batchd_server.workers.task import BatchResult, BatchTask
+
+from session_doubles import fake_ring, fake_source, result_of
 
 BATCH_SIZE = 2
 SLOTS = 3
@@ -54,26 +50,7 @@ class FakePool:
     def finish(self, session_id: str, batch_index: int) -> None:
         task, future = self.tasks[(session_id, batch_index)]
         assert future.set_running_or_notify_cancel()
-        future.set_result(
-            BatchResult(
-                batch_index,
-                task.slot,
-                BATCH_SIZE,
-                {"x": (BATCH_SIZE, 3), "sample_id": (BATCH_SIZE,), "label": (BATCH_SIZE,)},
-            )
-        )
-
-
-class _Rows:
-    """The catalog arrays as a session reads them: a length and the optional columns."""
-
-    def __init__(self, n: int) -> None:
-        self._n = n
-        self.dataset = SimpleNamespace(root="/data", parquet_payload=None)
-        self.weights = self.labels = self.lengths = None
-
-    def __len__(self) -> int:
-        return self._n
+        future.set_result(result_of(task, BATCH_SIZE))
 
 
 def _options(*, share: str = "", world_size: int = 1) -> SessionOptions:
@@ -98,19 +75,8 @@ def _session(
 ) -> Session:
     """A session of ``batches`` batches over a ring of ``SLOTS`` slots; ``dispatch`` builds
     its dispatcher from its ring."""
-    layout, slot_bytes = slot_layout([FieldSpec("x", np.dtype("<f4"), (3,))], BATCH_SIZE)
-    ring_bytes = HEADER_BYTES + SLOTS * slot_bytes
-    segment: Any = SimpleNamespace(
-        name=f"batchd-test-ring-{session_id}",
-        nbytes=ring_bytes,
-        path=Path("/dev/shm/x"),
-        buf=bytearray(ring_bytes),
-    )
-    ring = SessionRing(session_id, segment, layout, slot_bytes, b"t" * 16)
-    catalog: Any = SimpleNamespace(
-        arrays=_Rows(batches * BATCH_SIZE * options.sampler.world_size),
-        segment=SimpleNamespace(name="batchd-test-catalog"),
-    )
+    ring = fake_ring(session_id, SLOTS, BATCH_SIZE, f"batchd-test-ring-{session_id}")
+    catalog = fake_source(batches * BATCH_SIZE * options.sampler.world_size)
     return Session(
         session_id=session_id,
         options=options,
