@@ -27,7 +27,12 @@ checkpoint when started again. Scenarios (``--only`` picks some), each ``--runs`
   connections, 16 ``Watch`` calls with 64 KiB service names, and every tenth round a
   reflection call; each call is held until the server ends it (or for 10 s), then cancelled.
   Its faults are the rounds; a line under the table counts the flood's calls by the code
-  they ended with (a Watch the server answered is a problem: none may be without the token).
+  they ended with (a Watch the server answered is a problem: none may be without the token);
+- ``bad-objects`` and ``hostile-parquet``: bad data (``bench/_chaos_data.py``): objects of no
+  size and of too many bytes in a real S3-compatible store, read through a node cache whose
+  files are damaged meanwhile; Parquet files with a hostile page header and a ZSTD bomb,
+  while decode workers are killed. Samples the server recorded bad are not lost; those that
+  must be bad and were not recorded are a problem of the run.
 
 At the end the clients finish their epoch and exit, the server gets SIGTERM, and the table
 says, per scenario: runs, faults injected, epochs completed, samples delivered in them,
@@ -37,7 +42,7 @@ of the run (servers, workers, clients) still alive, and the server's resident me
 once it is ready and once the faults end (of the run that grew most; not where the server
 was restarted), with the growth of its shared memory (the batches it wrote) apart.
 
-Run: ``python bench/chaos.py`` (6 scenarios x 60 s), ``--quick`` (15 s each).
+Run: ``python bench/chaos.py`` (8 scenarios x 60 s), ``--quick`` (15 s each).
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ from pathlib import Path
 
 import grpc
 import sqlalchemy as sa
+from _chaos_data import DATA_SCENARIOS, DATA_SETTINGS, BadData, data_store, prepare, recorded_bad
+from _chaos_data import INTERVALS_S as DATA_INTERVALS_S
+from _chaos_data import inject as inject_data
 from _common import closing_line, machine_busy_s, machine_lines, markdown_table, own_cpu_s
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -90,8 +98,10 @@ SCENARIOS = (
     "worker-kill",
     "worker-stop",
     "watch-flood",
+    *DATA_SCENARIOS,
 )
 INTERVALS_S = {
+    **DATA_INTERVALS_S,
     "client-kill": (1.0, 4.0),
     "server-kill": (8.0, 15.0),
     "postgres-restart": (8.0, 15.0),
@@ -141,6 +151,10 @@ class Row:
     """How the stops of ``worker-stop`` ended."""
     flood: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     """``watch-flood``'s calls by (kind, the code they ended with; "answered")."""
+    bad: collections.Counter[str] = field(default_factory=collections.Counter)
+    """The data scenarios' samples recorded bad, by kind."""
+    damage: collections.Counter[str] = field(default_factory=collections.Counter)
+    """The data scenarios' faults, by what they did."""
     memory: tuple[float, float, float] | None = None
     """The server's VmRSS at the start and at the end and its shared memory's growth (MiB),
     of the run that grew most."""
@@ -331,10 +345,12 @@ def run_once(
     workdir: Path,
     row: Row,
     stop_batch: int,
+    data: BadData | None = None,
 ) -> None:
-    """One run of ``scenario`` on a fresh server; adds what it saw to ``row``."""
+    """One run of ``scenario`` on a fresh server; adds what it saw to ``row``. A data
+    scenario's ``data`` says what its clients read (``bench/_chaos_data.py``)."""
     stopping, flooding = scenario == "worker-stop", scenario == "watch-flood"
-    extra_args: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = data.args(workdir) if data is not None else ()
     client_env: dict[str, str] = {}
     if stopping:
         extra_args = ("--task-timeout-s", f"{STOP_TASK_TIMEOUT_S:g}")
@@ -361,6 +377,8 @@ def run_once(
     )
     if stopping:  # tiny samples in the largest batches
         fleet.batch_size, fleet.floats, fleet.dataset = stop_batch, 1, LARGE
+    if data is not None:
+        fleet.dataset = data.dataset
     try:
         fleet.workdir.mkdir()
         fleet.start_all()
@@ -372,7 +390,10 @@ def run_once(
                 if fleet.failed():
                     row.problems += fleet.failed()
                     break
-                if flood is None:
+                if data is not None:
+                    row.damage[inject_data(rng, data, workdir, server.worker_pids())] += 1
+                    row.faults += 1
+                elif flood is None:
                     inject(scenario, rng, server, fleet, pg, instances, row)
                     row.faults += 1
         if flood is not None:
@@ -402,6 +423,18 @@ def run_once(
         wait_until(lambda: not alive(ours), "the run's processes to exit", 15)
     except TimeoutError:
         row.leaked_processes += len(alive(ours))
+    if data is not None:  # a bad sample recorded is not lost; one that must be bad is
+        engine = make_engine(url)
+        try:
+            bad = recorded_bad(engine, data.dataset)
+        finally:
+            engine.dispose()
+        row.bad.update(bad.values())
+        for sample, kind in sorted(data.must_be_bad.items()):
+            if sample not in bad or kind not in ("", bad[sample]):
+                got = bad.get(sample, "not recorded bad")
+                row.problems.append(f"sample {sample}: {got}, where it must be {kind or 'bad'}")
+        split = split - bad.keys()
     row.tally.add(tally([fleet.log(i) for i in range(len(TRANSPORTS))], split))
 
 
@@ -456,22 +489,31 @@ def main() -> None:
             f"names, a reflection call every {FLOOD_REFLECT_EVERY} rounds"
             if "watch-flood" in args.only
             else ""
-        ),
+        )
+        + "".join(f"; {s}: {DATA_SETTINGS[s]}" for s in args.only if s in DATA_SETTINGS),
         flush=True,
     )
     rng = random.Random(args.seed)
     rows = []
     pg = ThrowawayPostgres.start()
     root = Path(tempfile.mkdtemp(prefix="batchd-chaos-"))
+    stack = contextlib.ExitStack()
     try:
+        s3 = stack.enter_context(data_store(args.only))
         url = pg.url("postgres")
         engine = make_engine(url)
         migrate.upgrade(engine)
         record_dataset(engine, root / "records", n=args.records)
         if "worker-stop" in args.only:
             record_dataset(engine, root / "large", n=stop_records, name=LARGE, floats=1)
+        data = {
+            s: prepare(s, engine, root / s, args.records, s3)
+            for s in args.only
+            if s in DATA_SCENARIOS
+        }
         with engine.connect() as conn:
             splits = {name: split_ids(conn, name) for name in ("records", LARGE)}
+            splits.update({s: split_ids(conn, d.dataset) for s, d in data.items()})
         engine.dispose()
         for scenario in args.only:
             row = Row(scenario)
@@ -479,10 +521,15 @@ def main() -> None:
                 workdir = root / f"{scenario}-{run}"
                 workdir.mkdir()
                 print(f"  {scenario} run {run + 1}/{args.runs} ...", file=sys.stderr, flush=True)
-                split = splits[LARGE if scenario == "worker-stop" else "records"]
-                run_once(scenario, pg, url, split, rng, duration, workdir, row, args.stop_batch)
+                name = LARGE if scenario == "worker-stop" else "records"
+                split = splits[scenario if scenario in data else name]
+                run_once(
+                    scenario, pg, url, split, rng, duration, workdir, row, args.stop_batch,
+                    data.get(scenario),
+                )  # fmt: skip
             rows.append(row)
     finally:
+        stack.close()
         pg.stop()
         shutil.rmtree(root, ignore_errors=True)
     header = ["scenario", "runs", "faults", "epochs", "samples delivered", "lost"]
@@ -494,6 +541,12 @@ def main() -> None:
         if row.endings:
             endings = ", ".join(f"{how}: {n}" for how, n in sorted(row.endings.items()))
             print(f"\n{row.scenario}: stops ended by {endings}")
+        if row.bad or row.damage:
+            bad = ", ".join(f"{kind}: {n}" for kind, n in sorted(row.bad.items()))
+            damage = ", ".join(f"{how}: {n}" for how, n in sorted(row.damage.items()))
+            print(
+                f"\n{row.scenario}: samples recorded bad by kind: {bad or 'none'}; faults: {damage}"
+            )
         if row.flood:
             kinds = sorted({kind for kind, _ in row.flood})
             ends = "; ".join(
