@@ -27,11 +27,11 @@ from batchd._packing import Pack
 from batchd._pipelines import PipelineSpec, check_int
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
-from batchd._replicas import Replicas
+from batchd._replicas import open_replicas
+from batchd._server_wait import ServerWait
 from batchd._sources import Mix
 from batchd._state import Cursor, Position
 from batchd._stats import LoaderStats, LoopClock
-from batchd._targets import replicas_of
 from batchd._transport.stream import BatchStream
 from batchd._wire.lifetime import Closeable
 from batchd._wire.schedule import global_step
@@ -116,8 +116,9 @@ class Loader(Closeable):
         InvalidArgument: a bad argument, named with its valid range.
         NotFound: no such dataset, version or split.
         ResourceExhausted: the server's ``/dev/shm`` or shm budget cannot hold the session.
-        Unavailable: the server cannot be reached (while iterating: not within
-            ``reconnect_timeout_s``), or speaks TLS and ``tls_ca`` is not set.
+        Unavailable: the server cannot be reached (within ``wait_for_server_s``; while
+            iterating: within ``reconnect_timeout_s``), or speaks TLS and ``tls_ca`` is not
+            set.
         Unauthenticated: the server wants a token and ``auth_token`` is missing or wrong.
 
     Iterating yields one ``dict`` per batch, ``field name → tensor`` (NumPy arrays when torch
@@ -160,6 +161,7 @@ class Loader(Closeable):
         max_error_fraction: float = 0.01,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
+        wait_for_server_s: float | None = None,
         auth_token: str | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
         decode_cache: bool = True,
@@ -186,17 +188,20 @@ class Loader(Closeable):
             max_error_fraction=max_error_fraction,
             timeout_s=timeout_s,
             reconnect_timeout_s=reconnect_timeout_s,
+            wait_for_server_s=wait_for_server_s,
             sources=sources,
             decode_cache=decode_cache,
             pack=pack,
             share=share,
         )
         self._device = resolve_device(device)
-        self._replicas = Replicas(
-            replicas_of(target),
+        self._server_wait = ServerWait()
+        self._replicas = open_replicas(
+            target,
             ChannelSecurity.resolve(auth_token, tls_ca),
             self._options,
             {"device": self._device, "zero_copy": self._options.zero_copy, "h2d": self._h2d},
+            self._server_wait,
         )
         self._finalizer = weakref.finalize(self, self._replicas.close)
         self._closed = False
@@ -207,11 +212,6 @@ class Loader(Closeable):
         self.last_failed_sample_ids: tuple[int, ...] = ()
         """Sample ids of the latest batch that failed to decode: left out (``on_error="skip"``)
         or replaced (``"replace"``)."""
-        try:
-            self._replicas.open()
-        except BaseException:
-            self._finalizer()
-            raise
 
     def _session(self) -> SessionHandle:
         """The session that answers for the Loader (on a striped Loader, the primary's)."""
@@ -413,8 +413,9 @@ class Loader(Closeable):
         exports the same per-batch numbers as ``batchd_client_wait_seconds``,
         ``batchd_client_step_seconds`` and ``batchd_data_stall_ratio``. Over a mix,
         ``sources`` has each source's samples and tokens served against the samples its
-        weights (and schedule) expected."""
-        stats = self._clock.stats()
+        weights (and schedule) expected. ``server_wait_s`` is how long the Loader waited for
+        its server to answer at all (``wait_for_server_s``)."""
+        stats = replace(self._clock.stats(), server_wait_s=self._server_wait.waited_s)
         if self._account is None:
             return stats
         return replace(stats, sources=self._account.stats())

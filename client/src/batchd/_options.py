@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Final
 
@@ -18,16 +20,19 @@ from batchd._pipelines import (
 )
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
+from batchd._server_wait import WAIT_FOR_SERVER_ENV
 from batchd._sources import Mix
 from batchd._wire.share import share_key_problem
 from batchd._wire.specs import TRANSPORTS
 from batchd.errors import InvalidArgument
 
-__all__ = ["MAX_BATCH_SIZE", "MAX_PREFETCH", "LoaderOptions"]
+__all__ = ["MAX_BATCH_SIZE", "MAX_PREFETCH", "MAX_WAIT_S", "LoaderOptions"]
 
 MAX_BATCH_SIZE: Final = 65536
 MAX_PREFETCH: Final = 1 << 16
 """The client's bound; the server may allow fewer (and says so)."""
+MAX_WAIT_S: Final = 86400.0
+"""The longest ``reconnect_timeout_s`` and ``wait_for_server_s``: a day."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +68,8 @@ class LoaderOptions:
     max_error_fraction: float = 0.01
     timeout_s: float = DEFAULT_TIMEOUT_S
     reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
+    wait_for_server_s: float | None = None
+    """None: ``$BATCHD_WAIT_FOR_SERVER_S``, else 0 (resolved when built)."""
     sources: Mix | None = None
     decode_cache: bool = True
     pack: Pack | None = None
@@ -93,12 +100,13 @@ class LoaderOptions:
         if not self.timeout_s > 0:
             raise InvalidArgument(f"timeout_s={self.timeout_s} must be > 0 seconds")
         self._set("timeout_s", float(self.timeout_s))
-        if not 0 <= self.reconnect_timeout_s <= 86400:
+        if not 0 <= self.reconnect_timeout_s <= MAX_WAIT_S:
             raise InvalidArgument(
                 f"reconnect_timeout_s={self.reconnect_timeout_s} must be between 0 (never "
-                "reconnect) and 86400 seconds"
+                f"reconnect) and {MAX_WAIT_S:g} seconds"
             )
         self._set("reconnect_timeout_s", float(self.reconnect_timeout_s))
+        self._set("wait_for_server_s", _wait_for_server_s(self.wait_for_server_s))
         check_choice("transport", self.transport, TRANSPORTS)
         sampling_to_proto(self.sampling)
         on_error_to_proto(self.on_error)
@@ -196,3 +204,26 @@ class LoaderOptions:
     def pack_state(self) -> dict[str, object] | None:
         """What a saved state records of the packing (None without it)."""
         return None if self.pack is None else self.pack._state()
+
+
+def _wait_for_server_s(given: object) -> float:
+    """``wait_for_server_s`` as given, else ``$BATCHD_WAIT_FOR_SERVER_S``, else 0.
+
+    Raises:
+        InvalidArgument: not a number of seconds from 0 to a day (the message names where
+            the value came from).
+    """
+    source, value = "wait_for_server_s", given
+    seconds = float("nan")
+    if given is None:
+        source, value = f"${WAIT_FOR_SERVER_ENV}", os.environ.get(WAIT_FOR_SERVER_ENV, "0")
+        with contextlib.suppress(ValueError):
+            seconds = float(value)
+    elif isinstance(given, int | float) and not isinstance(given, bool):
+        seconds = float(given)
+    if not 0 <= seconds <= MAX_WAIT_S:
+        raise InvalidArgument(
+            f"{source}={value!r} must be a number of seconds between 0 (do not wait for the "
+            f"server: fail at once when it does not answer) and {MAX_WAIT_S:g}"
+        )
+    return seconds

@@ -42,8 +42,15 @@ from batchd._connection import Connection, SessionHandle
 from batchd._options import LoaderOptions
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import retry_until
+from batchd._server_wait import ServerWait, wait_for_server
 from batchd._state import Cursor
-from batchd._targets import ReplicaAddresses, Resolver, addresses_of
+from batchd._targets import (
+    ReplicaAddresses,
+    Resolver,
+    addresses_of,
+    replicas_of,
+    resolve_target,
+)
 from batchd._transport.stream import BatchStream
 from batchd.errors import (
     BatchdError,
@@ -53,7 +60,7 @@ from batchd.errors import (
     Unavailable,
 )
 
-__all__ = ["Replicas"]
+__all__ = ["Replicas", "open_replicas"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +76,44 @@ _RESOLVE_EVERY_S: Final = 30.0
 _MAX_RECOVERIES: Final = 3
 """A replica that takes a new session but fails its stream this often before the loop gets a
 batch is dropped (while other replicas are live)."""
+
+
+def open_replicas(
+    target: str | Sequence[str] | None,
+    security: ChannelSecurity,
+    options: LoaderOptions,
+    delivery_options: dict[str, Any],
+    record: ServerWait,
+) -> Replicas:
+    """A Loader's replicas on ``target``, each with a session (:meth:`Replicas.open`); while
+    no server answers, tried again for ``options.wait_for_server_s``, each try resolving the
+    target again on fresh channels (``batchd._server_wait``).
+
+    Raises:
+        Unavailable: no server answered within the wait.
+        BatchdError: a server refused the session.
+    """
+
+    def attempt(left_s: float) -> Replicas:
+        replicas = Replicas(replicas_of(target), security, options, delivery_options)
+        try:
+            replicas.open(timeout_s=min(left_s, options.timeout_s) or options.timeout_s)
+        except BaseException:
+            replicas.close()
+            raise
+        return replicas
+
+    assert options.wait_for_server_s is not None  # resolved in LoaderOptions
+    if target is None or isinstance(target, str):
+        shown = resolve_target(target)
+    else:
+        shown = ", ".join(map(str, target))
+    return wait_for_server(
+        attempt,
+        target=shown,
+        wait_s=options.wait_for_server_s,
+        record=record,
+    )
 
 
 @dataclass(eq=False)
@@ -141,8 +186,9 @@ class Replicas:
 
     # -- sessions ----------------------------------------------------------------------------
 
-    def open(self) -> None:
-        """A session on every replica that answers, all on the first one's snapshot.
+    def open(self, *, timeout_s: float | None = None) -> None:
+        """A session on every replica that answers, all on the first one's snapshot, each
+        OpenSession bounded by ``timeout_s`` (default: the options').
 
         Raises:
             Unavailable: no replica answered (on one server: its own error).
@@ -152,7 +198,7 @@ class Replicas:
         failures: list[tuple[_Replica, Unavailable]] = []
         for replica in self._replicas:
             try:
-                self._open_on(replica, timeout_s=self._options.timeout_s)
+                self._open_on(replica, timeout_s=timeout_s or self._options.timeout_s)
             except Unavailable as e:
                 self._dropped(replica)
                 failures.append((replica, e))

@@ -63,6 +63,9 @@ class LoaderStats:
     """``wait_s / (wait_s + step_s)``: near 0 the loader keeps up, near 1 the GPU starves."""
     time_to_first_batch_s: float | None
     """From the first ``iter()`` to the first batch in the loop's hands."""
+    server_wait_s: float = 0.0
+    """How long the Loader waited for its server to answer at all before its first session
+    (``wait_for_server_s``: a pool scaled to zero starting, a server still starting)."""
     sources: tuple[SourceStats, ...] = ()
     """A mix's sources: samples and tokens each served, against what its weights (and
     schedule) expect (``batchd._accounting``); ``()`` without a mix."""
