@@ -207,7 +207,8 @@ class LoaderOptions:
 
 
 def _wait_for_server_s(given: object) -> float:
-    """``wait_for_server_s`` as given, else ``$BATCHD_WAIT_FOR_SERVER_S``, else 0.
+    """``wait_for_server_s`` as given, else ``$BATCHD_WAIT_FOR_SERVER_S`` (set and not empty),
+    else 0.
 
     Raises:
         InvalidArgument: not a number of seconds from 0 to a day (the message names where
@@ -216,7 +217,7 @@ def _wait_for_server_s(given: object) -> float:
     source, value = "wait_for_server_s", given
     seconds = float("nan")
     if given is None:
-        source, value = f"${WAIT_FOR_SERVER_ENV}", os.environ.get(WAIT_FOR_SERVER_ENV, "0")
+        source, value = f"${WAIT_FOR_SERVER_ENV}", os.environ.get(WAIT_FOR_SERVER_ENV) or "0"
         with contextlib.suppress(ValueError):
             seconds = float(value)
     elif isinstance(given, int | float) and not isinstance(given, bool):
