@@ -242,7 +242,7 @@ class SessionManager:
         token = secrets.token_bytes(16)
         ring.buf[: len(token)] = token
         session_id = secrets.token_hex(16)
-        session_ring = SessionRing(session_id, ring, layout, slot_bytes, token)
+        session_ring = SessionRing(session_id, ring, layout, slot_bytes, token, client)
         dispatch = self.shares.dispatch(session_ring, options, snapshot_token(options, entries))
         try:
             session = Session(

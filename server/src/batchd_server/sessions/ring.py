@@ -60,13 +60,15 @@ class ShareMember(Protocol):
 @dataclass(frozen=True, eq=False)
 class SessionRing:
     """Session ``id``'s ring: ``segment`` cut into slots of ``slot_bytes`` after the header,
-    each laid out as ``layout``; ``token`` proves a client may map it."""
+    each laid out as ``layout``; ``token`` proves a client may map it; ``client``: who opened
+    the session (the identity its quotas count against)."""
 
     id: str
     segment: Segment
     layout: tuple[SlotField, ...]
     slot_bytes: int
     token: bytes
+    client: str = ""
 
     @functools.cached_property
     def slots(self) -> int:

@@ -145,6 +145,7 @@ class Session:
             ),
             shm_dir=str(ring.segment.path.parent),
             dataset=options.dataset,
+            client=ring.client,
             read=read or ReadOptions(),
             pack=options.pack,
         )
