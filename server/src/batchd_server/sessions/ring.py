@@ -48,6 +48,12 @@ class ShareMember(Protocol):
         ...
 
     @property
+    def client(self) -> str:
+        """Who opened the member's session: a closed member's ring that its loans keep is
+        charged to the clients that borrow it."""
+        ...
+
+    @property
     def ring_ref(self) -> RingRef:
         """The member's ring, as a client maps it."""
         ...

@@ -398,6 +398,8 @@ class Session:
                 while True:
                     if stream.closed or self.closed or not client_active():
                         return
+                    if (revoked := self.dispatch.revoked()) is not None:
+                        raise revoked
                     self._fill(stream)
                     if k in stream.working:
                         break
@@ -412,6 +414,8 @@ class Session:
                     # one back as its loop moves on (release() wakes this).
                     if stream.closed or self.closed or not client_active():
                         return
+                    if (revoked := self.dispatch.revoked()) is not None:
+                        raise revoked
                     self._cond.wait(_POLL_S)
                 if stream.closed:
                     return
