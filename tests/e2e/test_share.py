@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import batchd
-from batchd import errors
+from batchd import _device, errors
 from batchd_server import metrics
 from batchd_server.api import RunningServer
 
@@ -116,9 +117,9 @@ def test_two_members_get_the_same_epoch_once_each_decoded_once(
     assert len(server.sessions.shares) == 0, "a group with no members is gone"
 
 
-def _segment(tensor: torch.Tensor) -> str:
-    """The file the memory of ``tensor`` is mapped from ("" when it is no file's)."""
-    address = tensor.data_ptr()
+def _segment(array: torch.Tensor | np.ndarray) -> str:
+    """The file the memory of ``array`` is mapped from ("" when it is no file's)."""
+    address = array.data_ptr() if isinstance(array, torch.Tensor) else array.ctypes.data
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
         low, high = (int(x, 16) for x in fields[0].split("-"))
@@ -127,14 +128,23 @@ def _segment(tensor: torch.Tensor) -> str:
     raise AssertionError(f"address {address:#x} is in no mapping of this process")
 
 
-def test_shm_members_read_one_slot_not_copies(server: RunningServer) -> None:
+@pytest.fixture
+def numpy_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's loops get NumPy arrays, as without torch installed: a batch read in
+    another member's ring is then a read-only view of it (with torch, a copy: a tensor
+    cannot be read-only)."""
+    monkeypatch.setattr(_device, "torch_or_none", lambda: None)
+
+
+def test_shm_members_read_one_slot_not_copies(server: RunningServer, numpy_loop: None) -> None:
     """Over shm, the member that did not decode a batch reads it in the slot the other's
-    worker wrote: both members' tensors of each step are views of one segment, and the
-    server copies nothing."""
+    worker wrote: both members' arrays of each step are views of one segment (the other
+    member's read-only), and the server copies nothing."""
     counts = server.sessions.shares.counts
     read, copied = counts.read, counts.copied
     segments: set[str] = set()
     with _member(server) as one, _member(server) as two:
+        rings = {_ring(one), _ring(two)}
         for step, (a, b) in enumerate(zip(one, two, strict=True)):
             where = _segment(a["array"])
             assert where.startswith("/dev/shm/batchd-"), "the batch is a view of a ring"
@@ -144,17 +154,33 @@ def test_shm_members_read_one_slot_not_copies(server: RunningServer) -> None:
                 counts.copied - copied,
                 counts.decoded,
             )
-            assert torch.equal(a["array"], b["array"]) and torch.equal(
-                a["sample_id"], b["sample_id"]
-            )
+            mine = {_ring(one): a, _ring(two): b}
+            for x in (a, b):  # a batch read in the other member's ring cannot be written
+                assert x["array"].flags.writeable == (mine.get(where) is x)
+            assert np.array_equal(a["array"], b["array"])
+            assert np.array_equal(a["sample_id"], b["sample_id"])
             segments.add(where)
-        rings = {_ring(one), _ring(two)}
     assert counts.copied == copied, "a member's batch was copied, not read where it was"
     assert counts.read - read >= 45, f"{counts.read - read} of 51 batches read in another ring"
     # Which member's worker decodes a batch is the scheduler's choice (on 2 busy cores one
     # stream can stay ahead all epoch), so the test asks only that each batch lies in a
     # member's own ring.
     assert segments <= rings, f"batches read in {segments - rings}, no member's ring"
+
+
+def test_a_torch_loop_gets_a_borrowed_batch_as_a_copy(server: RunningServer) -> None:
+    """With torch, a batch read in another member's ring reaches the loop as a copy (a tensor
+    cannot be read-only), equal to the owner's; the server still reads it there (a loan, no
+    server copy)."""
+    counts = server.sessions.shares.counts
+    read, copied = counts.read, counts.copied
+    with _member(server) as one, _member(server) as two:
+        rings = {_ring(one), _ring(two)}
+        for a, b in zip(one, two, strict=True):
+            where = {_segment(a["array"]), _segment(b["array"])}
+            assert len(where & rings) == 1, "one member's batch is a view of its own ring"
+            assert torch.equal(a["array"], b["array"])
+    assert counts.copied == copied and counts.read - read >= 45
 
 
 def _ring(loader: batchd.Loader) -> str:
@@ -164,7 +190,9 @@ def _ring(loader: batchd.Loader) -> str:
     return f"/dev/shm/{session.reply.ring.shm_name}"
 
 
-def test_a_member_that_closes_keeps_the_slots_another_reads(server: RunningServer) -> None:
+def test_a_member_that_closes_keeps_the_slots_another_reads(
+    server: RunningServer, numpy_loop: None
+) -> None:
     """Member one closes while member two's loop holds a batch in one's ring: one's ring
     stays (the batch intact) until no member reads it any more, and two's epoch goes on,
     decoded for itself from then on; once two closes, one's ring is gone."""
@@ -177,15 +205,15 @@ def test_a_member_that_closes_keeps_the_slots_another_reads(server: RunningServe
         held = next(b_iter)
         got.append(held["sample_id"].tolist())
         assert _segment(held["array"]) == ring, "two's batch is not read in one's ring"
-        expected = held["array"].clone()
+        expected = held["array"].copy()
         one.close()
         assert Path(ring).exists(), "one's ring went while two's loop held a batch in it"
         got += _ids(b_iter)
-        assert torch.equal(held["array"], expected), "one's slot was reused under two's batch"
+        assert np.array_equal(held["array"], expected), "one's slot was reused under two's batch"
         assert got == whole
         assert Path(ring).exists(), "two's loop still holds the batch"
     assert not Path(ring).exists(), "one's ring outlived the last member reading it"
-    assert torch.equal(held["array"], expected), "the client's view outlives the segment's name"
+    assert np.array_equal(held["array"], expected), "the client's view outlives the segment's name"
 
 
 def test_without_share_each_loader_decodes_its_own(server: RunningServer) -> None:

@@ -249,6 +249,15 @@ class SessionSettings:
         "ring freed",
     )
 
+    share_loan_timeout_s: float = seconds(
+        flag="--share-loan-timeout-s",
+        default=300.0,
+        check=within(0, 86400, low_open=True),
+        help="seconds a share group's member may keep reading a batch in another member's "
+        "ring once that member is done with it (or closed); then the loan is reclaimed and "
+        "the reader's stream ends with an error",
+    )
+
     data_roots: tuple[Path, ...] = path(
         flag="--data-root",
         env="BATCHD_DATA_ROOTS",

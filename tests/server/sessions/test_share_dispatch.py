@@ -97,7 +97,7 @@ def test_the_solo_and_group_dispatchers_honour_one_interface() -> None:
     ).dispatch
     assert isinstance(solo, SoloDispatch) and isinstance(member, GroupDispatch)
     methods = [n for n, f in vars(Dispatch).items() if inspect.isfunction(f) and n[0] != "_"]
-    assert sorted(methods) == ["forget", "keep", "leave", "lend", "position", "submit"]
+    assert sorted(methods) == ["forget", "keep", "leave", "lend", "position", "revoked", "submit"]
     for dispatch in (solo, member):
         assert isinstance(dispatch, Dispatch)
         for name in methods:

@@ -9,6 +9,7 @@ waits for it, a waiter whose stream ended first) are reached on purpose.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from batchd._wire.share import LOANS_OUT
-from batchd_server.errors import DataLoss
+from batchd_server.errors import DataLoss, ResourceExhausted
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.dispatch import WAIT
 from batchd_server.sessions.ring import RingRef
@@ -345,3 +346,65 @@ def test_a_borrower_that_leaves_repays_its_loans(parts: Any) -> None:
     assert group.keep(a, 1, free)
     group.leave(b)
     assert freed.wait(5) and group.loans() == 0
+
+
+class Client(Member):
+    """A member whose session ``client`` opened."""
+
+    def __init__(self, member_id: str, client: str) -> None:
+        super().__init__(member_id)
+        self.client = client
+
+
+def test_a_left_members_kept_ring_is_charged_to_the_clients_reading_it() -> None:
+    """a (client A) leaves while b (client B) reads a slot of it: a's ring counts against B
+    (not A, nor C, whose member c reads nothing of it) until b repays the loan."""
+    pool = FakePool()
+    group = ShareGroup("key", "sweep", "records", LAYOUT, pool, ShareCounts())
+    a, b, c = Client("a", "A"), Client("b", "B"), Client("c", "C")
+    group.claim(a, _task(5, slot=1))
+    pool.finish(0, a)
+    group.claim(b, _task(5, slot=3), borrow=True)
+    assert group.lend_out(b, 3) == (a, 1)
+    group.claim(c, _task(6, slot=0), borrow=True)  # c decodes its own batch
+    assert group.kept_bytes("B") == 0, "a is open: its ring is a's client's"
+    group.leave(a, lambda: None)
+    assert group.kept_bytes("B") == len(a.ring) == 4 * SLOT_BYTES
+    assert group.kept_bytes("A") == group.kept_bytes("C") == 0
+    group.forget(b, 3)
+    assert group.kept_bytes("B") == 0
+
+
+def test_a_loan_kept_past_the_timeout_is_reclaimed_and_its_reader_told(parts: Any) -> None:
+    """b reads a's slot 1; a's own loop is done with it (LENT) at t: at t + timeout the loan
+    is reclaimed, the slot freed, and b's stream is told why, once."""
+    pool, _, a, b = parts
+    group = ShareGroup("key", "sweep", "records", LAYOUT, pool, ShareCounts(), loan_timeout_s=60)
+    group.claim(a, _task(5, slot=1))
+    pool.finish(0, a)
+    group.claim(b, _task(5, slot=3), borrow=True)
+    assert group.lend_out(b, 3) == (a, 1)
+    assert group.reclaim(now=10**9) == 0, "a's own loop still holds the slot: nothing pinned"
+    freed, free = _freed()
+    assert group.keep(a, 1, free)
+    pinned = time.monotonic()
+    assert group.reclaim(now=pinned + 59) == 0 and group.revoked(b) is None
+    assert group.reclaim(now=pinned + 61) == 1
+    assert freed.is_set() and group.loans() == 0
+    error = group.revoked(b)
+    assert isinstance(error, ResourceExhausted) and "--share-loan-timeout-s" in str(error)
+    assert group.revoked(b) is None, "told once: its next stream runs"
+    group.forget(b, 3)  # its client gives the lease back later: harmless
+
+
+def test_a_reclaimed_loan_releases_a_left_members_ring(parts: Any) -> None:
+    pool, _, a, b = parts
+    group = ShareGroup("key", "sweep", "records", LAYOUT, pool, ShareCounts(), loan_timeout_s=5)
+    group.claim(a, _task(5, slot=1))
+    pool.finish(0, a)
+    group.claim(b, _task(5, slot=3), borrow=True)
+    assert group.lend_out(b, 3) == (a, 1)
+    released: list[str] = []
+    group.leave(a, lambda: released.append("a"))
+    assert released == [] and group.reclaim(now=time.monotonic() + 6) == 1
+    assert released == ["a"] and isinstance(group.revoked(b), ResourceExhausted)

@@ -67,18 +67,23 @@ class ShmRing:
         """Other sessions' rings this session's share group lent slots of, by name."""
 
     @classmethod
-    def open(cls, layout: loader_pb2.RingLayout, shm_dir: Path = SHM_DIR) -> ShmRing:
-        """Map the segment ``layout`` names and check its token."""
+    def open(
+        cls, layout: loader_pb2.RingLayout, shm_dir: Path = SHM_DIR, *, read_only: bool = False
+    ) -> ShmRing:
+        """Map the segment ``layout`` names and check its token; ``read_only``: map it so,
+        whatever the file allows (another session's ring, whose batches others read too)."""
         name = layout.shm_name
         if not name or "/" in name or name in (".", ".."):
             raise ShmUnusable(f"the server named no usable segment ({name!r})")
         if not layout.token:
             raise ShmUnusable("the server sent no token to check the segment against")
         path = shm_dir / name
-        writable = True
+        writable = not read_only
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         except PermissionError:
+            if not writable:
+                raise ShmUnusable(f"cannot open {path}: permission denied") from None
             # A segment shared through a group may be readable only; fine for CPU delivery.
             writable = False
             try:
@@ -126,7 +131,9 @@ class ShmRing:
             ring = None
         if ring is None:
             try:
-                ring = ShmRing.open(layout, self._dir)
+                # Read-only: the owner's client and every other reader read the same bytes,
+                # so no client may write them (a write raises, as on any read-only array).
+                ring = ShmRing.open(layout, self._dir, read_only=True)
             except ShmUnusable as e:
                 raise disagreement(
                     f"the server lent a slot of another session's ring, which this client "

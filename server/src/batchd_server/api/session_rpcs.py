@@ -273,6 +273,8 @@ def _read_acks(
                 request.ack.batch_wait_s,
                 request.ack.batch_step_s,
                 now=time.monotonic(),
+                client=session.client,
+                allowance=session.timings,
             )
     except grpc.RpcError:  # the call ended (cancelled, client gone): nothing to read any more
         pass

@@ -425,6 +425,8 @@ class DoorbellServer:
                         ack.batch_wait_s,
                         ack.batch_step_s,
                         now=time.monotonic(),
+                        client=session.client,
+                        allowance=session.timings,
                     )
                 elif kind == START:
                     bell.start(parse(pb.StreamStart, payload))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Final, Protocol, runtime_checkable
 
+from batchd_server.errors import BatchdError
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.ready import SubmitsTasks
 from batchd_server.sessions.ring import ShareMember
@@ -75,6 +76,12 @@ class Dispatch(Protocol):
         client reads a slot of it any more."""
         ...
 
+    def revoked(self) -> BatchdError | None:
+        """Why the session's stream must end now: a batch its client read in another
+        session's slot was kept too long, and that loan was reclaimed (once; None: run on).
+        Asked while the stream waits, so cheap."""
+        ...
+
 
 class SoloDispatch:
     """A lone session's dispatcher: the pool decodes every batch into the session's own
@@ -100,3 +107,6 @@ class SoloDispatch:
 
     def leave(self, release: Callable[[], object]) -> None:
         release()
+
+    def revoked(self) -> BatchdError | None:
+        return None

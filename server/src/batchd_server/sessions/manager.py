@@ -108,7 +108,7 @@ class SessionManager:
         self._data_roots = tuple(r.resolve() for r in limits.data_roots)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.shares = ShareGroups(pool)
+        self.shares = ShareGroups(pool, limits.share_loan_timeout_s)
         """The share groups of sessions opened with ``share=`` (``sessions/share.py``); it
         builds every session's dispatcher."""
         self._reaper = threading.Thread(target=self._reap, name="batchd-lease", daemon=True)
@@ -172,15 +172,17 @@ class SessionManager:
                 f"{self._client_max_sessions}); close loaders this process no longer uses, "
                 "or raise the limit"
             )
-        if usage.ring_bytes + ring_bytes > self._client_shm_quota:
+        # A closed share-group member's ring that this client's loans keep is the client's.
+        kept = self.shares.kept_bytes(client)
+        if usage.ring_bytes + kept + ring_bytes > self._client_shm_quota:
             REFUSED.labels("client_shm_quota").inc()
-            raise ResourceExhausted(self._over_quota(client, usage, ring_bytes))
+            raise ResourceExhausted(self._over_quota(client, usage, ring_bytes, kept))
 
-    def _over_quota(self, client: str, usage: _Usage, ring_bytes: int) -> str:
+    def _over_quota(self, client: str, usage: _Usage, ring_bytes: int, kept: int = 0) -> str:
         """Why ``client``'s next ring of ``ring_bytes`` is refused: the shm filesystem when it
         could not hold the client's rings whatever the quota (raising the quota is then no
         help), else the quota."""
-        held = usage.ring_bytes + ring_bytes
+        held = usage.ring_bytes + kept + ring_bytes
         space = self._registry.space()
         room = usable_bytes(space.size_bytes)
         if held > room and self._registry.budget_bytes >= room:
@@ -198,7 +200,14 @@ class SessionManager:
             )
         return (
             f"client {client!r} holds {format_bytes(usage.ring_bytes)} of rings in "
-            f"{usage.sessions} sessions and this one needs {format_bytes(ring_bytes)} "
+            f"{usage.sessions} sessions"
+            + (
+                f" and {format_bytes(kept)} of closed share-group members' rings that its "
+                "loaders still read"
+                if kept
+                else ""
+            )
+            + f" and this one needs {format_bytes(ring_bytes)} "
             f"more, over its quota of {format_bytes(self._client_shm_quota)} "
             "(--client-shm-quota, BATCHD_CLIENT_SHM_QUOTA; default half of --shm-budget, at "
             "most what the shm directory holds); close loaders this process no longer uses, "
@@ -242,7 +251,7 @@ class SessionManager:
         token = secrets.token_bytes(16)
         ring.buf[: len(token)] = token
         session_id = secrets.token_hex(16)
-        session_ring = SessionRing(session_id, ring, layout, slot_bytes, token)
+        session_ring = SessionRing(session_id, ring, layout, slot_bytes, token, client)
         dispatch = self.shares.dispatch(session_ring, options, snapshot_token(options, entries))
         try:
             session = Session(
@@ -408,6 +417,7 @@ class SessionManager:
         interval = min(1.0, self.lease_timeout_s / 4)
         while not self._stop.wait(interval):
             self.reap()
+            self.shares.reclaim()
 
     def reap(self) -> int:
         """Close every session that went ``lease_timeout_s`` without a stream; how many.

@@ -48,6 +48,12 @@ class ShareMember(Protocol):
         ...
 
     @property
+    def client(self) -> str:
+        """Who opened the member's session: a closed member's ring that its loans keep is
+        charged to the clients that borrow it."""
+        ...
+
+    @property
     def ring_ref(self) -> RingRef:
         """The member's ring, as a client maps it."""
         ...
@@ -60,13 +66,15 @@ class ShareMember(Protocol):
 @dataclass(frozen=True, eq=False)
 class SessionRing:
     """Session ``id``'s ring: ``segment`` cut into slots of ``slot_bytes`` after the header,
-    each laid out as ``layout``; ``token`` proves a client may map it."""
+    each laid out as ``layout``; ``token`` proves a client may map it; ``client``: who opened
+    the session (the identity its quotas count against)."""
 
     id: str
     segment: Segment
     layout: tuple[SlotField, ...]
     slot_bytes: int
     token: bytes
+    client: str = ""
 
     @functools.cached_property
     def slots(self) -> int:

@@ -26,6 +26,7 @@ from batchd_server.catalog_cache import CatalogEntry
 from batchd_server.errors import DataLoss, InvalidArgument, NotFound
 from batchd_server.logs import session_log_id
 from batchd_server.metrics import admission, delivery
+from batchd_server.metrics.stall import TimingAllowance
 from batchd_server.planning.mixing import source_starts
 from batchd_server.planning.packing import packed_mixing
 from batchd_server.planning.sampling import EpochPlan
@@ -108,6 +109,10 @@ class Session:
         self.ring_ref = ring.ring_ref
         """The ring as a client maps it: its own (OpenSession) or another member's (a loan)."""
         self.dispatch = dispatch
+        self.client = ring.client
+        """Who opened the session (the identity its quotas count against)."""
+        self.timings = TimingAllowance()
+        """The batch timings its client may still report: one per batch delivered."""
         self._errors = ErrorBudget(
             session_id=session_id,
             dataset=options.dataset,
@@ -145,6 +150,7 @@ class Session:
             ),
             shm_dir=str(ring.segment.path.parent),
             dataset=options.dataset,
+            client=ring.client,
             read=read or ReadOptions(),
             pack=options.pack,
         )
@@ -392,6 +398,8 @@ class Session:
                 while True:
                     if stream.closed or self.closed or not client_active():
                         return
+                    if (revoked := self.dispatch.revoked()) is not None:
+                        raise revoked
                     self._fill(stream)
                     if k in stream.working:
                         break
@@ -406,6 +414,8 @@ class Session:
                     # one back as its loop moves on (release() wakes this).
                     if stream.closed or self.closed or not client_active():
                         return
+                    if (revoked := self.dispatch.revoked()) is not None:
+                        raise revoked
                     self._cond.wait(_POLL_S)
                 if stream.closed:
                     return
@@ -417,6 +427,7 @@ class Session:
                     self._leases[lease] = slot
                 else:
                     stream.delivered[k] = slot
+            self.timings.delivered()
             yield self._ready(stream, result, lease, loan)
 
     def _fill(self, stream: Stream) -> None:

@@ -55,7 +55,11 @@ this (``share_groups.lent_slots``), so a stalled reader pins none of the owner's
 (2) other members' clients hold at most half a member's slots (:func:`lend_limit`); past
 that a reader gets a copy; (3) a loan whose notice has not gone out when the owner's client
 gives the slot back becomes a copy then (:meth:`ShareGroup.keep`), so a LENT slot waits only
-for clients that have it.
+for clients that have it; (4) once its own session is done with a slot (LENT, or its member
+left), a loan keeps it for at most ``--share-loan-timeout-s``: then :meth:`ShareGroup.reclaim`
+ends it, and the borrower's stream ends with an error saying why (``Dispatch.revoked``); (5)
+a ring a left member's loans keep counts against the quota of each client still reading it
+(:meth:`ShareGroup.kept_bytes`), and its clients map other members' rings read-only.
 
 Every member gets every batch of its epoch exactly once, in its own plan's order (rotated,
 for one that joined late): the group only decides who decodes, and where a batch is read.
@@ -97,14 +101,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
 
 from batchd._wire.share import LOANS_OUT
+from batchd_server.errors import BatchdError, ResourceExhausted
+from batchd_server.logs import session_log_id
 from batchd_server.metrics.delivery import record_shared_batch
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.dispatch import WAIT, Loaned, Wait
@@ -114,7 +122,12 @@ from batchd_server.sessions.share_futures import chain, later, when_done
 from batchd_server.sessions.share_records import BatchKey, Loan, ShareCounts, Source, Waiter
 from batchd_server.workers.task import BatchResult, BatchTask, SlotField
 
-__all__ = ["ShareGroup", "lend_limit"]
+__all__ = ["DEFAULT_LOAN_TIMEOUT_S", "ShareGroup", "lend_limit"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOAN_TIMEOUT_S = 300.0
+"""``--share-loan-timeout-s``'s default (``service_settings.SessionSettings``)."""
 
 
 def lend_limit(slots: int) -> int:
@@ -134,6 +147,7 @@ class ShareGroup:
         layout: tuple[SlotField, ...],
         pool: SubmitsTasks,
         totals: ShareCounts,
+        loan_timeout_s: float = DEFAULT_LOAN_TIMEOUT_S,
     ) -> None:
         self.key = key
         self.layout = layout
@@ -170,6 +184,11 @@ class ShareGroup:
         """Ring releases due, run by whoever repaid the last loan once it lets go of the
         lock (on its own thread: a release takes no session's lock)."""
         self._totals = totals
+        self.loan_timeout_s = loan_timeout_s
+        """How long a loan may keep a slot (or a ring) that its own session is done with."""
+        self._revoked: dict[str, BatchdError] = {}
+        """Borrowers whose loans were reclaimed (:meth:`reclaim`), by member id: the error
+        their stream ends with (:meth:`revoked`)."""
 
     def position(self, epoch: int, plan: EpochPlan) -> int:
         """Where a member that starts ``epoch`` afresh (its whole ``plan``) would join the
@@ -341,7 +360,16 @@ class ShareGroup:
             if at not in self._lent:
                 return False
             self._kept[at] = free
+            self._pin(at)
             return True
+
+    def _pin(self, at: tuple[str, int]) -> None:
+        """The loans of slot ``at`` alone keep it from now on (caller holds the lock)."""
+        now = time.monotonic()
+        for borrower in self._lent.get(at, ()):
+            loan = self._loans[borrower]
+            if loan.pinned_at is None:
+                loan.pinned_at = now
 
     def _copy(self, source: Source, member: ShareMember, slot: int) -> BatchResult:
         """Copy the batch of ``source`` (done) into ``member``'s ``slot`` (caller holds the
@@ -472,6 +500,9 @@ class ShareGroup:
                 settle += self._repay(self._loans.pop(at))
             for at in [k for k in self._kept if k[0] == member.id]:
                 del self._kept[at]  # its ring is released as a whole
+            for at in [k for k in self._lent if k[0] == member.id]:
+                self._pin(at)  # its loans alone keep its ring now, charged to their clients
+            self._revoked.pop(member.id, None)
             if release is not None:
                 if any(m == member.id for m, _ in self._lent):
                     self._closing[member.id] = release
@@ -491,3 +522,64 @@ class ShareGroup:
         """Loans not repaid yet."""
         with self._lock:
             return len(self._loans)
+
+    def kept_bytes(self, client: str) -> int:
+        """The bytes of the rings of members that closed and that only loans to ``client``'s
+        sessions keep (with others'): each such ring counts whole against ``client``'s
+        quota, since any one borrower keeps all of it."""
+        with self._lock:
+            rings = {
+                loan.source.member.id: loan.source.member.ring_ref.segment_bytes
+                for loan in self._loans.values()
+                if loan.member.client == client and loan.source.member.id in self._closing
+            }
+        return sum(rings.values())
+
+    def reclaim(self, now: float | None = None) -> int:
+        """End every loan that kept a slot (or a closed member's ring) its session was done
+        with for ``loan_timeout_s`` or more (``now``: ``time.monotonic()``'s clock): the
+        slot is freed, the ring released once no loan keeps it, and the borrower's stream
+        ends with an error saying why (:meth:`revoked`). How many loans it ended."""
+        now = time.monotonic() if now is None else now
+        settle: list[Callable[[], object]] = []
+        with self._lock:
+            expired = [
+                (at, loan)
+                for at, loan in self._loans.items()
+                if loan.pinned_at is not None and now - loan.pinned_at >= self.loan_timeout_s
+            ]
+            for at, loan in expired:
+                del self._loans[at]
+                settle += self._repay(loan)
+                self._revoked[loan.member.id] = ResourceExhausted(
+                    f"this loader kept a batch it read in another share-group member's ring "
+                    f"for {self.loan_timeout_s:g} s after that member was done with it "
+                    "(--share-loan-timeout-s, BATCHD_SHARE_LOAN_TIMEOUT_S); the loan was "
+                    "reclaimed and the batch's memory may be reused: do not keep batches "
+                    "across steps (copy what you keep), or raise the timeout; then start the "
+                    "epoch again from the loader's state"
+                )
+            settle += self._released
+            self._released = []
+        for action in settle:
+            action()
+        for _, loan in expired:
+            logger.warning(
+                "share group %r of %s: session %s kept a batch in session %s's slot %d for "
+                "%g s after it was done with it; the loan is reclaimed and its stream ends",
+                self.share,
+                self.dataset,
+                session_log_id(loan.member.id),
+                session_log_id(loan.source.member.id),
+                loan.source.slot,
+                self.loan_timeout_s,
+            )
+        return len(expired)
+
+    def revoked(self, member: ShareMember) -> BatchdError | None:
+        """Why ``member``'s stream must end now: a loan of its was reclaimed (once: a
+        stream started afterwards runs)."""
+        if not self._revoked:  # the common case, on the stream's path: no lock
+            return None
+        with self._lock:
+            return self._revoked.pop(member.id, None)

@@ -14,13 +14,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from batchd._wire.share import LOANS_OUT
+from batchd_server.errors import BatchdError
 from batchd_server.logs import session_log_id
 from batchd_server.planning.sampling import EpochPlan
 from batchd_server.sessions.dispatch import Dispatch, Loaned, SoloDispatch, Wait
 from batchd_server.sessions.options import SessionOptions
 from batchd_server.sessions.ready import SubmitsTasks
 from batchd_server.sessions.ring import ShareMember
-from batchd_server.sessions.share import ShareGroup
+from batchd_server.sessions.share import DEFAULT_LOAN_TIMEOUT_S, ShareGroup
 from batchd_server.sessions.share_records import ShareCounts
 from batchd_server.workers.task import BatchResult, BatchTask
 
@@ -48,8 +49,11 @@ def lent_slots(options: SessionOptions) -> int:
 class ShareGroups:
     """The server's share groups, by :func:`group_key`; a group lives while it has members."""
 
-    def __init__(self, pool: SubmitsTasks) -> None:
+    def __init__(self, pool: SubmitsTasks, loan_timeout_s: float = DEFAULT_LOAN_TIMEOUT_S) -> None:
         self._pool = pool
+        self.loan_timeout_s = loan_timeout_s
+        """``--share-loan-timeout-s``: how long a loan may keep a slot its session is done
+        with (:meth:`ShareGroup.reclaim`)."""
         self._lock = threading.Lock()
         self._groups: dict[str, ShareGroup] = {}
         self.counts = ShareCounts()
@@ -68,7 +72,13 @@ class ShareGroups:
             group = self._groups.get(key)
             if group is None:
                 group = ShareGroup(
-                    key, options.share, options.dataset, member.layout, self._pool, self.counts
+                    key,
+                    options.share,
+                    options.dataset,
+                    member.layout,
+                    self._pool,
+                    self.counts,
+                    self.loan_timeout_s,
                 )
                 self._groups[key] = group
             group.members.add(member.id)
@@ -94,6 +104,19 @@ class ShareGroups:
     def __len__(self) -> int:
         with self._lock:
             return len(self._groups)
+
+    def kept_bytes(self, client: str) -> int:
+        """Bytes of closed members' rings that loans to ``client``'s sessions keep: charged
+        to ``client``'s shm quota (:meth:`ShareGroup.kept_bytes`)."""
+        with self._lock:
+            groups = list(self._groups.values())
+        return sum(group.kept_bytes(client) for group in groups)
+
+    def reclaim(self, now: float | None = None) -> int:
+        """End the loans held past the loan timeout in every group; how many."""
+        with self._lock:
+            groups = list(self._groups.values())
+        return sum(group.reclaim(now) for group in groups)
 
 
 class GroupDispatch:
@@ -122,3 +145,6 @@ class GroupDispatch:
 
     def leave(self, release: Callable[[], object]) -> None:
         self._groups.leave(self._member, self._group, release)
+
+    def revoked(self) -> BatchdError | None:
+        return self._group.revoked(self._member)

@@ -61,6 +61,10 @@ class Loan:
     """The borrower's own slot: its client's credit, given back with the lease."""
     sent: bool = False
     """Its notice went out: the client may be reading the source's slot."""
+    pinned_at: float | None = None
+    """When the source's session was done with the slot (or closed) while this loan was out:
+    from then on the loan alone keeps the slot (or the ring), for at most the loan timeout
+    (``ShareGroup.reclaim``). None: not yet."""
 
 
 @dataclass(eq=False)

@@ -138,9 +138,11 @@ class WorkerPool(Resizable):
         self._workers: list[Worker] = []
         self._retired: list[Worker] = []
         """Workers asked to exit when the pool shrank, until they are reaped."""
-        # Round-robin across sessions (fair_queue.py), so no session waits behind another's
-        # whole ring.
-        self._queue: FairQueue[Pending] = FairQueue(lambda p: p.task.spec.session_id)
+        # Round-robin across clients, then their sessions (fair_queue.py), so no session waits
+        # behind another's whole ring, and no client's many sessions crowd out another's one.
+        self._queue: FairQueue[Pending] = FairQueue(
+            lambda p: p.task.spec.session_id, tenant=lambda p: p.task.spec.client
+        )
         self._dispatched: collections.deque[tuple[str, int]] = collections.deque(maxlen=4096)
         self._forget: list[str] = []
         self._lock = threading.Lock()

@@ -5,8 +5,9 @@ A fixed count is what it always was. A range starts the pool at MIN and lets an
 the CPUs the server may use and what memory affords:
 
 - **Up** when, over the last :attr:`ScalingPolicy.grow_window_s`, the trainers stalled
-  (the stall ratio the clients report, ``batchd_data_stall_ratio``, at least
-  :attr:`ScalingPolicy.stall_ratio`; with no client reporting, a stall is assumed), decode
+  (the stall ratio the clients report, each client weighed once however many sessions and
+  reports it has: ``metrics.stall.RecentStall``, at least :attr:`ScalingPolicy.stall_ratio`;
+  with no client reporting, a stall is assumed), decode
   work waited for a worker in most samples (the pool's queue), and the machine had a core's
   worth of idle CPU (``/proc/stat``). All three: a stall with nothing queued is not the
   workers' fault (the network, the trainer's own input), and queued work with no idle core

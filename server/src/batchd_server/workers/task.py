@@ -113,6 +113,9 @@ class SessionSpec:
     shm_dir: str = "/dev/shm"
     dataset: str = ""
     """The dataset's name: the label of the worker-timing metrics (never the session's id)."""
+    client: str = ""
+    """The client that opened the session (its quotas' identity): the pool's queue serves
+    clients in turn (``fair_queue.py``), not sessions."""
     read: ReadOptions = field(default_factory=ReadOptions)
     """How its samples are read and decoded (the server's, less what the session opted out
     of)."""
