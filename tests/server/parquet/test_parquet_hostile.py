@@ -63,7 +63,7 @@ def _with_chunk(prefix: bytes, **options: Any) -> bytes:
 def _plain_places(data: bytes) -> Any:
     meta = pq.read_metadata(io.BytesIO(_file(use_dictionary=False)))
     start, size = chunk_range(meta.row_group(0), (0,))
-    return plain_places(meta, (0,), 0, lambda o, n: data[o : o + n], start, size)
+    return plain_places(meta, (0,), 0, _reader(data), start, size, 1 << 30)
 
 
 _MAP_OF_BOOLS = bytes([1 << 4 | 11]) + _varint((1 << 49) - 1) + bytes([0x11])

@@ -31,6 +31,7 @@ from batchd_server.storage.ranges import Ranges
 __all__ = [
     "NotPlain",
     "PageHeader",
+    "Read",
     "RowPlaces",
     "chunk_pages",
     "gather_in_place",
@@ -49,6 +50,8 @@ _RLE_DICTIONARY: Final = 8
 _HEADER_READ: Final = 1024
 """Bytes read for a page header at first; a longer one (large statistics) is read again."""
 _MAX_HEADER: Final = 1 << 20
+_PLACE_BYTES: Final = 16
+"""A row's place: its offset and length."""
 
 Read = Callable[[int, int], bytes]
 """``read(offset, length)``: bytes of the file (fewer only at its end)."""
@@ -73,10 +76,12 @@ def plain_places(
     read: Read,
     offset: int,
     length: int,
+    max_bytes: int,
 ) -> RowPlaces | None:
     """The places of the rows of a row group's payload chunk (``offset``, ``length``), when
-    it is one leaf, an uncompressed binary column, not repeated, and stored plainly; else
-    None (decode it)."""
+    it is one leaf, an uncompressed binary column, not repeated, and stored plainly, and its
+    places take at most ``max_bytes``; else None (decode it: the decoding refuses what is too
+    large)."""
     if len(leaves) != 1:
         return None
     column = metadata.row_group(row_group).column(leaves[0])
@@ -86,6 +91,7 @@ def plain_places(
         or column.physical_type != "BYTE_ARRAY"
         or described.max_repetition_level != 0
         or column.num_values != metadata.row_group(row_group).num_rows
+        or column.num_values * _PLACE_BYTES > max_bytes
     ):
         return None
     try:
