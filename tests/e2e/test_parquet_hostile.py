@@ -38,7 +38,7 @@ def _write(
     root: Path, name: str, labels: list[int], values: list[bytes], **options: object
 ) -> None:
     table = pa.table({"png": pa.array(values, pa.binary()), "label": pa.array(labels)})
-    pq.write_table(table, root / name, **options)  # type: ignore[arg-type]
+    pq.write_table(table, root / name, **options)
 
 
 def _files(root: Path) -> None:

@@ -4,12 +4,15 @@ by the chunk's bytes, so the worker decodes the chunk with pyarrow instead (whic
 broken file as a bad sample), never hangs, recurses out or allocates what a header claims.
 
 Each crafted header here hung, crashed or ran out of memory in the walker before it was
-bounded; the fuzz then damages real pyarrow-written chunks (seeded: a failure names its
-case, and the same run reproduces it)."""
+bounded; the fuzzes then damage real pyarrow-written chunks, for the walker alone and for
+a worker's row reader that decodes them (seeded: a failure names its case, and the same run
+reproduces it)."""
 
 from __future__ import annotations
 
 import io
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +22,9 @@ import pytest
 
 from batchd_server.parquet.pages import NotPlain, chunk_pages, plain_places, row_places
 from batchd_server.parquet.payload import chunk_range
+from batchd_server.parquet.rows import ParquetRows
+from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.files import SampleFiles
 
 from fuzzing import mutate
 
@@ -171,3 +177,47 @@ def test_fuzzed_chunks_give_their_true_places_or_not_plain_never_a_crash_or_hang
         places = row_places(_reader(data), start, size, 1, len(_VALUES))
         got = [data[o : o + n] for o, n in zip(places.offset, places.length, strict=True)]
         assert got == _VALUES
+
+
+DECODE_CASES = 1_000
+
+
+@pytest.mark.timeout(120)
+def test_fuzzed_row_groups_decode_or_are_bad_samples_never_a_crash(tmp_path: Path) -> None:
+    """1,000 damaged payload chunks (the catalog's byte range kept) of plain, ZSTD, snappy,
+    version 2 and token-list files, served by a worker's row reader: each row is bytes or a
+    BadSample (``corrupt`` or ``too_large``), never another exception or a crash."""
+    rng = np.random.default_rng(16)
+    tokens = pa.array([list(range(i % 17)) for i in range(60)], pa.list_(pa.int32()))
+    small = {"row_group_size": 30, "data_page_size": 512, "write_batch_size": 8}
+    bases = []
+    for options in (
+        {"compression": "none"},
+        {"compression": "zstd"},
+        {"compression": "snappy", "use_dictionary": False},
+        {"compression": "zstd", "data_page_version": "2.0"},
+    ):
+        out = io.BytesIO()
+        pq.write_table(pa.table({"image": _VALUES}), out, **small, **options)
+        bases.append(("image", None, out.getvalue()))
+    out = io.BytesIO()
+    pq.write_table(pa.table({"ids": tokens}), out, compression="zstd", **small)
+    bases.append(("ids", np.dtype("<i4"), out.getvalue()))
+    kinds: Counter[str] = Counter()
+    for case in range(DECODE_CASES):
+        column, target, data = bases[case % len(bases)]
+        group = case // len(bases) % 2
+        start, size = chunk_range(pq.read_metadata(io.BytesIO(data)).row_group(group), (0,))
+        damaged = mutate(data[start : start + size], rng)[:size].ljust(size, b"\x00")
+        (tmp_path / "f.parquet").write_bytes(data[:start] + damaged + data[start + size :])
+        files = SampleFiles(str(tmp_path), max_sample_bytes=1 << 20)
+        rows = ParquetRows(files, column, target, 1 << 20)
+        for row in range(0, 30, 7):
+            try:
+                rows.value("f.parquet", group, row, start, size)
+                kinds["served"] += 1
+            except BadSample as e:
+                assert e.kind in ("corrupt", "too_large"), (case, e)
+                kinds[e.kind] += 1
+        files.close()
+    assert kinds["corrupt"] > DECODE_CASES  # the damage did reach the decoder
