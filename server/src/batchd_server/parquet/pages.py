@@ -11,7 +11,10 @@ What is read here: the page headers (Thrift compact protocol; only the fields us
 the rest skipped), the definition levels and dictionary indices of each data page (small),
 and four bytes per value. Anything else (compressed pages, data page v2, repeated columns, an
 encoding other than PLAIN or a dictionary) is :class:`NotPlain`: the caller decodes the chunk
-as before.
+as before. So is a chunk that does not add up (a header that does not parse, a page or value
+past its end, more values than the footer's): the bytes may be hostile, and walking them
+costs time and memory bounded by their size and the footer's count, whatever they say
+(``thrift.py`` reads the headers so).
 """
 
 from __future__ import annotations
