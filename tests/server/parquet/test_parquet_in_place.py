@@ -83,7 +83,11 @@ def test_the_places_of_an_uncompressed_columns_values_are_the_values_pyarrow_rea
     for g in range(meta.num_row_groups):
         start, size = chunk_range(meta.row_group(g), (leaf,))
         places = row_places(
-            lambda o, n: data[o : o + n], start, size, meta.schema.column(leaf).max_definition_level
+            lambda o, n: data[o : o + n],
+            start,
+            size,
+            meta.schema.column(leaf).max_definition_level,
+            meta.row_group(g).num_rows,
         )
         got += [
             None if o < 0 else data[o : o + n]
@@ -100,7 +104,7 @@ def test_a_compressed_or_version_2_chunk_is_not_plain(options: dict[str, Any]) -
     meta = pq.read_metadata(io.BytesIO(data))
     start, size = chunk_range(meta.row_group(0), (0,))
     with pytest.raises(NotPlain):
-        row_places(lambda o, n: data[o : o + n], start, size, 1)
+        row_places(lambda o, n: data[o : o + n], start, size, 1, 200)
 
 
 @pytest.mark.parametrize("cut", [3, 40, 5000, 50_000])
@@ -112,9 +116,9 @@ def test_a_chunk_cut_short_is_not_plain_not_a_crash(cut: int) -> None:
     start, size = chunk_range(meta.row_group(0), (0,))
     short = data[: start + cut]
     with pytest.raises(NotPlain):
-        row_places(lambda o, n: short[o : o + n], start, size, 1)
+        row_places(lambda o, n: short[o : o + n], start, size, 1, 200)
     with pytest.raises(NotPlain):
-        row_places(lambda o, n: data[o : o + n], start + 7, size, 1)
+        row_places(lambda o, n: data[o : o + n], start + 7, size, 1, 200)
 
 
 # ---------------------------------------------------------------- through the node cache

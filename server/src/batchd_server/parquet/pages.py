@@ -11,12 +11,15 @@ What is read here: the page headers (Thrift compact protocol; only the fields us
 the rest skipped), the definition levels and dictionary indices of each data page (small),
 and four bytes per value. Anything else (compressed pages, data page v2, repeated columns, an
 encoding other than PLAIN or a dictionary) is :class:`NotPlain`: the caller decodes the chunk
-as before.
+as before. So is a chunk that does not add up (a header that does not parse, a page or value
+past its end, more values than the footer's): the bytes may be hostile, and walking them
+costs time and memory bounded by their size and the footer's count, whatever they say
+(``thrift.py`` reads the headers so).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -24,12 +27,16 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow.parquet as pq
 
+from batchd_server.parquet.thrift import Compact, Malformed, Short
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.ranges import Ranges
 
 __all__ = [
     "NotPlain",
+    "PageHeader",
+    "Read",
     "RowPlaces",
+    "chunk_pages",
     "gather_in_place",
     "places_of_rows",
     "plain_places",
@@ -38,6 +45,7 @@ __all__ = [
 
 _DATA_PAGE: Final = 0
 _DICTIONARY_PAGE: Final = 2
+_DATA_PAGE_V2: Final = 3
 _PLAIN: Final = 0
 _PLAIN_DICTIONARY: Final = 2
 _RLE: Final = 3
@@ -45,6 +53,8 @@ _RLE_DICTIONARY: Final = 8
 _HEADER_READ: Final = 1024
 """Bytes read for a page header at first; a longer one (large statistics) is read again."""
 _MAX_HEADER: Final = 1 << 20
+_PLACE_BYTES: Final = 16
+"""A row's place: its offset and length."""
 
 Read = Callable[[int, int], bytes]
 """``read(offset, length)``: bytes of the file (fewer only at its end)."""
@@ -69,10 +79,12 @@ def plain_places(
     read: Read,
     offset: int,
     length: int,
+    max_bytes: int,
 ) -> RowPlaces | None:
     """The places of the rows of a row group's payload chunk (``offset``, ``length``), when
-    it is one leaf, an uncompressed binary column, not repeated, and stored plainly; else
-    None (decode it)."""
+    it is one leaf, an uncompressed binary column, not repeated, and stored plainly, and its
+    places take at most ``max_bytes``; else None (decode it: the decoding refuses what is too
+    large)."""
     if len(leaves) != 1:
         return None
     column = metadata.row_group(row_group).column(leaves[0])
@@ -81,46 +93,73 @@ def plain_places(
         column.compression != "UNCOMPRESSED"
         or column.physical_type != "BYTE_ARRAY"
         or described.max_repetition_level != 0
+        or column.num_values != metadata.row_group(row_group).num_rows
+        or column.num_values * _PLACE_BYTES > max_bytes
     ):
         return None
     try:
-        places = row_places(read, offset, length, described.max_definition_level)
+        return row_places(read, offset, length, described.max_definition_level, column.num_values)
     except NotPlain:
         return None
-    return places if len(places.offset) == column.num_values else None
 
 
-def row_places(read: Read, start: int, size: int, max_definition: int) -> RowPlaces:
-    """The places of the values of the chunk of ``size`` bytes at ``start`` (a binary column,
-    not repeated, whose definition levels go up to ``max_definition``).
+def row_places(read: Read, start: int, size: int, max_definition: int, expected: int) -> RowPlaces:
+    """The places of the ``expected`` values of the chunk of ``size`` bytes at ``start`` (a
+    binary column, not repeated, whose definition levels go up to ``max_definition``).
+
+    Nothing here trusts the bytes: a page claims no more values than are left of
+    ``expected`` (the footer's count, which the caller checks against the row group), a
+    page's bytes lie inside the chunk, a value's inside its page, and the page headers are
+    read by the bounded :class:`~batchd_server.parquet.thrift.Compact`; so the work and
+    memory are bounded by ``size`` and ``expected``, whatever the bytes hold.
 
     Raises:
-        NotPlain: as the module says.
+        NotPlain: as the module says (a malformed chunk included).
     """
-    end = start + size
-    at = start
     dictionary: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
     offsets: list[npt.NDArray[np.int64]] = []
     lengths: list[npt.NDArray[np.int64]] = []
-    while at < end:
-        header, body = _page_header(read, at, end)
+    left = expected
+    for header, body in chunk_pages(read, start, size):
         page_end = body + header.size
-        if page_end > end:
-            raise NotPlain("a page runs past its column chunk")
+        if header.size != header.uncompressed:
+            raise NotPlain("a compressed page")
         if header.kind == _DICTIONARY_PAGE:
             if header.encoding not in (_PLAIN, _PLAIN_DICTIONARY) or dictionary is not None:
                 raise NotPlain("a dictionary page that is not plain")
             dictionary = _plain_values(read, body, page_end, header.values)
         elif header.kind == _DATA_PAGE:
+            if header.values > left:
+                raise NotPlain("a page of more values than its column chunk has")
+            left -= header.values
             o, n = _data_page(read, header, body, page_end, max_definition, dictionary)
             offsets.append(o)
             lengths.append(n)
         else:
             raise NotPlain(f"a page of type {header.kind}")
-        at = page_end
+    if left:
+        raise NotPlain("pages of fewer values than their column chunk has")
     if not offsets:
         return RowPlaces(np.zeros(0, np.int64), np.zeros(0, np.int64))
     return RowPlaces(np.concatenate(offsets), np.concatenate(lengths))
+
+
+def chunk_pages(read: Read, start: int, size: int) -> Iterator[tuple[PageHeader, int]]:
+    """The page headers of the column chunk of ``size`` bytes at ``start``, each with where
+    its page's bytes begin; every page lies inside the chunk, so there are at most ``size``
+    of them.
+
+    Raises:
+        NotPlain: a header that does not parse, or a page that runs past the chunk.
+    """
+    end = start + size
+    at = start
+    while at < end:
+        header, body = _page_header(read, at, end)
+        if body + header.size > end:
+            raise NotPlain("a page runs past its column chunk")
+        yield header, body
+        at = body + header.size
 
 
 PlacesOf = Callable[[str, int, int, int], "RowPlaces | None"]
@@ -192,30 +231,38 @@ def gather_in_place(
 
 
 @dataclass(frozen=True)
-class _Header:
+class PageHeader:
+    """What a page header says of its page (-1: not said)."""
+
     kind: int
+    """0 data page, 1 index page, 2 dictionary page, 3 data page version 2."""
     size: int
+    """Its bytes in the file (compressed)."""
+    uncompressed: int
     values: int
+    """A data page's values (nulls included), a dictionary page's entries."""
     encoding: int
     definition_encoding: int
 
 
-def _page_header(read: Read, at: int, end: int) -> tuple[_Header, int]:
+def _page_header(read: Read, at: int, end: int) -> tuple[PageHeader, int]:
     """The page header at ``at`` and where the page's bytes begin."""
     want = min(_HEADER_READ, end - at)
     while True:
         raw = read(at, want)
         try:
-            reader = _Compact(raw)
+            reader = Compact(raw)
             header = _read_page_header(reader)
             return header, at + reader.pos
-        except _Short:
-            if want >= min(_MAX_HEADER, end - at):
+        except Short:
+            if want >= min(_MAX_HEADER, end - at) or len(raw) < want:
                 raise NotPlain("a page header that does not parse") from None
             want = min(_MAX_HEADER, end - at, want * 64)
+        except Malformed as e:
+            raise NotPlain(f"a page header that does not parse ({e})") from None
 
 
-def _read_page_header(r: _Compact) -> _Header:
+def _read_page_header(r: Compact) -> PageHeader:
     kind = values = encoding = definition = -1
     compressed_size = uncompressed_size = -1
     for field, kind_of in r.fields():
@@ -225,30 +272,28 @@ def _read_page_header(r: _Compact) -> _Header:
             uncompressed_size = r.zigzag()
         elif field == 3 and kind_of == 5:
             compressed_size = r.zigzag()
-        elif field in (5, 7) and kind_of == 12:
+        elif field in (5, 7, 8) and kind_of == 12:
             for sub, sub_kind in r.fields():
                 if sub == 1 and sub_kind == 5:
                     values = r.zigzag()
-                elif sub == 2 and sub_kind == 5:
+                elif sub == (4 if field == 8 else 2) and sub_kind == 5:
                     encoding = r.zigzag()
                 elif sub == 3 and sub_kind == 5 and field == 5:
                     definition = r.zigzag()
                 else:
-                    r.skip(sub_kind)
+                    r.skip(sub_kind, 1)
         else:
             r.skip(kind_of)
-    if kind not in (_DATA_PAGE, _DICTIONARY_PAGE):
-        raise NotPlain(f"a page of type {kind}")
-    if compressed_size < 0 or values < 0 or encoding < 0:
-        raise NotPlain("a page header without its sizes")
-    if compressed_size != uncompressed_size:
-        raise NotPlain("a compressed page")
-    return _Header(kind, compressed_size, values, encoding, definition)
+    if compressed_size < 0 or uncompressed_size < 0:
+        raise Malformed("a page header without its sizes")
+    if kind in (_DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2) and values < 0:
+        raise Malformed("a page header without its number of values")
+    return PageHeader(kind, compressed_size, uncompressed_size, values, encoding, definition)
 
 
 def _data_page(
     read: Read,
-    header: _Header,
+    header: PageHeader,
     body: int,
     end: int,
     max_definition: int,
@@ -264,6 +309,8 @@ def _data_page(
         if len(raw) < 4:
             raise NotPlain("a page cut short")
         count = int.from_bytes(raw, "little")
+        if at + 4 + count > end:
+            raise NotPlain("definition levels that run past their page")
         levels = _rle(read(at + 4, count), (max_definition).bit_length(), n)
         present = levels == max_definition
         at += 4 + count
@@ -290,6 +337,8 @@ def _plain_values(
     read: Read, at: int, end: int, count: int
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``count`` plain binary values from ``at``: each a 4-byte length and its bytes."""
+    if count > (end - at) // 4:
+        raise NotPlain("more values than their page has bytes for")
     offsets = np.empty(count, np.int64)
     lengths = np.empty(count, np.int64)
     for i in range(count):
@@ -311,7 +360,7 @@ def _rle(raw: bytes, width: int, count: int) -> npt.NDArray[np.int64]:
     out = np.zeros(count, np.int64)
     if width == 0:  # every value is 0
         return out
-    r = _Compact(raw)
+    r = Compact(raw)
     done = 0
     byte_width = (width + 7) // 8
     try:
@@ -333,102 +382,6 @@ def _rle(raw: bytes, width: int, count: int) -> npt.NDArray[np.int64]:
                 done += take
                 if run == 0:
                     raise NotPlain("an empty run")
-    except _Short:
+    except (Short, Malformed):
         raise NotPlain("levels or indexes cut short") from None
     return out
-
-
-class _Short(Exception):
-    """The bytes ended inside what was being read."""
-
-
-class _Compact:
-    """A reader of the Thrift compact protocol, as far as page headers need."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def take(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise _Short
-        got = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return got
-
-    def byte(self) -> int:
-        if self.pos >= len(self.data):
-            raise _Short
-        self.pos += 1
-        return self.data[self.pos - 1]
-
-    def varint(self) -> int:
-        shift = value = 0
-        while True:
-            b = self.byte()
-            value |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return value
-            shift += 7
-            if shift > 70:
-                raise NotPlain("a varint too long")
-
-    def zigzag(self) -> int:
-        v = self.varint()
-        return (v >> 1) ^ -(v & 1)
-
-    def fields(self) -> _Fields:
-        return _Fields(self)
-
-    def skip(self, kind: int) -> None:
-        if kind in (1, 2):  # booleans live in the field header
-            return
-        if kind == 3:
-            self.take(1)
-        elif kind in (4, 5, 6):
-            self.varint()
-        elif kind == 7:
-            self.take(8)
-        elif kind == 8:
-            self.take(self.varint())
-        elif kind in (9, 10):
-            head = self.byte()
-            size, element = head >> 4, head & 0x0F
-            if size == 15:
-                size = self.varint()
-            for _ in range(size):
-                if element in (1, 2):
-                    self.take(1)
-                else:
-                    self.skip(element)
-        elif kind == 11:
-            size = self.varint()
-            if size:
-                types = self.byte()
-                for _ in range(size):
-                    self.skip(types >> 4)
-                    self.skip(types & 0x0F)
-        elif kind == 12:
-            for _, sub in self.fields():
-                self.skip(sub)
-        else:
-            raise NotPlain(f"a Thrift type {kind}")
-
-
-class _Fields:
-    """The (field id, type) of a struct's fields, in order, until its stop byte."""
-
-    def __init__(self, reader: _Compact) -> None:
-        self.r = reader
-        self.last = 0
-
-    def __iter__(self) -> _Fields:
-        return self
-
-    def __next__(self) -> tuple[int, int]:
-        head = self.r.byte()
-        if head == 0:
-            raise StopIteration
-        delta, kind = head >> 4, head & 0x0F
-        self.last = self.last + delta if delta else self.r.zigzag()
-        return self.last, kind

@@ -32,6 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchd_server.errors import DataError
+from batchd_server.limits import MAX_SAMPLE_BYTES
+from batchd_server.parquet.budget import footer_bound, pages_bound
 from batchd_server.parquet.pages import (
     NotPlain,
     RowPlaces,
@@ -40,10 +42,12 @@ from batchd_server.parquet.pages import (
     plain_places,
 )
 from batchd_server.parquet.payload import Payload, chunk_range, resolve_payload
+from batchd_server.parquet.values import Group, decode, expanded_bytes, leaves
 from batchd_server.pipelines.base import BadSample
 from batchd_server.pipelines.ranges import take_ranges
+from batchd_server.shm.space import format_bytes
 from batchd_server.storage.ranges import Ranges
-from batchd_server.storage.reader import SampleReader
+from batchd_server.storage.reader import MAX_SAMPLE_HINT, SampleReader
 from batchd_server.storage.seekable import SeekableBytes
 
 __all__ = ["ParquetRows"]
@@ -64,21 +68,6 @@ class _File:
     payload: Payload
     reader: pq.ParquetFile
     window: _Window
-
-
-@dataclass(frozen=True)
-class _Group:
-    """One row group's payload values: row ``i`` is ``data[starts[i]:starts[i + 1]]``."""
-
-    data: npt.NDArray[np.uint8]
-    starts: npt.NDArray[np.int64]
-    bad: dict[int, tuple[str, str]]
-    """Rows that cannot be served: (BadSample kind, why)."""
-    numeric: bool
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes + self.starts.nbytes)
 
 
 class _Window(SeekableBytes):
@@ -118,12 +107,22 @@ class ParquetRows:
         column: The dataset's payload column (``image.bytes``).
         target: The numpy dtype numeric payloads are handed over in; None keeps the
             column's own (little-endian).
+        max_bytes: The most bytes a row group's payload may take decoded (the server's
+            ``--max-sample-bytes``); a row group that may take more, by its footer or its
+            page headers (``budget.py``), is not decoded: its rows are ``too_large``.
     """
 
-    def __init__(self, files: SampleReader, column: str, target: np.dtype[Any] | None) -> None:
+    def __init__(
+        self,
+        files: SampleReader,
+        column: str,
+        target: np.dtype[Any] | None,
+        max_bytes: int = MAX_SAMPLE_BYTES,
+    ) -> None:
         self.files = files
         self.column = column
         self.target = target
+        self.max_bytes = max_bytes
         self._own_memory = files.fresh_buffers
         """Whether the reader's answers are memory of their own (an object store's) that a
         chunk may view, rather than a buffer its next read reuses (a local file's)."""
@@ -134,7 +133,7 @@ class ParquetRows:
         self._places: OrderedDict[tuple[str, int], RowPlaces | None] = OrderedDict()
         """(path, row group) -> its rows' places; None: the chunk is not stored plainly."""
         self._files: OrderedDict[str, _File] = OrderedDict()
-        self._groups: OrderedDict[tuple[str, int], tuple[_Group, int]] = OrderedDict()
+        self._groups: OrderedDict[tuple[str, int], tuple[Group, int]] = OrderedDict()
         """(path, row group) -> (decoded values, the batch it was last used in)."""
         self._bytes = 0
         self._batch = 0
@@ -218,10 +217,16 @@ class ParquetRows:
                     self.files.stage(Ranges(paths, files[kept], at[kept], size[kept]))
         if len(todo) < 2:
             return
-        chosen = np.array(todo, np.intp)
         try:
             for name in {paths[int(files[i])] for i in todo}:
                 self._file(name)
+        except BadSample:
+            return
+        todo = [i for i in todo if self._fits(paths[int(files[i])], int(row_groups[i]))]
+        if len(todo) < 2:
+            return
+        chosen = np.array(todo, np.intp)
+        try:
             data, starts = self.files.read_ranges(chunks.take(chosen))
         except BadSample:
             return
@@ -340,7 +345,7 @@ class ParquetRows:
                 return bytes(self.files.read(path, at, count))
 
             places = plain_places(
-                file.metadata, file.payload.leaves, row_group, read, offset, length
+                file.metadata, file.payload.leaves, row_group, read, offset, length, self.max_bytes
             )
         self._places[key] = places
         if len(self._places) > _MAX_PLACES:
@@ -400,7 +405,7 @@ class ParquetRows:
         offset: int,
         length: int,
         data: bytes | memoryview | None = None,
-    ) -> _Group:
+    ) -> Group:
         key = (path, row_group)
         cached = self._groups.get(key)
         if cached is not None:
@@ -409,27 +414,63 @@ class ParquetRows:
             return cached[0]
         file = self._file(path)
         self._check_group(file, path, row_group, offset, length)
+        where = f"{path}: row group {row_group}'s {self.column!r}"
+        footer = footer_bound(file.metadata, file.payload.leaves, row_group)
+        self._check_size(where, footer, "its footer")
         file.window.start = offset
         if data is None:
             data = self.files.read(path, offset, length)
             data = data if self._own_memory else bytes(data)
+        chunk = data
+
+        def read(at: int, count: int) -> bytes:
+            first = max(0, at - offset)
+            return bytes(chunk[first : first + count]) if at >= offset else b""
+
+        bound = pages_bound(file.metadata, file.payload, row_group, read, where)
+        self._check_size(where, bound.plain, "its page headers")
+        repeated = bound.plain + bound.repeated > self.max_bytes
         file.window.data = data
         try:
-            table = file.reader.read_row_group(
+            reader = file.reader
+            if repeated:  # measure the rows before writing each one's entry out
+                reader = pq.ParquetFile(
+                    file.window,
+                    metadata=file.metadata,
+                    read_dictionary=[".".join(file.payload.names)],
+                )
+            table = reader.read_row_group(
                 row_group, columns=[".".join(file.payload.names)], use_threads=False
             )
         except (pa.ArrowException, OSError, ValueError) as e:
-            raise BadSample(
-                "corrupt",
-                f"{path}: row group {row_group}'s {self.column!r} cannot be decoded ({e})",
-            ) from e
+            raise BadSample("corrupt", f"{where} cannot be decoded ({e})") from e
         finally:
             file.window.data = b""
-        group = _decode(table.column(0), file.payload, self.target)
+        parts = leaves(table.column(0), file.payload)
+        if repeated:
+            self._check_size(where, bound.plain + expanded_bytes(parts), "its dictionary")
+        group = decode(parts, file.payload, self.target)
         self._remember(key, group)
         return group
 
-    def _remember(self, key: tuple[str, int], group: _Group) -> None:
+    def _fits(self, path: str, row_group: int) -> bool:
+        """Whether the footer lets ``row_group``'s payload be decoded (else it is left to
+        :meth:`_group` to refuse, row by row)."""
+        file = self._file(path)
+        if not 0 <= row_group < file.metadata.num_row_groups:
+            return False
+        return footer_bound(file.metadata, file.payload.leaves, row_group) <= self.max_bytes
+
+    def _check_size(self, where: str, bound: int, by: str) -> None:
+        if bound > self.max_bytes:
+            raise BadSample(
+                "too_large",
+                f"{where} would take {format_bytes(bound)} decoded (by {by}), more than the "
+                f"server's --max-sample-bytes ({format_bytes(self.max_bytes)}), so no row of "
+                f"it is read (a compression bomb, or a row group too large). {MAX_SAMPLE_HINT}",
+            )
+
+    def _remember(self, key: tuple[str, int], group: Group) -> None:
         self._groups[key] = (group, self._batch)
         self._bytes += group.nbytes
         while self._bytes > _DECODED_CACHE_BYTES:
@@ -446,101 +487,3 @@ def _no_row(path: str, row_group: int, rows: int, row: int) -> BadSample:
         f"{path}: row group {row_group} has {rows} rows, not a row {row}: the file changed "
         "since it was ingested; re-ingest it",
     )
-
-
-def _decode(column: pa.ChunkedArray, payload: Payload, target: np.dtype[Any] | None) -> _Group:
-    """A row group's payload values, its chunks joined, as bytes and row starts."""
-    parts = [_leaf(chunk, payload.names[1:]) for chunk in column.chunks]
-    datas: list[npt.NDArray[np.uint8]] = []
-    starts_list = [np.zeros(1, np.int64)]
-    bad: dict[int, tuple[str, str]] = {}
-    base_row = base_byte = 0
-    numeric = payload.kind != "binary"
-    for array in parts:
-        if numeric:
-            data, starts, problems = _numbers(array, payload, target)
-        else:
-            data, starts, problems = _binary(array)
-        first, last = int(starts[0]), int(starts[-1])
-        datas.append(data[first:last])
-        starts_list.append(starts[1:] - first + base_byte)
-        bad.update((base_row + row, why) for row, why in problems.items())
-        base_row += len(array)
-        base_byte += last - first
-    joined = datas[0] if len(datas) == 1 else np.concatenate([np.zeros(0, np.uint8), *datas])
-    return _Group(joined, np.concatenate(starts_list), bad, numeric)
-
-
-def _leaf(array: pa.Array, names: tuple[str, ...]) -> pa.Array:
-    """The field ``names`` of struct ``array``, with the structs' nulls as its own."""
-    for name in names:
-        array = array.flatten()[array.type.get_field_index(name)]
-    return array
-
-
-def _nulls(array: pa.Array) -> dict[int, tuple[str, str]]:
-    if array.null_count == 0:
-        return {}
-    rows = np.flatnonzero(~array.is_valid().to_numpy(zero_copy_only=False))
-    return {int(r): ("missing", "the payload is null in this row") for r in rows}
-
-
-def _binary(
-    array: pa.Array,
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], dict[int, tuple[str, str]]]:
-    n = len(array)
-    buffers = array.buffers()
-    if pa.types.is_fixed_size_binary(array.type):
-        width = array.type.byte_width
-        data = _bytes_of(buffers[1])
-        starts = (np.arange(n + 1, dtype=np.int64) + array.offset) * width
-    else:
-        dtype = np.int64 if pa.types.is_large_binary(array.type) else np.int32
-        offsets = np.frombuffer(buffers[1], dtype)[array.offset : array.offset + n + 1]
-        starts = offsets.astype(np.int64)
-        data = _bytes_of(buffers[2])
-    return data, starts, _nulls(array)
-
-
-def _bytes_of(buffer: pa.Buffer | None) -> npt.NDArray[np.uint8]:
-    return np.zeros(0, np.uint8) if buffer is None else np.frombuffer(buffer, np.uint8)
-
-
-def _numbers(
-    array: pa.Array, payload: Payload, target: np.dtype[Any] | None
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], dict[int, tuple[str, str]]]:
-    n = len(array)
-    bad = _nulls(array)
-    if payload.kind == "list":
-        offsets = array.offsets.to_numpy().astype(np.int64)
-        values = array.values
-    else:
-        values = array
-        while pa.types.is_fixed_size_list(values.type):
-            values = values.flatten()
-        offsets = np.arange(n + 1, dtype=np.int64) * payload.width
-        if len(values) != n * payload.width:  # flatten() of null rows keeps their slots
-            return (
-                np.zeros(0, np.uint8),
-                np.zeros(n + 1, np.int64),
-                {
-                    r: ("corrupt", "the fixed-size list's values are not where they should be")
-                    for r in range(n)
-                },
-            )
-    numbers = values.to_numpy(zero_copy_only=False)
-    if values.null_count:
-        holes = np.flatnonzero(~values.is_valid().to_numpy(zero_copy_only=False))
-        for r in np.unique(np.searchsorted(offsets, holes, side="right") - 1).tolist():
-            bad.setdefault(int(r), ("corrupt", "a number in this row is null"))
-    dtype = target if target is not None else numbers.dtype.newbyteorder("<")
-    converted = numbers.astype(dtype)
-    if not np.can_cast(numbers.dtype, dtype, "safe") and dtype.kind in "iub":
-        off = np.flatnonzero(converted.astype(numbers.dtype) != numbers)
-        if values.null_count:
-            off = off[values.is_valid().to_numpy(zero_copy_only=False)[off]]
-        for i in off.tolist():
-            r = int(np.searchsorted(offsets, i, side="right") - 1)
-            bad.setdefault(r, ("shape", f"{numbers[i]} does not fit the pipeline's {dtype.name}"))
-    itemsize = dtype.itemsize
-    return converted.view(np.uint8).reshape(-1), offsets * itemsize, bad

@@ -78,7 +78,9 @@ def open_fields(
         return (SampleField(ranges, pipeline, cached),)
     if not source.parquet_payload:
         return (SampleField(ParquetRowReader(None, ranges), pipeline, cached),)
-    parquet, numbers = _parquet_rows(reader, source.parquet_payload, pipeline)
+    parquet, numbers = _parquet_rows(
+        reader, source.parquet_payload, pipeline, read.max_sample_bytes
+    )
     numbers_cached = cached if numbers is pipeline else CachedSource.of(cache, numbers, source.root)
     return (
         SampleField(ParquetRowReader(parquet, ranges), pipeline, cached, numbers, numbers_cached),
@@ -86,13 +88,13 @@ def open_fields(
 
 
 def _parquet_rows(
-    reader: SampleReader, column: str, pipeline: Pipeline
+    reader: SampleReader, column: str, pipeline: Pipeline, max_bytes: int
 ) -> tuple[ParquetRows, Pipeline]:
     """A Parquet source's row reader and the pipeline of its numeric values: those arrive
     as raw numbers of the pipeline's own dtype (an array pipeline reads them raw)."""
     if isinstance(pipeline, ArrayPipeline):
         raw = pipeline if pipeline.raw else ArrayPipeline(pipeline.shape, pipeline.dtype.str, True)
-        return ParquetRows(reader, column, pipeline.dtype), raw
+        return ParquetRows(reader, column, pipeline.dtype, max_bytes), raw
     if isinstance(pipeline, TokensPipeline):
-        return ParquetRows(reader, column, pipeline.dtype), pipeline
-    return ParquetRows(reader, column, None), pipeline
+        return ParquetRows(reader, column, pipeline.dtype, max_bytes), pipeline
+    return ParquetRows(reader, column, None, max_bytes), pipeline

@@ -36,7 +36,15 @@ from batchd_server.catalog.ingest.load import (
 from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, Row, check_name
 from batchd_server.catalog.types import DatasetRef
 from batchd_server.errors import DataError
-from batchd_server.parquet.payload import chunk_range, describe_schema, find_field, resolve_payload
+from batchd_server.parquet.budget import pages_bound
+from batchd_server.parquet.payload import (
+    Payload,
+    chunk_range,
+    describe_schema,
+    find_field,
+    resolve_payload,
+)
+from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.options import DEFAULT_RETRY_S
 
 __all__ = ["ParquetSamples", "ingest_parquet"]
@@ -124,6 +132,9 @@ def _parquet_attrs(ref: DatasetRef, attrs: dict[str, Any], payload: str) -> bool
 
 
 _INT32_MAX: Final = 2**31 - 1
+_ROWS_PER_BYTE: Final = 8
+"""Rows a payload chunk's byte may hold (a row's value takes a bit at least, but for long
+runs of nulls) before its footer's count is checked against its page headers."""
 
 
 @dataclass
@@ -192,6 +203,7 @@ class ParquetSamples:
         if with_lengths:
             read.append(".".join(payload.names))
         metadata = pf.metadata
+        _check_row_counts(rel, f, metadata, payload)
         row_in_file = 0
         for group in range(metadata.num_row_groups):
             offset, nbytes = chunk_range(metadata.row_group(group), payload.leaves)
@@ -202,6 +214,8 @@ class ParquetSamples:
                     table = pf.read_row_group(group, columns=read, use_threads=False)
                 except (pa.ArrowException, OSError) as e:
                     raise DataError(f"{rel}: row group {group} cannot be read ({e})") from e
+                if table.num_rows != count:
+                    raise _lying(rel, group, count, f"its columns hold {table.num_rows} rows")
                 for role, (path, _) in wanted.items():
                     values[role] = _field(table, path).to_pylist()
                 if with_lengths:
@@ -235,6 +249,11 @@ class ParquetSamples:
         key = values["key"][i] if "key" in values else f"{rel}#{row_in_file}"
         if key is None or key == "":
             raise DataError(f"{where}: key is null or empty; --key {self.key!r} must hold keys")
+        if isinstance(key, str) and "\x00" in key:
+            raise DataError(
+                f"{where}: key {key!r} holds a NUL character, which no catalog can store; "
+                f"clean --key {self.key!r} of NULs"
+            )
         length = values["length"][i] if "length" in values else None
         if length is not None and not 0 <= length <= _INT32_MAX:
             raise DataError(f"{where}: length={length} is not valid; it must be 0 to {_INT32_MAX}")
@@ -288,6 +307,52 @@ class ParquetSamples:
             }[role]
             raise DataError(f"{rel}: column {name!r} ({flag}) is {t}; it must hold {allowed}")
         return found
+
+
+def _check_row_counts(rel: str, f: IO[bytes], metadata: pq.FileMetaData, payload: Payload) -> None:
+    """The footer's row counts agree with each other and with the payload's values, and,
+    where a row group claims more rows than its payload chunk has bits, with its page headers
+    (each row of the footer becomes a catalog row: a footer that lies must not make an
+    ingest of billions of rows).
+
+    Raises:
+        DataError: naming the file and row group.
+    """
+    total = 0
+    for group in range(metadata.num_row_groups):
+        meta = metadata.row_group(group)
+        rows = meta.num_rows
+        if rows < 0:
+            raise _lying(rel, group, rows, "a row count cannot be negative")
+        for leaf in payload.leaves:
+            values = meta.column(leaf).num_values
+            repeated = metadata.schema.column(leaf).max_repetition_level > 0
+            if values < rows or (values != rows and not repeated):
+                raise _lying(rel, group, rows, f"its payload column has {values} values")
+        _, nbytes = chunk_range(meta, payload.leaves)
+        if rows > _ROWS_PER_BYTE * nbytes:
+
+            def read(at: int, count: int) -> bytes:
+                f.seek(at)
+                return f.read(count)
+
+            try:
+                pages_bound(metadata, payload, group, read, f"{rel}: row group {group}")
+            except BadSample as e:
+                raise _lying(rel, group, rows, f"its pages do not say so ({e})") from e
+        total += rows
+    if total != metadata.num_rows:
+        raise DataError(
+            f"{rel}: its footer says it has {metadata.num_rows} rows, its row groups "
+            f"{total}: the file is corrupt or was cut short; rewrite it"
+        )
+
+
+def _lying(rel: str, group: int, rows: int, why: str) -> DataError:
+    return DataError(
+        f"{rel}: its footer says row group {group} has {rows} rows, but {why}: the file is "
+        "corrupt or was cut short; rewrite it"
+    )
 
 
 def _field(table: pa.Table, path: Sequence[str]) -> pa.Array:
