@@ -152,6 +152,15 @@ class EntryDir:
         finally:
             os.close(fd)
 
+    def has(self, key: str) -> bool:
+        """Whether entry ``key`` is there (and would not be refused as foreign); one
+        ``lstat``, no read."""
+        try:
+            st = os.stat(self.entry_path(key), follow_symlinks=False)
+        except OSError:
+            return False
+        return foreign(st) is None
+
     def touch(self, key: str) -> None:
         """Mark ``key`` as just used (its mtime), for the owner's least-recent order."""
         with contextlib.suppress(OSError, NotImplementedError):
