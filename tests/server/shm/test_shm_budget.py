@@ -38,6 +38,12 @@ with ShmRegistry(budget_bytes=8 * MiB) as tight:
         tight.create("ring", 16 * MiB, purpose="ring of 4 slots of 4.0 MiB")
     except ResourceExhausted as e:
         out["budget_limit"] = str(e)
+with ShmRegistry(budget_bytes=1 << 30) as cached:
+    cached.set_aside(40 * MiB, purpose="the decode cache (--decode-cache-size)", used=lambda: 0)
+    try:
+        cached.create("ring", 30 * MiB, purpose="ring of 6 slots of 5.0 MiB")
+    except ResourceExhausted as e:
+        out["cache_kept"] = str(e)
 print(json.dumps(out))
 """
 
@@ -60,6 +66,12 @@ def test_the_effective_budget_is_the_smaller_of_the_flag_and_what_dev_shm_holds(
     assert "not --shm-budget" in fs_limit and "Raise the budget" not in fs_limit
     assert "shm_size: 1gb" in fs_limit and "sizeLimit: 1Gi" in fs_limit
 
+    kept = out["cache_kept"]  # 64 MiB free, 40 of them the cache's to fill: 30 do not fit
+    assert kept.startswith(
+        "/dev/shm has 64.0 MiB free, of which 40.0 MiB is kept for the decode cache "
+        "(--decode-cache-size) to fill; this session needs 30.0 MiB"
+    ), kept
+
     assert out["tight_effective"] == 8 * MiB
     budget_limit = out["budget_limit"]
     assert "budget of 8.0 MiB" in budget_limit and "--shm-budget" in budget_limit
@@ -76,7 +88,7 @@ def test_a_budget_refusal_names_what_the_decode_cache_set_aside(tmp_path: Path) 
             registry.create("ring", 8 * MiB, purpose="ring of 4 slots of 2.0 MiB")
     message = str(refused.value)
     assert (
-        "0 segment(s) hold 0 B and 60.0 MiB is set aside for the decode cache "
+        "0 B is reserved by 0 segment(s) and 60.0 MiB is set aside for the decode cache "
         "(--decode-cache-size), and ring of 4 slots of 2.0 MiB needs 8.0 MiB more" in message
     ), message
     assert "give the decode cache less" in message

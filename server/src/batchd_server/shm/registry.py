@@ -256,7 +256,8 @@ class ShmRegistry(Closeable):
         )
 
     def _budget_message(self, reserved: int, nbytes: int, purpose: str) -> str:
-        held = f"{len(self._segments)} segment(s) hold {format_bytes(reserved - self._aside_bytes)}"
+        segments = format_bytes(reserved - self._aside_bytes)
+        held = f"{segments} is reserved by {len(self._segments)} segment(s)"
         less = ""
         if self._aside_bytes:  # the decode cache: say so, or its bytes look like no one's
             held += f" and {format_bytes(self._aside_bytes)} is set aside for {self._aside_purpose}"
@@ -269,8 +270,12 @@ class ShmRegistry(Closeable):
         )
 
     def _no_space_message(self, space: ShmSpace, nbytes: int, purpose: str) -> str:
+        free = f"{format_bytes(space.free_bytes)} free"
+        kept = self._aside_unused()
+        if kept:  # free, but not for this session: say why, or the numbers contradict
+            free += f", of which {format_bytes(kept)} is kept for {self._aside_purpose} to fill"
         return (
-            f"{self.shm_dir} has {format_bytes(space.free_bytes)} free; this session needs "
+            f"{self.shm_dir} has {free}; this session needs "
             f"{format_bytes(nbytes)} ({purpose}). {self.shm_dir} is "
             f"{format_bytes(space.size_bytes)} in all, so the filesystem is the limit, not "
             f"--shm-budget: {remedy(space, nbytes)}; or lower batch_size / prefetch."
