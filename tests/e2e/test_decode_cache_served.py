@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 import batchd
-from batchd.errors import ResourceExhausted
+from batchd.errors import FailedPrecondition
 from batchd_server.catalog.ingest import ingest_manifest
 from batchd_server.metrics import REGISTRY
 
@@ -205,7 +205,7 @@ def test_a_server_whose_budget_cannot_hold_the_cache_refuses_to_start(
     catalog: dict[str, Any], tmp_path: Path
 ) -> None:
     with (
-        pytest.raises(ResourceExhausted, match="--shm-budget"),
+        pytest.raises(FailedPrecondition, match=r"decode cache .*--shm-budget"),
         serve(catalog["url"], tmp_path, shm_budget_bytes=64 << 20, decode_cache_bytes=96 << 20),
     ):
         pass

@@ -154,6 +154,27 @@ def _start_workers(config: ServerConfig, registry: ShmRegistry) -> WorkerPool:
     return pool
 
 
+_DECODE_CACHE = "the decode cache"
+_DECODE_CACHE_FLAG = f"{setting_of(ServerConfig, 'decode_cache_bytes').flag}"
+
+
+def _check_decode_cache_room(config: ServerConfig, budget_bytes: int) -> None:
+    """Refuse to start when the decode cache leaves the shm budget (``budget_bytes``, the
+    one the server uses) too little for one session, which every session would otherwise
+    find out one by one.
+
+    Raises:
+        FailedPrecondition: it does, saying what to change.
+    """
+    if not config.decode_cache_bytes:
+        return
+    problem = config.set_aside_problem(
+        budget_bytes, config.decode_cache_bytes, purpose=_DECODE_CACHE, flag=_DECODE_CACHE_FLAG
+    )
+    if problem is not None:
+        raise FailedPrecondition(problem)
+
+
 def _start_decode_cache(config: ServerConfig, registry: ShmRegistry) -> DecodeCacheOwner | None:
     """The decode cache's tiers, its bytes taken from the shm budget; None without one."""
     size = config.decode_cache_bytes
@@ -169,9 +190,8 @@ def _start_decode_cache(config: ServerConfig, registry: ShmRegistry) -> DecodeCa
         on_evict=lambda tier, n: evictions.labels(tier=tier).inc(n),
     )
     try:
-        registry.set_aside(
-            size, purpose="the decode cache (--decode-cache-size)", used=owner.used_bytes
-        )
+        purpose = f"{_DECODE_CACHE} ({_DECODE_CACHE_FLAG})"
+        registry.set_aside(size, purpose=purpose, used=owner.used_bytes)
     except BaseException:
         owner.close()
         raise
@@ -202,14 +222,16 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
     ``on_health_change``. What was built is undone when a later step fails.
 
     Raises:
-        FailedPrecondition: the metrics address cannot be bound.
+        FailedPrecondition: the metrics address cannot be bound, or the decode cache leaves
+            the shm budget too little for a session.
     """
+    shm = config.shm_limits(_shm_size_bytes(config))
+    _check_decode_cache_room(config, shm.budget_bytes)
     engine = make_engine(config.database_url, statement_timeout_s=SERVING_STATEMENT_TIMEOUT_S)
     # Until the parts are whole, each step's undo is pushed as it is built and a failure
     # unwinds them in reverse; then Parts.close takes over.
     with contextlib.ExitStack() as undo:
         undo.callback(engine.dispose)
-        shm = config.shm_limits(_shm_size_bytes(config))
         registry = ShmRegistry(budget_bytes=shm.budget_bytes, shm_dir=config.shm_dir)
         undo.callback(registry.close)
         after_workers = undo.enter_context(contextlib.ExitStack())

@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import batchd_server
 from batchd.errors import ResourceExhausted
+from batchd_server.catalog.types import DatasetRef
 from batchd_server.decode_cache.entry import pack, unpack
-from batchd_server.decode_cache.keys import root_tag, sample_key
+from batchd_server.decode_cache.keys import catalog_name, identity_of, root_tag, versions
 from batchd_server.decode_cache.owner import DecodeCacheOwner
 from batchd_server.decode_cache.worker import DecodeCacheSpec, SampleCache
 from batchd_server.shm import ShmRegistry
@@ -96,15 +98,41 @@ def test_a_corrupt_entry_is_counted_and_a_later_write_replaces_it(tmp_path: Path
 def test_keys_change_with_the_file_the_recipe_and_the_range(tmp_path: Path) -> None:
     (tmp_path / "x.bin").write_bytes(b"abc")
     root = str(tmp_path)
-    key = sample_key("r", root, "x.bin", -1, -1, 1)
+    sample_key = identity_of(root).key
+    key = sample_key("r", "x.bin", -1, -1, 1)
     assert key is not None and key[0].startswith(root_tag(root)) and len(key[0]) == 32
-    assert sample_key("r", root, "x.bin", -1, -1, 1) == key
-    assert sample_key("r2", root, "x.bin", -1, -1, 1) != key
-    assert sample_key("r", root, "x.bin", 0, 2, 1) != key
-    assert sample_key("r", root, "missing.bin", -1, -1, 1) is None
+    assert sample_key("r", "x.bin", -1, -1, 1) == key
+    assert sample_key("r2", "x.bin", -1, -1, 1) != key
+    assert sample_key("r", "x.bin", 0, 2, 1) != key
+    assert sample_key("r", "missing.bin", -1, -1, 1) is None
     stat = os.stat(tmp_path / "x.bin")
     os.utime(tmp_path / "x.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    assert sample_key("r", root, "x.bin", -1, -1, 1) != key, "rewritten in place"
+    assert sample_key("r", "x.bin", -1, -1, 1) != key, "rewritten in place"
+
+
+def test_an_object_is_keyed_by_its_catalog_row_without_a_request() -> None:
+    """An object store's samples have keys (they had none: the cache was a no-op there),
+    made of the dataset's catalog row, the object's key, its range and the sample id."""
+    root = "s3://bucket/prefix"
+    dataset = catalog_name(DatasetRef(7, "imgs", "1", root))
+    key = identity_of(root, dataset).key("r", "a/b.jpg", -1, -1, 11)
+    assert key is not None and key[0].startswith(root_tag(root))
+    assert identity_of(root, dataset).probes, "a batch's hits are found before it is fetched"
+    assert not identity_of("/data").probes
+    others = [
+        identity_of(root, catalog_name(DatasetRef(8, "imgs", "1", root))),  # re-created
+        identity_of(root, catalog_name(DatasetRef(7, "imgs", "2", root))),  # another version
+        identity_of("s3://bucket/other", dataset),
+    ]
+    assert all(o.key("r", "a/b.jpg", -1, -1, 11) != key for o in others)
+    same = identity_of(root, dataset)
+    assert same.key("r", "a/c.jpg", -1, -1, 11) != key
+    assert same.key("r", "a/b.jpg", 0, 10, 11) != key
+    assert same.key("r", "a/b.jpg", -1, -1, 12) != key
+
+
+def test_keys_carry_batchds_own_version() -> None:
+    assert f"batchd-server={batchd_server.__version__}" in versions().split()
 
 
 def named(root: str, i: int) -> str:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Final
 
 from batchd._wire.lifetime import Closeable
+from batchd_server.decode_cache.directory import claim_directory, release_directory
 from batchd_server.decode_cache.keys import root_tag
 from batchd_server.decode_cache.worker import DecodeCacheSpec
 from batchd_server.shm.entries import EntryDir, disk_entry_dir, shm_entry_dir
@@ -50,7 +51,8 @@ class DecodeCacheOwner(Closeable):
         shm_dir: The server's shared-memory directory.
         instance: The server's shm instance (``ShmRegistry.instance``): the shm tier's names.
         size_bytes: The shm tier's bound.
-        disk_dir: The disk tier's directory, or None for none.
+        disk_dir: The disk tier's directory, or None for none: checked and locked
+            (NOTE [ One server per directory ] in ``directory.py``).
         disk_bytes: The disk tier's bound.
         live_roots: The dataset roots the live sessions read, now.
         on_evict: Called with the tier (``"shm"``, ``"disk"``) and the count of each sweep's
@@ -75,12 +77,18 @@ class DecodeCacheOwner(Closeable):
         """Set once the session manager exists (it is built after the cache)."""
         self._on_evict = on_evict
         self._sweep_s = sweep_s
-        self.shm.create()
+        self._claim = claim_directory(disk_dir) if disk_dir is not None else None
+        """The disk tier's lock file, held while this owner lives."""
         try:
-            if self.disk is not None:
-                self.disk.create()
+            self.shm.create()
+            try:
+                if self.disk is not None:
+                    self.disk.create()
+            except BaseException:
+                self.shm.clear()
+                raise
         except BaseException:
-            self.shm.clear()
+            self._release()
             raise
         self.spec = DecodeCacheSpec(tuple(t for t in (self.shm, self.disk) if t is not None))
         self._lock = threading.Lock()
@@ -156,10 +164,19 @@ class DecodeCacheOwner(Closeable):
                 evicted += 1
         return evicted
 
+    def _release(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            release_directory(claim)
+
     def close(self) -> None:
-        """Stop sweeping and remove the shared-memory tier (the disk tier stays); idempotent."""
+        """Stop sweeping, remove the shared-memory tier (the disk tier stays) and give the
+        disk tier's directory up; idempotent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         with self._lock:
-            self.shm.clear()
+            try:
+                self.shm.clear()
+            finally:
+                self._release()

@@ -26,8 +26,9 @@ class DecodeCacheSettings:
     decode_cache_dir: Path | None = path(
         flag="--decode-cache-dir",
         help="a directory on a local disk for the decode cache's second tier, which takes "
-        "what shared memory has no room for and keeps it across restarts (one server "
-        "per directory); needs --decode-cache-size",
+        "what shared memory has no room for and keeps it across restarts; only the "
+        "server's user may write it, and one server at a time uses it (it is locked); "
+        "needs --decode-cache-size",
         metavar="DIR",
     )
 

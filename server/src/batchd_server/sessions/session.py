@@ -139,6 +139,7 @@ class Session:
                     source.pipeline_kind or "",
                     source.pipeline_options,
                     entry.arrays.dataset.parquet_payload,
+                    entry.arrays.dataset,
                 )
                 for entry, root, start, source in zip(
                     sources,

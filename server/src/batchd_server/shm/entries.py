@@ -18,14 +18,28 @@ process), which periodically counts what the directory really holds, removes tem
 files older than a few seconds, and writes that count back to the usage file under the same
 lock (:meth:`EntryDir.recount`). Entries are removed only by the owner. Every file is mode
 0600 and opened with ``O_NOFOLLOW``.
+
+NOTE [ Foreign entries ]
+The shared-memory tier lives in ``/dev/shm``, which every local user may write, and an
+entry's name is no secret (the server's instance id is in every segment's name, and the
+key is computed from what anyone who can read the dataset knows). So a name proves nothing:
+an entry is served only when it is a regular file owned by the server's user that neither
+its group nor others may write (:func:`foreign`). Anything else under an entry's name (another
+user's file, a symlink, a FIFO, a device) is a miss that is logged and never read, and the
+owner's scans neither count nor evict it. The sticky bit of ``/dev/shm`` keeps other users
+from removing or renaming over the server's own files. The disk tier's directory must
+itself be the server user's and closed to others (``decode_cache/directory.py``); its
+entries get the same check.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import secrets
+import stat
 import struct
 import time
 from collections.abc import Iterator
@@ -35,12 +49,47 @@ from typing import Final
 
 from batchd_server.shm.segments import PREFIX
 
-__all__ = ["EntryDir", "EntryStat", "disk_entry_dir", "shm_entry_dir"]
+__all__ = ["EntryDir", "EntryStat", "disk_entry_dir", "foreign", "shm_entry_dir"]
+
+logger = logging.getLogger(__name__)
 
 _USAGE = struct.Struct("<q")
 _STALE_TMP_S: Final = 30.0
 """A temporary file older than this is a dead writer's (an entry takes milliseconds)."""
 _CREATE: Final = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+_READ: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+"""``O_NONBLOCK``: a FIFO under an entry's name opens at once (and is then refused), instead
+of blocking the worker until someone writes to it."""
+_WARN_EVERY_S: Final = 60.0
+_warned: dict[str, float] = {}
+"""When each directory's last foreign entry was logged (one line a minute each at most)."""
+
+
+def foreign(st: os.stat_result) -> str | None:
+    """Why a file with this ``lstat``/``fstat`` is no entry of ours (NOTE [ Foreign entries ]),
+    or None when it may be one."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not the server's {os.geteuid()}"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _refuse(directory: str, name: str, why: str) -> None:
+    """Log a foreign entry, at most once a minute per directory."""
+    now = time.monotonic()
+    if now - _warned.get(directory, -_WARN_EVERY_S) < _WARN_EVERY_S:
+        return
+    _warned[directory] = now
+    logger.warning(
+        "decode cache: %s is %s; it is not served (a miss) and not counted. Something other "
+        "than this server put it there: remove it, and keep the directory to this server's "
+        "user (further ones are logged once a minute)",
+        os.path.join(directory, name),
+        why,
+    )
 
 
 @dataclass(frozen=True)
@@ -76,12 +125,21 @@ class EntryDir:
 
     def read(self, key: str) -> bytearray | None:
         """The entry ``key``'s bytes, or None when there is none (or it cannot be read)."""
+        path = self.entry_path(key)
         try:
-            fd = os.open(self.entry_path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
+            fd = os.open(path, _READ)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # ELOOP: a symlink under an entry's name
+            _refuse(self.directory, self.entry_prefix + key, e.strerror or str(e))
             return None
         try:
-            data = bytearray(os.fstat(fd).st_size)
+            st = os.fstat(fd)
+            why = foreign(st)
+            if why is not None:
+                _refuse(self.directory, self.entry_prefix + key, why)
+                return None
+            data = bytearray(st.st_size)
             view = memoryview(data)
             while view:
                 got = os.readv(fd, [view])
@@ -94,10 +152,19 @@ class EntryDir:
         finally:
             os.close(fd)
 
+    def has(self, key: str) -> bool:
+        """Whether entry ``key`` is there (and would not be refused as foreign); one
+        ``lstat``, no read."""
+        try:
+            st = os.stat(self.entry_path(key), follow_symlinks=False)
+        except OSError:
+            return False
+        return foreign(st) is None
+
     def touch(self, key: str) -> None:
         """Mark ``key`` as just used (its mtime), for the owner's least-recent order."""
-        with contextlib.suppress(OSError):
-            os.utime(self.entry_path(key))
+        with contextlib.suppress(OSError, NotImplementedError):
+            os.utime(self.entry_path(key), follow_symlinks=False)
 
     def add(self, key: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> bool:
         """Write entry ``key`` from ``parts`` (concatenated) if the tier has room for it.
@@ -186,7 +253,8 @@ class EntryDir:
                     st = item.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                yield EntryStat(item.name[width:], st.st_size, st.st_mtime)
+                if foreign(st) is None:
+                    yield EntryStat(item.name[width:], st.st_size, st.st_mtime)
 
     def recount(self) -> int:
         """Remove dead writers' temporary files and set the usage to what the directory
@@ -209,6 +277,10 @@ class EntryDir:
                         continue
                     try:
                         st = item.stat(follow_symlinks=False)
+                        why = foreign(st)
+                        if why is not None:  # not ours: neither counted nor removed
+                            _refuse(self.directory, name, why)
+                            continue
                         if name.startswith(self.tmp_prefix) and now - st.st_mtime > _STALE_TMP_S:
                             os.unlink(item.path)
                             continue
@@ -239,7 +311,7 @@ class EntryDir:
                 or item.name == self.usage_name
             ]
         for path in names:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone, or another user's (sticky /dev/shm)
                 os.unlink(path)
 
 

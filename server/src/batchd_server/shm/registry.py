@@ -65,7 +65,9 @@ class ShmRegistry(Closeable):
         self._creating_bytes = 0
         self._aside_bytes = 0
         self._aside_used: Callable[[], int] = lambda: 0
-        """Bytes set aside for the decode cache's shared-memory tier, and what it holds now."""
+        self._aside_purpose = ""
+        """Bytes set aside for the decode cache's shared-memory tier, what it holds now, and
+        what it is for (named in the budget's messages)."""
         self._closed = False
         # Files to remove if close() is never called; shared with the finalizer, which must
         # not hold self.
@@ -109,6 +111,7 @@ class ShmRegistry(Closeable):
                 raise ResourceExhausted(self._no_space_message(space, nbytes, purpose))
             self._aside_bytes += nbytes
             self._aside_used = used
+            self._aside_purpose = purpose
 
     def free_bytes(self) -> int:
         """Bytes an unprivileged process may still allocate in ``shm_dir``."""
@@ -253,17 +256,26 @@ class ShmRegistry(Closeable):
         )
 
     def _budget_message(self, reserved: int, nbytes: int, purpose: str) -> str:
+        segments = format_bytes(reserved - self._aside_bytes)
+        held = f"{segments} is reserved by {len(self._segments)} segment(s)"
+        less = ""
+        if self._aside_bytes:  # the decode cache: say so, or its bytes look like no one's
+            held += f" and {format_bytes(self._aside_bytes)} is set aside for {self._aside_purpose}"
+            less = ", give the decode cache less"
         return (
             f"the server's shared-memory budget of {format_bytes(self.budget_bytes)} "
-            f"({self.budget_bytes} bytes) is used up: {format_bytes(reserved)} is reserved by "
-            f"{len(self._segments)} segment(s) and {purpose} needs {format_bytes(nbytes)} more. "
-            "Raise the budget with --shm-budget or BATCHD_SHM_BUDGET, or ask for less: a "
-            "smaller prefetch or batch_size"
+            f"({self.budget_bytes} bytes) is used up: {held}, and {purpose} needs "
+            f"{format_bytes(nbytes)} more. Raise the budget with --shm-budget or "
+            f"BATCHD_SHM_BUDGET{less}, or ask for less: a smaller prefetch or batch_size"
         )
 
     def _no_space_message(self, space: ShmSpace, nbytes: int, purpose: str) -> str:
+        free = f"{format_bytes(space.free_bytes)} free"
+        kept = self._aside_unused()
+        if kept:  # free, but not for this session: say why, or the numbers contradict
+            free += f", of which {format_bytes(kept)} is kept for {self._aside_purpose} to fill"
         return (
-            f"{self.shm_dir} has {format_bytes(space.free_bytes)} free; this session needs "
+            f"{self.shm_dir} has {free}; this session needs "
             f"{format_bytes(nbytes)} ({purpose}). {self.shm_dir} is "
             f"{format_bytes(space.size_bytes)} in all, so the filesystem is the limit, not "
             f"--shm-budget: {remedy(space, nbytes)}; or lower batch_size / prefetch."

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from batchd_server.settings import at_least, path, size
-from batchd_server.shm.space import usable_bytes
+from batchd_server.settings import at_least, path, setting_of, size
+from batchd_server.shm.space import format_bytes, usable_bytes
 
-__all__ = ["DEFAULT_MIN_FREE_SHM_BYTES", "ShmLimits", "ShmSettings"]
+__all__ = ["DEFAULT_MIN_FREE_SHM_BYTES", "MIN_SESSION_BYTES", "ShmLimits", "ShmSettings"]
 
 DEFAULT_MIN_FREE_SHM_BYTES: Final = 56 << 20
 """One image session at the usual settings: 6 slots (prefetch 4 + 2) of 64 x 3 x 224 x 224
@@ -19,6 +19,10 @@ _SERVE_AND_CHECK: Final = ("serve", "healthcheck")
 """The commands that read the shm directory: the server, and ``healthcheck`` without one."""
 _GiB: Final = 1 << 30
 _MiB: Final = 1 << 20
+MIN_SESSION_BYTES: Final = _MiB
+"""The least any session takes of the budget: a ring's header and at least three slots, and
+its split's catalog arrays, come to about a MiB at the smallest (also the least
+``--shm-budget``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,3 +96,43 @@ class ShmSettings:
         if quota is None:
             quota = min(self.client_shm_quota, budget)
         return ShmLimits(budget_bytes=budget, client_quota_bytes=quota)
+
+    def session_bytes(self) -> int:
+        """What the budget must keep for one session beside what is set aside for the decode
+        cache: one image session at the usual settings (``--min-free-shm``, which health asks
+        of the shm directory for the same reason), at least :data:`MIN_SESSION_BYTES`."""
+        return max(MIN_SESSION_BYTES, self.min_free_shm_bytes)
+
+    def set_aside_problem(
+        self, budget_bytes: int, aside_bytes: int, *, purpose: str, flag: str
+    ) -> str | None:
+        """Why a budget of ``budget_bytes`` (the one the server uses: ``shm_limits``) cannot
+        give ``aside_bytes`` to ``purpose`` (set by ``flag``) and still hold one session, or
+        None when it can. Asking the operator now beats refusing every session later."""
+        need = self.session_bytes()
+        left = budget_bytes - aside_bytes
+        if left >= need:
+            return None
+        budget = setting_of(ShmSettings, "shm_budget_bytes")
+        free = setting_of(ShmSettings, "min_free_shm_bytes")
+        why = (
+            f"{purpose} ({flag}) takes {format_bytes(aside_bytes)} of the server's shared-memory "
+            f"budget of {format_bytes(budget_bytes)}"
+        )
+        if budget_bytes < self.shm_budget_bytes:
+            why += (
+                f" ({budget.flag} is {format_bytes(self.shm_budget_bytes)}, but {self.shm_dir} "
+                "holds less)"
+            )
+        raise_it = (
+            f"raise {budget.flag} ({budget.env}) to at least {format_bytes(aside_bytes + need)}, "
+            "giving the server that much shared memory"
+        )
+        if budget_bytes > need:
+            raise_it = f"lower {flag} to at most {format_bytes(budget_bytes - need)}, or {raise_it}"
+        return (
+            f"{why}, which leaves {format_bytes(max(0, left))} for the sessions' rings and "
+            f"catalogs, and one session needs {format_bytes(need)} ({free.flag}: one image "
+            f"session at the usual settings; lower it if your sessions are smaller): "
+            f"{raise_it}"
+        )

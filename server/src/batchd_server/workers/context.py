@@ -327,7 +327,7 @@ class SessionContext:
         read_start = time.perf_counter()
         together = positions.size >= 2 and not self._one_by_one
         for f in source.fields:
-            f.rows.read_ahead(positions, together=together, decoded_cached=f.cached is not None)
+            f.read_ahead(source.columns, positions, together=together)
         self._read_s += time.perf_counter() - read_start
         for position in positions.tolist():
             row = {name: array[rows, ...] for name, array in block.items()}

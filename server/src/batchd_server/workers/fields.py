@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchd_server.catalog.types import SampleColumns
+from batchd_server.decode_cache.keys import catalog_name
 from batchd_server.decode_cache.worker import CachedSource, SampleCache
 from batchd_server.parquet.rows import ParquetRows
 from batchd_server.pipelines.array import ArrayPipeline
@@ -23,7 +24,7 @@ from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.storage.open import open_reader
 from batchd_server.storage.reader import SampleReader
 from batchd_server.workers.parquet_rows import ParquetRowReader
-from batchd_server.workers.rows import RangeRows, RowReader
+from batchd_server.workers.rows import Positions, RangeRows, RowReader
 from batchd_server.workers.task import ReadOptions, SourceSpec
 
 __all__ = ["SampleField", "open_fields"]
@@ -47,6 +48,15 @@ class SampleField:
         self.batches = type(decoder).decode_batch is not Pipeline.decode_batch
         """Whether a run of rows may be read and decoded at once (the pipeline has a batch
         path): otherwise its rows are read one by one."""
+
+    def read_ahead(self, columns: SampleColumns, positions: Positions, *, together: bool) -> None:
+        """Fetch ahead what these rows will read (``RowReader.read_ahead``): through the
+        decode cache, only the rows it does not hold, where it can tell
+        (``CachedSource.to_fetch``)."""
+        skip_cached = False
+        if self.cached is not None:
+            positions, skip_cached = self.cached.to_fetch(columns, positions)
+        self.rows.read_ahead(positions, together=together, decoded_cached=skip_cached)
 
     def decoder(self, position: int) -> tuple[Pipeline, CachedSource | None]:
         """What decodes row ``position``'s bytes, and through which cache.
@@ -73,7 +83,8 @@ def open_fields(
     """
     reader = open_reader(source.root, max_sample_bytes=read.max_sample_bytes, store=read.store)
     ranges = RangeRows(reader, columns)
-    cached = CachedSource.of(cache, pipeline, source.root)
+    dataset = "" if source.dataset is None else catalog_name(source.dataset)
+    cached = CachedSource.of(cache, pipeline, source.root, dataset)
     if not len(columns) or columns.row_groups.max() < 0:
         return (SampleField(ranges, pipeline, cached),)
     if not source.parquet_payload:
@@ -81,7 +92,9 @@ def open_fields(
     parquet, numbers = _parquet_rows(
         reader, source.parquet_payload, pipeline, read.max_sample_bytes
     )
-    numbers_cached = cached if numbers is pipeline else CachedSource.of(cache, numbers, source.root)
+    numbers_cached = (
+        cached if numbers is pipeline else CachedSource.of(cache, numbers, source.root, dataset)
+    )
     return (
         SampleField(ParquetRowReader(parquet, ranges), pipeline, cached, numbers, numbers_cached),
     )

@@ -2,7 +2,8 @@
 
 A fixed count is what it always was. A range starts the pool at MIN and lets an
 :class:`Autoscaler` thread move it, one worker at a time, between MIN and the least of MAX,
-the CPUs the server may use and what memory affords:
+the CPUs the server may use and what memory affords (both as its cgroup limits them:
+``host.py``):
 
 - **Up** when, over the last :attr:`ScalingPolicy.grow_window_s`, the trainers stalled
   (the stall ratio the clients report, each client weighed once however many sessions and
@@ -36,6 +37,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
+
+from batchd_server.workers.host import HOST, Cgroups, available_memory, usable_cpus
 
 __all__ = [
     "Autoscaler",
@@ -76,12 +79,10 @@ class WorkerRange:
         return str(self.min) if self.fixed else f"{self.min}..{self.max}"
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, so a container's cpuset counts)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+def available_cpus(cgroups: Cgroups = HOST) -> int:
+    """The CPUs this process may keep busy: its affinity mask (a container's cpuset counts),
+    or fewer when its cgroup's CPU quota says so (``host.py``)."""
+    return usable_cpus(cgroups)
 
 
 def parse_worker_range(text: str) -> WorkerRange:
@@ -199,16 +200,15 @@ def _affinity() -> frozenset[int] | None:
         return None
 
 
-def memory_ceiling(workers: int, rss_bytes: int) -> int:
-    """Workers the memory affords: those running plus as many more as ``MemAvailable``
-    holds twice over (a worker's RSS grows with the batch it decodes)."""
+def memory_ceiling(workers: int, rss_bytes: int, cgroups: Cgroups = HOST) -> int:
+    """Workers the memory affords: those running plus as many more as the memory still
+    available holds twice over (a worker's RSS grows with the batch it decodes). Available
+    is the host's ``MemAvailable``, or less when the cgroup's memory limit is closer
+    (``host.py``): a container's workers must not grow into its OOM killer."""
     if rss_bytes <= 0:
         return 1 << 30
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
+    available = available_memory(cgroups)
+    if available is None:
         return 1 << 30
     return workers + available // (2 * rss_bytes)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
+from batchd_server.catalog.types import DatasetRef
 from batchd_server.decode_cache.worker import CacheCounts, DecodeCacheSpec
 from batchd_server.limits import MAX_SAMPLE_BYTES
 from batchd_server.planning.packing import PackOptions
@@ -70,6 +71,9 @@ class SourceSpec:
     pipeline_options: dict[str, Any] = field(default_factory=dict)
     parquet_payload: str = ""
     """The dataset's Parquet payload column (``image.bytes``); "" when it has no Parquet rows."""
+    dataset: DatasetRef | None = None
+    """The dataset's catalog row: with a sample's row (path, range, id), what identifies an
+    object's bytes in the decode cache's keys."""
 
 
 @dataclass(frozen=True)
