@@ -495,7 +495,8 @@ def _binary(
         data = _bytes_of(buffers[1])
         starts = (np.arange(n + 1, dtype=np.int64) + array.offset) * width
     else:
-        dtype = np.int64 if pa.types.is_large_binary(array.type) else np.int32
+        large = pa.types.is_large_binary(array.type) or pa.types.is_large_string(array.type)
+        dtype = np.int64 if large else np.int32
         offsets = np.frombuffer(buffers[1], dtype)[array.offset : array.offset + n + 1]
         starts = offsets.astype(np.int64)
         data = _bytes_of(buffers[2])

@@ -1,0 +1,206 @@
+"""Text in, tokens out, end to end: JSONL and Parquet text ingested with a tokenizer trained
+in the test, served through ``batchd.Text`` + ``batchd.Pack`` on a real server at 2 ranks.
+Every document's tokens come once per epoch and equal the tokenizer's own encoding with BOS
+and EOS around it (documents longer than a row are split); a mid-epoch state resumes at 2
+ranks with exactly the rest and at 1 rank with every token once. A tokenizer other than the
+ingest's, and a catalog without counts, are refused saying how to re-ingest."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+import batchd
+from batchd import errors
+from batchd_server.api import RunningServer
+from batchd_server.catalog.ingest import ingest_jsonl, ingest_parquet
+from batchd_server.catalog.schema import datasets, samples
+
+from serving import serve
+from text_data import documents, train_tokenizer, write_jsonl
+
+# The plan does not depend on the catalog's backend: the embedded one is enough.
+pytestmark = [pytest.mark.slow(seconds=90), pytest.mark.backend("sqlite")]
+
+SEQ_LEN = 128
+BATCH = 4
+BOS, EOS = 1, 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(path)
+    return path.parent
+
+
+@pytest.fixture
+def catalog(engine: Engine, tmp_path: Path, tokenizer_dir: Path) -> dict[str, Any]:
+    """The same documents as JSONL (two files, another field beside the text) and as a
+    Parquet string column, ingested with the tokenizer; each document's text by key."""
+    docs = documents(160, seed=3)
+    tokenizer = str(tokenizer_dir / "tokenizer.json")
+    root = tmp_path / "data"
+    halves = [docs[:90], docs[90:]]
+    for n, part in enumerate(halves):
+        write_jsonl(root / f"part-{n}.jsonl", [{"id": i, "text": t} for i, t in enumerate(part)])
+    ingest_jsonl(
+        engine,
+        dataset="jtext",
+        root=root,
+        files=["part-*.jsonl"],
+        split="train",
+        text="text",
+        tokenizer=tokenizer,
+        workers=2,
+    )
+    table = pa.table({"text": docs, "n": list(range(len(docs)))})
+    pq.write_table(table, root / "docs.parquet", row_group_size=50)
+    ingest_parquet(
+        engine,
+        dataset="ptext",
+        root=root,
+        files=["docs.parquet"],
+        text="text",
+        split="train",
+        tokenizer=tokenizer,
+        workers=2,
+    )
+    texts = {
+        f"part-{n}.jsonl#{i + 1}": t for n, part in enumerate(halves) for i, t in enumerate(part)
+    }
+    texts.update({f"docs.parquet#{i}": t for i, t in enumerate(docs)})
+    return {"engine": engine, "texts": texts, "tokenizer": tokenizer}
+
+
+@pytest.fixture
+def server(catalog: dict[str, Any], tmp_path: Path) -> Iterator[RunningServer]:
+    url = catalog["engine"].url.render_as_string(hide_password=False)
+    with serve(url, tmp_path) as srv:
+        yield srv
+
+
+def _expected(catalog: dict[str, Any], dataset: str) -> dict[int, list[int]]:
+    """Sample id -> the tokenizer's own encoding of its text, with BOS and EOS."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(catalog["tokenizer"])
+    query = (
+        sa.select(samples.c.id, samples.c.key)
+        .join(datasets, datasets.c.id == samples.c.dataset_id)
+        .where(datasets.c.name == dataset)
+    )
+    with catalog["engine"].connect() as conn:
+        rows = conn.execute(query).all()
+    texts = catalog["texts"]
+    return {r.id: [BOS, *tokenizer.encode(texts[r.key]).ids, EOS] for r in rows}
+
+
+def _loader(server: RunningServer, dataset: str, tokenizer: str, **kw: Any) -> batchd.Loader:
+    return batchd.Loader(
+        server.address,
+        dataset=dataset,
+        batch_size=BATCH,
+        pipeline=batchd.Text(tokenizer=tokenizer),
+        pack=batchd.Pack(seq_len=SEQ_LEN),
+        device="cpu",
+        seed=7,
+        **kw,
+    )
+
+
+def _tokens(batch: dict[str, Any], expected: dict[int, list[int]]) -> list[tuple[int, int]]:
+    """The batch's (document, position) tokens, each checked against the tokenizer."""
+    ids, pos, doc = (np.asarray(batch[k]) for k in ("input_ids", "position_ids", "document_id"))
+    assert ids.shape[1] == SEQ_LEN
+    out = []
+    for r, t in zip(*np.nonzero(doc >= 0), strict=True):
+        d, p = int(doc[r, t]), int(pos[r, t])
+        assert int(ids[r, t]) == expected[d][p], (d, p)
+        out.append((d, p))
+    return out
+
+
+def _every_token(expected: dict[int, list[int]]) -> set[tuple[int, int]]:
+    return {(d, p) for d, ids in expected.items() for p in range(len(ids))}
+
+
+@pytest.mark.parametrize("dataset", ["jtext", "ptext"])
+def test_two_ranks_serve_every_documents_tokens_once_and_resume_exactly(
+    server: RunningServer, catalog: dict[str, Any], dataset: str
+) -> None:
+    """2 ranks: every (document, position) once (the tail's wrap-around aside), equal to the
+    tokenizer's encoding; a state after 3 steps resumes at 2 ranks with exactly the rest and
+    at 1 rank with every token once."""
+    expected = _expected(catalog, dataset)
+    assert max(len(t) for t in expected.values()) > SEQ_LEN, "some documents are split"
+    tok = catalog["tokenizer"]
+    per_rank = []
+    for rank in range(2):
+        with _loader(server, dataset, tok, rank=rank, world_size=2) as loader:
+            per_rank.append([_tokens(b, expected) for b in loader])
+    assert len(per_rank[0]) == len(per_rank[1])
+    served = Counter(t for rank in per_rank for batch in rank for t in batch)
+    assert set(served) == _every_token(expected)
+    assert sum(c - 1 for c in served.values()) <= BATCH * SEQ_LEN  # the wrapped tail only
+
+    states = []
+    for rank in range(2):
+        with _loader(server, dataset, tok, rank=rank, world_size=2) as loader:
+            it = iter(loader)
+            for _ in range(3):
+                next(it)
+            states.append(loader.state_dict())
+    for rank in range(2):
+        with _loader(server, dataset, tok, rank=rank, world_size=2) as loader:
+            loader.load_state_dict(states[rank])
+            assert [_tokens(b, expected) for b in loader] == per_rank[rank][3:]
+
+    with _loader(server, dataset, tok) as loader:
+        loader.load_state_dict(states[0])
+        rest = Counter(t for b in loader for t in _tokens(b, expected))
+    together = Counter(t for rank in per_rank for batch in rank[:3] for t in batch) + rest
+    assert set(together) == _every_token(expected)
+    assert max(together.values()) == 1
+
+
+def test_another_tokenizer_or_no_counts_is_refused_saying_how_to_reingest(
+    server: RunningServer, catalog: dict[str, Any], tmp_path: Path
+) -> None:
+    other = tmp_path / "other" / "tokenizer.json"
+    train_tokenizer(other, vocab_size=300, seed=9)
+    with pytest.raises(errors.InvalidArgument, match=r"re-ingest .*--tokenizer"):
+        _loader(server, "jtext", str(other))
+    root = tmp_path / "plain"
+    write_jsonl(root / "a.jsonl", [{"text": "hello there"}, {"text": "general"}])
+    ingest_jsonl(
+        catalog["engine"], dataset="plain", root=root, files=["a.jsonl"], split="train", text="text"
+    )
+    with pytest.raises(errors.InvalidArgument, match=r"no token counts.*--tokenizer"):
+        _loader(server, "plain", catalog["tokenizer"])
+    # Unpacked, the same documents need no counts: each is tokenized as it is served.
+    with batchd.Loader(
+        server.address,
+        dataset="plain",
+        batch_size=2,
+        shuffle=False,
+        pipeline=batchd.Text(tokenizer=catalog["tokenizer"], max_len=64),
+        device="cpu",
+    ) as loader:
+        (batch,) = list(loader)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(catalog["tokenizer"])
+    for row, text in enumerate(["hello there", "general"]):
+        want = [BOS, *tokenizer.encode(text).ids, EOS]
+        assert int(batch["length"][row]) == len(want)
+        assert np.asarray(batch["input_ids"])[row, : len(want)].tolist() == want
