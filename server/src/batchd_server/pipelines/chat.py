@@ -136,16 +136,16 @@ class ChatPipeline(TextPipeline):
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = len(self._render(messages[:i], True))
+            head = self._render(messages[:i], True)
             end = self._render(messages[: i + 1], False)
-            if not text.startswith(end) or start > len(end):
+            if not text.startswith(end) or not end.startswith(head):
                 raise BadSample(
                     "corrupt",
                     "the chat template renders the conversation's first messages differently "
                     "once more follow, so the assistant's tokens cannot be found; use a "
                     "template that renders message by message",
                 )
-            spans.append((start, len(end)))
+            spans.append((len(head), len(end)))
         return text, spans
 
     def prepare(self, value: Any) -> tuple[str, Any]:

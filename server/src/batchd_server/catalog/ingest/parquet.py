@@ -227,8 +227,8 @@ class ParquetSamples:
             pf = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{rel} is not a Parquet file ({e})") from e
+        self._check_text(pf, rel)
         payload = resolve_payload(pf, self.payload, rel)
-        self._check_text(pf, rel, payload.names)
         self.payload_kinds.add(payload.kind)
         small = {
             "label": self.label,
@@ -314,11 +314,13 @@ class ParquetSamples:
             i,
         )
 
-    def _check_text(self, pf: pq.ParquetFile, rel: str, names: tuple[str, ...]) -> None:
+    def _check_text(self, pf: pq.ParquetFile, rel: str) -> None:
         """A text column holds strings; a string column is taken only as text."""
-        found = find_field(pf.schema_arrow, ".".join(names))
-        t = found[1] if found is not None else None
-        is_string = t is not None and (pa.types.is_string(t) or pa.types.is_large_string(t))
+        found = find_field(pf.schema_arrow, self.payload)
+        if found is None:
+            return  # resolve_payload says it is missing
+        t = found[1]
+        is_string = pa.types.is_string(t) or pa.types.is_large_string(t)
         if self.text and not is_string:
             raise DataError(
                 f"{rel}: column {self.payload!r} (--text) is {t}; text documents are a string "
