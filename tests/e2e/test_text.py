@@ -2,8 +2,10 @@
 in the test, served through ``batchd.Text`` + ``batchd.Pack`` on a real server at 2 ranks.
 Every document's tokens come once per epoch and equal the tokenizer's own encoding with BOS
 and EOS around it (documents longer than a row are split); a mid-epoch state resumes at 2
-ranks with exactly the rest and at 1 rank with every token once. A tokenizer other than the
-ingest's, and a catalog without counts, are refused saying how to re-ingest."""
+ranks with exactly the rest and at 1 rank with every token once. Chat transcripts packed the
+same way keep their loss_mask aligned with their tokens, and no piece of a row crosses a
+document. A tokenizer other than the ingest's, and a catalog without counts, are refused
+saying how to re-ingest."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from batchd_server.catalog.ingest import ingest_jsonl, ingest_parquet
 from batchd_server.catalog.schema import datasets, samples
 
 from serving import serve
-from text_data import documents, train_tokenizer, write_jsonl
+from text_data import chats, documents, train_tokenizer, write_jsonl
 
 # The plan does not depend on the catalog's backend: the embedded one is enough.
 pytestmark = [pytest.mark.slow(seconds=90), pytest.mark.backend("sqlite")]
@@ -79,6 +81,19 @@ def catalog(engine: Engine, tmp_path: Path, tokenizer_dir: Path) -> dict[str, An
         f"part-{n}.jsonl#{i + 1}": t for n, part in enumerate(halves) for i, t in enumerate(part)
     }
     texts.update({f"docs.parquet#{i}": t for i, t in enumerate(docs)})
+    conversations = chats(60, seed=4)
+    write_jsonl(root / "chat.jsonl", [{"messages": c} for c in conversations])
+    ingest_jsonl(
+        engine,
+        dataset="chat",
+        root=root,
+        files=["chat.jsonl"],
+        split="train",
+        messages="messages",
+        tokenizer=tokenizer,
+        workers=1,
+    )
+    texts.update({f"chat.jsonl#{i + 1}": c for i, c in enumerate(conversations)})
     return {"engine": engine, "texts": texts, "tokenizer": tokenizer}
 
 
@@ -89,20 +104,25 @@ def server(catalog: dict[str, Any], tmp_path: Path) -> Iterator[RunningServer]:
         yield srv
 
 
-def _expected(catalog: dict[str, Any], dataset: str) -> dict[int, list[int]]:
-    """Sample id -> the tokenizer's own encoding of its text, with BOS and EOS."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(catalog["tokenizer"])
+def _keys(catalog: dict[str, Any], dataset: str) -> dict[int, str]:
     query = (
         sa.select(samples.c.id, samples.c.key)
         .join(datasets, datasets.c.id == samples.c.dataset_id)
         .where(datasets.c.name == dataset)
     )
     with catalog["engine"].connect() as conn:
-        rows = conn.execute(query).all()
+        return {r.id: r.key for r in conn.execute(query).all()}
+
+
+def _expected(catalog: dict[str, Any], dataset: str) -> dict[int, list[int]]:
+    """Sample id -> the tokenizer's own encoding of its text, with BOS and EOS."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(catalog["tokenizer"])
     texts = catalog["texts"]
-    return {r.id: [BOS, *tokenizer.encode(texts[r.key]).ids, EOS] for r in rows}
+    return {
+        d: [BOS, *tokenizer.encode(texts[k]).ids, EOS] for d, k in _keys(catalog, dataset).items()
+    }
 
 
 def _loader(server: RunningServer, dataset: str, tokenizer: str, **kw: Any) -> batchd.Loader:
@@ -204,3 +224,57 @@ def test_another_tokenizer_or_no_counts_is_refused_saying_how_to_reingest(
         want = [BOS, *tokenizer.encode(text).ids, EOS]
         assert int(batch["length"][row]) == len(want)
         assert np.asarray(batch["input_ids"])[row, : len(want)].tolist() == want
+
+
+def test_packed_chats_keep_their_loss_mask_aligned_and_rows_never_cross_documents(
+    server: RunningServer, catalog: dict[str, Any]
+) -> None:
+    """Every (conversation, position) once, its token and loss_mask those of the chat
+    pipeline's own encoding (whose mask the pipeline tests check against the assistant's
+    text); each cu_seqlens segment lies in one document, positions counting from its start."""
+    import json
+
+    from batchd_server.pipelines.chat import ChatPipeline
+
+    pipeline = ChatPipeline(catalog["tokenizer"])
+    keys = _keys(catalog, "chat")
+    encoded = dict(
+        zip(
+            keys,
+            pipeline.encode_documents(
+                [json.dumps(catalog["texts"][k]).encode() for k in keys.values()]
+            ),
+            strict=True,
+        )
+    )
+    loader = batchd.Loader(
+        server.address,
+        dataset="chat",
+        batch_size=BATCH,
+        pipeline=batchd.Chat(tokenizer=catalog["tokenizer"]),
+        pack=batchd.Pack(seq_len=SEQ_LEN),
+        device="cpu",
+        drop_last=False,
+    )
+    seen: Counter[tuple[int, int]] = Counter()
+    with loader:
+        for batch in loader:
+            b = {k: np.asarray(v) for k, v in batch.items()}
+            ids, mask, doc, pos = (
+                b[k] for k in ("input_ids", "loss_mask", "document_id", "position_ids")
+            )
+            assert mask.shape == ids.shape and mask.dtype == np.uint8
+            assert (mask[doc < 0] == 0).all()
+            flat_doc, flat_pos, cu = doc.reshape(-1), pos.reshape(-1), b["cu_seqlens"]
+            for a, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+                assert (flat_doc[a:e] == flat_doc[a]).all(), "a segment is one document"
+                if flat_doc[a] >= 0:
+                    assert flat_pos[a:e].tolist() == list(range(flat_pos[a], flat_pos[a] + e - a))
+            for r, t in zip(*np.nonzero(doc >= 0), strict=True):
+                d, p = int(doc[r, t]), int(pos[r, t])
+                want_ids, want_mask = encoded[d]
+                assert (int(ids[r, t]), int(mask[r, t])) == (int(want_ids[p]), int(want_mask[p]))
+                seen[(d, p)] += 1
+    assert set(seen) == {(d, p) for d, (i, _) in encoded.items() for p in range(i.size)}
+    assert max(seen.values()) == 1
+    assert sum(int(m.sum()) for _, m in encoded.values()) > 0
