@@ -94,7 +94,7 @@ def _split(seq_len: int) -> Any:
     import grain.experimental as ge
 
     class Split(ge.FlatMapTransform):  # type: ignore[misc]
-        max_fan_out = 1 << 12
+        max_fan_out = 1 << 10
 
         def flat_map(self, ids: list[int]) -> list[dict[str, np.ndarray]]:
             array = np.asarray(ids, np.int32)
@@ -111,7 +111,9 @@ def grain_epoch(
 
     cpu0, start = self_cpu_s(), time.perf_counter()
     docs = grain.MapDataset.source(texts).map(_TokenizeOne(_Tokenize(tokenizer)))
-    pieces = ge.FlatMapMapDataset(docs, _split(seq_len)).to_iter_dataset()
+    # On the iterator: a MapDataset's flat map indexes every (document, fan-out) pair and
+    # would tokenize each document max_fan_out times.
+    pieces = ge.FlatMapIterDataset(docs.to_iter_dataset(), _split(seq_len))
     packed = ge.BestFitPackIterDataset(
         pieces, length_struct={"inputs": seq_len}, num_packing_bins=batch, seed=0
     ).batch(batch)

@@ -278,3 +278,54 @@ def test_packed_chats_keep_their_loss_mask_aligned_and_rows_never_cross_document
     assert set(seen) == {(d, p) for d, (i, _) in encoded.items() for p in range(i.size)}
     assert max(seen.values()) == 1
     assert sum(int(m.sum()) for _, m in encoded.values()) > 0
+
+
+def test_an_empty_or_mistyped_document_served_is_a_named_bad_sample(
+    server: RunningServer, catalog: dict[str, Any], tmp_path: Path
+) -> None:
+    """Documents that reach a worker (here byte ranges of a manifest) but are empty or not
+    text: skipped and reported under on_error="skip", the epoch failing naming the kind
+    under "raise"."""
+    import json
+
+    from batchd_server.catalog.ingest import ingest_manifest
+
+    root = tmp_path / "odd"
+    root.mkdir()
+    parts = [b'"fine text"', b'""', b"5"]
+    (root / "docs.txt").write_bytes(b"".join(parts))
+    rows, offset = [], 0
+    for n, part in enumerate(parts):
+        rows.append({"key": f"k{n}", "path": "docs.txt", "split": "train", "length": 3})
+        rows[-1].update(byte_offset=offset, byte_length=len(part))
+        offset += len(part)
+    manifest = tmp_path / "odd.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ingest_manifest(catalog["engine"], dataset="odd", root=root, manifest=manifest)
+
+    def loader(**kw: Any) -> batchd.Loader:
+        return batchd.Loader(
+            server.address,
+            dataset="odd",
+            batch_size=3,
+            shuffle=False,
+            pipeline=batchd.Text(tokenizer=catalog["tokenizer"], max_len=32),
+            device="cpu",
+            **kw,
+        )
+
+    with loader(max_error_fraction=1.0) as skipping:
+        (batch,) = list(skipping)
+        assert len(skipping.last_failed_sample_ids) == 2
+    assert np.asarray(batch["length"]).tolist()[:1] == [len(_expected_text(catalog, "fine text"))]
+    with (
+        loader(on_error="raise") as raising,
+        pytest.raises(errors.DataLoss, match="empty document"),
+    ):
+        list(raising)
+
+
+def _expected_text(catalog: dict[str, Any], text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return [BOS, *Tokenizer.from_file(catalog["tokenizer"]).encode(text).ids, EOS]
