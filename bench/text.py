@@ -97,7 +97,8 @@ def batchd_epoch(
         seed=0,
     )
     with loader:
-        next(iter(loader))  # the session, the plan and the workers warm
+        for _ in loader:  # a whole epoch first: every worker has loaded the tokenizer
+            pass
         loader.set_epoch(1)
         cpu0, server0, start = self_cpu_s(), server_cpu(), time.perf_counter()
         real = slots = batches = 0
@@ -165,8 +166,10 @@ def main() -> None:
             f"BPE tokenizer of {args.vocab:,} tokens trained in {trained:.1f} s; "
             f"Pack(seq_len={args.seq_len}) best_fit, batch {BATCH} rows; {args.workers} "
             "workers for every loader (batchd-server --workers, datasets num_proc and "
-            "DataLoader num_workers, Grain mp_prefetch); one epoch each after a warm-up "
-            "batch (batchd). Timings: one run"
+            "DataLoader num_workers, Grain mp_prefetch); one epoch each, batchd's after a "
+            "warm-up epoch (its workers load the tokenizer once, at their first batch); the "
+            "peers' from reading the files, their tokenization being the epoch's work. "
+            "Timings: one run"
         )
         print(f"tokenizer alone, one core: {limit / 1e6:.2f} M tokens/s\n")
         url = f"sqlite:///{root / 'catalog.db'}"
