@@ -65,6 +65,8 @@ __all__ = [
 
 _ROW_FIELDS: Final = ("input_ids", "position_ids", "segment_ids", "document_id")
 """The packed fields of shape ``(rows, seq_len)``."""
+KEPT_TOKENS: Final = 1 << 22
+"""Tokens of partly used documents a worker keeps per text session (16 MiB of int32)."""
 
 
 class _Source(Protocol):
@@ -116,8 +118,10 @@ class PackedPipeline(Pipeline):
         self.seq_len = seq_len
         self.masked = any(f.name == "loss_mask" for f in self.tokens.fields())
         """The documents' tokens have a loss mask (chat), which the rows carry."""
-        self.read: _PieceReader = (
-            _read_encoded if isinstance(self.tokens, TextPipeline) else _read_pieces
+        self.read: Callable[..., Read] = (
+            partial(_read_encoded, held=KeptDocuments())
+            if isinstance(self.tokens, TextPipeline)
+            else _read_pieces
         )
         """How the pieces' tokens are had: their bytes (token records) or their documents'
         encodings (text)."""
@@ -198,14 +202,32 @@ Read = tuple[
 None), which pieces were read, the failures, whether the batch must fail."""
 
 
-class _PieceReader(Protocol):
-    def __call__(
-        self,
-        context: PackedContext,
-        tokens: TokensPipeline,
-        task: BatchTask,
-        pieces: npt.NDArray[np.int64],
-    ) -> Read: ...
+class KeptDocuments:
+    """The encodings of documents a task used only part of (a document longer than a row:
+    its other pieces are in other rows, often other tasks), kept by this worker for the
+    session so that a later task of its own need not tokenize them again; least recently
+    used first out past ``max_tokens``."""
+
+    def __init__(self, max_tokens: int = KEPT_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._kept: dict[int, Any] = {}
+
+    def pop(self, position: int) -> Any:
+        found = self._kept.pop(position, None)
+        if found is not None:
+            self.tokens -= found[0].size
+        return found
+
+    def keep(self, position: int, encoded: Any) -> None:
+        size = int(encoded[0].size)
+        if size > self.max_tokens:
+            return
+        self.pop(position)
+        while self._kept and self.tokens + size > self.max_tokens:
+            self.pop(next(iter(self._kept)))
+        self._kept[position] = encoded
+        self.tokens += size
 
 
 def _read_pieces(
@@ -261,16 +283,23 @@ def _read_encoded(
     tokens: TokensPipeline,
     task: BatchTask,
     pieces: npt.NDArray[np.int64],
+    *,
+    held: KeptDocuments,
 ) -> Read:
     """Every piece's tokens cut from its document's encoding: each document of the batch is
-    read whole once, and each source's documents are tokenized together (one
-    ``encode_batch``, by the source's own pipeline: JSON values or a Parquet column's UTF-8)."""
+    read whole once (or taken from ``held``), and each source's documents are tokenized
+    together (one ``encode_batch``, by the source's own pipeline: JSON values or a Parquet
+    column's UTF-8); a document the batch uses only part of is kept for a later task."""
     documents, inverse = np.unique(pieces[:, 1], return_inverse=True)
     located = [context.locate(p) for p in documents.tolist()]
+    encoded: dict[int, Any] = {}
     groups: dict[int, list[int]] = {}
     for d, (source, _) in enumerate(located):
-        groups.setdefault(id(source), []).append(d)
-    encoded: dict[int, Any] = {}
+        found = held.pop(int(documents[d]))
+        if found is not None:
+            encoded[d] = found
+        else:
+            groups.setdefault(id(source), []).append(d)
     for members in groups.values():
         source = located[members[0]][0]
         datas = _documents(context, source, task, documents, located, members, encoded)
@@ -282,6 +311,10 @@ def _read_encoded(
                 found = BadSample(found.kind, f"{source.path(located[d][1])}: {found}")
             encoded[d] = found
     context.where[0] = -1
+    used = np.bincount(inverse, weights=pieces[:, 3], minlength=documents.size)
+    for d, found in encoded.items():
+        if not isinstance(found, BadSample) and used[d] < found[0].size:
+            held.keep(int(documents[d]), found)
     out: list[npt.NDArray[Any]] = []
     masks: list[npt.NDArray[np.uint8]] = []
     kept = np.ones(len(pieces), np.bool_)
