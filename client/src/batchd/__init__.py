@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from batchd._dataset import DataLoader, IterableDataset
     from batchd._loader import Loader
     from batchd._packing import Pack
-    from batchd._pipelines import Array, Custom, Image, Tokens
+    from batchd._pipelines import Array, Chat, Custom, Image, Text, Tokens
     from batchd._sources import Mix, Source
 
 __all__ = [
     "Array",
     "Catalog",
+    "Chat",
     "Custom",
     "DataLoader",
     "DatasetInfo",
@@ -36,6 +37,7 @@ __all__ = [
     "Pack",
     "Source",
     "SplitInfo",
+    "Text",
     "Tokens",
     "__version__",
     "errors",
@@ -44,6 +46,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "Array": "batchd._pipelines",
     "Catalog": "batchd._catalog",
+    "Chat": "batchd._pipelines",
     "Custom": "batchd._pipelines",
     "DataLoader": "batchd._dataset",
     "DatasetInfo": "batchd._catalog",
@@ -54,6 +57,7 @@ _LAZY: dict[str, str] = {
     "Pack": "batchd._packing",
     "Source": "batchd._sources",
     "SplitInfo": "batchd._catalog",
+    "Text": "batchd._pipelines",
     "Tokens": "batchd._pipelines",
 }
 

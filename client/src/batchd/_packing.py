@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from batchd._pipelines import Tokens, check_choice, check_int
+from batchd._pipelines import Chat, Text, Tokens, check_choice, check_int
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._wire.pack import MAX_SEQ_LEN, PACK_METHODS
 from batchd.errors import InvalidArgument
@@ -73,13 +73,21 @@ def check_pack(pack: object, pipeline: object) -> None:
         InvalidArgument: anything else, saying what to pass.
     """
     if pack is None:
+        if isinstance(pipeline, Text | Chat) and pipeline.max_len is None:
+            name = type(pipeline).__name__
+            raise InvalidArgument(
+                f"{name}(max_len=None) keeps whole documents, which only packed rows can hold; "
+                f"pass pack=batchd.Pack(seq_len=...), or give {name}(max_len=...) for batches "
+                "of documents"
+            )
         return
     if not isinstance(pack, Pack):
         raise InvalidArgument(
             f"pack={pack!r} must be a batchd.Pack, e.g. batchd.Pack(seq_len=2048)"
         )
-    if not isinstance(pipeline, Tokens):
+    if not isinstance(pipeline, Tokens | Text | Chat):
         raise InvalidArgument(
             f"pack=batchd.Pack(...) packs token documents, but the pipeline is {pipeline!r}; "
-            "pass pipeline=batchd.Tokens(max_len=..., dtype=...) with it, or leave pack out"
+            "pass pipeline=batchd.Tokens(max_len=..., dtype=...), batchd.Text(...) or "
+            "batchd.Chat(...) with it, or leave pack out"
         )

@@ -1,4 +1,5 @@
-"""Pipeline specs (``batchd.Image``, ``Array``, ``Tokens``, ``Custom``) and the Loader's choices.
+"""Pipeline specs (``batchd.Image``, ``Array``, ``Tokens``, ``Text``, ``Chat``, ``Custom``) and
+the Loader's choices.
 
 A spec says what each sample decodes to on the server. Specs are frozen dataclasses that
 validate themselves when built, so a mistake fails in the training script's first line, not
@@ -36,9 +37,11 @@ __all__ = [
     "ON_ERROR_POLICIES",
     "SAMPLING_MODES",
     "Array",
+    "Chat",
     "Custom",
     "Image",
     "PipelineSpec",
+    "Text",
     "Tokens",
     "check_choice",
     "check_int",
@@ -286,6 +289,124 @@ class Tokens:
         )
 
 
+def _tokenizer_path(what: str, path: object) -> str:
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path.strip():
+        raise InvalidArgument(
+            f"{what} tokenizer={path!r} must be the path of a tokenizer.json on the server's "
+            "machine (Hugging Face tokenizers' format; never fetched from a hub)"
+        )
+    return path
+
+
+def _text_common(spec: Text | Chat) -> None:
+    name = type(spec).__name__
+    object.__setattr__(spec, "tokenizer", _tokenizer_path(name, spec.tokenizer))
+    if spec.max_len is not None:
+        object.__setattr__(
+            spec, "max_len", check_int(f"{name} max_len", spec.max_len, 1, MAX_TOKENS)
+        )
+    dtype = check_choice(f"{name} dtype", spec.dtype, tuple(_TOKEN_DTYPES))
+    low, high = _TOKEN_DTYPES[dtype]
+    object.__setattr__(
+        spec, "pad_id", check_int(f"{name} pad_id ({dtype})", spec.pad_id, low, high)
+    )
+
+
+@dataclass(frozen=True)
+class Text:
+    """Raw text tokenized on the server: the fields of :class:`Tokens` (``input_ids``,
+    ``attention_mask``, ``length``), so :class:`batchd.Pack` and :class:`batchd.Mix` work
+    on it as on token records.
+
+    Args:
+        tokenizer: A Hugging Face ``tokenizer.json`` on the server's machine; each decode
+            worker loads it once and tokenizes a batch of documents at a time.
+        add_bos: Put the tokenizer's beginning-of-sequence token before each document.
+        add_eos: Put its end-of-sequence token after each document.
+        max_len: Longer documents are truncated to this many tokens; None keeps whole
+            documents, which only :class:`batchd.Pack` can serve (it cuts them into rows).
+        dtype: ``"int32"`` or ``"uint16"`` (a vocabulary of at most 65536): ``input_ids``'
+            dtype.
+        pad_id: Pads ``input_ids``.
+
+    Packing plans an epoch from each document's token count in the catalog: ingest the text
+    with ``--tokenizer`` (the same file), see the text and chat data guide.
+    """
+
+    tokenizer: str
+    add_bos: bool = True
+    add_eos: bool = True
+    max_len: int | None = None
+    dtype: str = "int32"
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        _text_common(self)
+        object.__setattr__(self, "add_bos", bool(self.add_bos))
+        object.__setattr__(self, "add_eos", bool(self.add_eos))
+
+    def _to_proto(self) -> loader_pb2.Pipeline:
+        return loader_pb2.Pipeline(
+            text=loader_pb2.TextPipeline(
+                tokenizer=self.tokenizer,
+                add_bos=self.add_bos,
+                add_eos=self.add_eos,
+                max_len=self.max_len or 0,
+                dtype=self.dtype,
+                pad_id=self.pad_id,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class Chat:
+    """Chat transcripts (a list of ``{"role", "content"}`` messages) rendered with a chat
+    template and tokenized on the server: the fields of :class:`Tokens` plus ``loss_mask``
+    (uint8, 1 exactly on the tokens of assistant messages).
+
+    Args:
+        tokenizer: A Hugging Face ``tokenizer.json`` on the server's machine.
+        template: A Jinja chat template (the text itself); None uses the ``chat_template``
+            of the ``tokenizer_config.json`` beside the tokenizer.
+        max_len: As :class:`Text`'s.
+        dtype: As :class:`Text`'s.
+        pad_id: As :class:`Text`'s.
+
+    The template renders the special tokens (begin and end of turn) itself, so nothing is
+    added around a conversation.
+    """
+
+    tokenizer: str
+    template: str | None = None
+    max_len: int | None = None
+    dtype: str = "int32"
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        _text_common(self)
+        if self.template is not None and (
+            not isinstance(self.template, str) or not self.template.strip()
+        ):
+            raise InvalidArgument(
+                f"Chat template={self.template!r} must be a Jinja template's text, or None for "
+                "the tokenizer's own chat_template"
+            )
+
+    def _to_proto(self) -> loader_pb2.Pipeline:
+        return loader_pb2.Pipeline(
+            text=loader_pb2.TextPipeline(
+                tokenizer=self.tokenizer,
+                max_len=self.max_len or 0,
+                dtype=self.dtype,
+                pad_id=self.pad_id,
+                chat=True,
+                template=self.template or "",
+            )
+        )
+
+
 @dataclass(frozen=True, init=False)
 class Custom:
     """A decoder registered on the server by name (entry-point group ``batchd.decoders``).
@@ -321,7 +442,7 @@ class Custom:
         )
 
 
-PipelineSpec: TypeAlias = Image | Array | Tokens | Custom
+PipelineSpec: TypeAlias = Image | Array | Tokens | Text | Chat | Custom
 """Any pipeline spec a :class:`batchd.Loader` accepts."""
 
 
@@ -329,9 +450,10 @@ def pipeline_or_default(pipeline: object) -> PipelineSpec:
     """``pipeline``, or ``Image()`` for None; InvalidArgument for anything that is not a spec."""
     if pipeline is None:
         return Image()
-    if not isinstance(pipeline, Image | Array | Tokens | Custom):
+    if not isinstance(pipeline, Image | Array | Tokens | Text | Chat | Custom):
         raise InvalidArgument(
             f"pipeline={pipeline!r} is not a pipeline spec; pass batchd.Image(...), "
-            "batchd.Array(...), batchd.Tokens(...) or batchd.Custom(...)"
+            "batchd.Array(...), batchd.Tokens(...), batchd.Text(...), batchd.Chat(...) or "
+            "batchd.Custom(...)"
         )
     return pipeline

@@ -79,6 +79,25 @@ def _patterns(p: argparse.ArgumentParser, dest: str, metavar: str, what: str, ex
     p.add_argument(dest, metavar=metavar, nargs="+", help=help)
 
 
+def _text_args(p: argparse.ArgumentParser) -> None:
+    """What counts the tokens of text documents (for batchd.Pack)."""
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a tokenizer.json: record each document's token count, which batchd.Pack plans "
+        "from (the Loader's batchd.Text/Chat must use the same file)",
+    )
+    p.add_argument(
+        "--template", metavar="FILE", help="a Jinja chat template (default: the tokenizer's)"
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        metavar="N",
+        help="processes counting tokens (default: the CPUs this process may use)",
+    )
+
+
 def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add migrate, ingest, demo-data and datasets to the subcommands ``sub`` (argparse's
     ``add_subparsers`` object), each with the options of ``common``."""
@@ -132,13 +151,17 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--split", help="split of every row")
     where.add_argument("--split-column", metavar="COLUMN", help="string column of each row's split")
-    p.add_argument(
+    sample = p.add_mutually_exclusive_group(required=True)
+    sample.add_argument(
         "--payload",
-        required=True,
         metavar="COLUMN",
         help="the sample: binary (image bytes, .npy, raw), a list of integers (tokens) or a "
         "fixed-size list of numbers (arrays); a struct's field as image.bytes",
     )
+    sample.add_argument(
+        "--text", metavar="COLUMN", help="a string column of text documents (batchd.Text)"
+    )
+    _text_args(p)
     p.add_argument("--label", metavar="COLUMN", help="integer column of labels")
     p.add_argument("--key", metavar="COLUMN", help="column of unique keys (default FILE#ROW)")
     p.add_argument(
@@ -147,6 +170,22 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         help="integer column of sequence lengths (default: a list payload's length)",
     )
     _patterns(p, "files", "FILE", "Parquet files", "part-{0000..0099}.parquet")
+    p.set_defaults(progress_of="files")
+
+    p = kind(
+        "jsonl",
+        "text or chat documents in JSONL files: one line, one document, read where it lies",
+        "directory (or s3://BUCKET/PREFIX) the files are under",
+        None,
+    )
+    p.add_argument("--split", required=True, help="split of every document")
+    field = p.add_mutually_exclusive_group(required=True)
+    field.add_argument("--text", metavar="FIELD", help="field of each line's text (a string)")
+    field.add_argument(
+        "--messages", metavar="FIELD", help="field of each line's chat: [{role, content}, ...]"
+    )
+    _text_args(p)
+    _patterns(p, "files", "FILE", "JSONL files", "part-{0000..0099}.jsonl")
     p.set_defaults(progress_of="files")
 
     p = sub.add_parser("demo-data", parents=[common], help="write synthetic JPEGs and ingest them")

@@ -75,6 +75,13 @@ def _pipeline(spec: pb.Pipeline) -> tuple[str, dict[str, Any]]:
         tokens = spec.tokens
         dtype = tokens.dtype or "int32"
         return "tokens", {"max_len": tokens.max_len, "dtype": dtype, "pad_id": tokens.pad_id}
+    if kind == "text":
+        text = spec.text
+        options = {"tokenizer": text.tokenizer, "max_len": text.max_len or None}
+        options.update(dtype=text.dtype or "int32", pad_id=text.pad_id)
+        if text.chat:
+            return "chat", {**options, "template": text.template or None}
+        return "text", {**options, "add_bos": text.add_bos, "add_eos": text.add_eos}
     if kind == "custom":
         try:
             custom_options = json.loads(spec.custom.options_json or "{}")
@@ -84,8 +91,9 @@ def _pipeline(spec: pb.Pipeline) -> tuple[str, dict[str, Any]]:
             raise InvalidArgument("custom pipeline options must be a JSON object")
         return "custom", {"name": spec.custom.name, "options": custom_options}
     raise InvalidArgument(
-        "OpenSession needs a pipeline: image, array, tokens or custom "
-        "(batchd.Image(), batchd.Array(...), batchd.Tokens(...), batchd.Custom(...))"
+        "OpenSession needs a pipeline: image, array, tokens, text or custom "
+        "(batchd.Image(), batchd.Array(...), batchd.Tokens(...), batchd.Text(...), "
+        "batchd.Chat(...), batchd.Custom(...))"
     )
 
 

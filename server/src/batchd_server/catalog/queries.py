@@ -70,12 +70,14 @@ def resolve_dataset(conn: sa.Connection, name: str, version: str | None = None) 
         known = ", ".join(names) if names else "none yet; ingest one with `batchd-server ingest`"
         raise NotFound(f"dataset {name!r} is not in the catalog; datasets: {known}")
     parquet = (row.attrs or {}).get("parquet") or {}
+    text = (row.attrs or {}).get("text") or {}
     return DatasetRef(
         id=row.id,
         name=row.name,
         version=row.version,
         root=row.root,
         parquet_payload=str(parquet.get("payload", "")),
+        text_identity=str(text.get("identity") or ""),
     )
 
 

@@ -39,6 +39,9 @@ class DatasetRef:
     parquet_payload: str = ""
     """The payload column of its Parquet rows (``datasets.attrs["parquet"]["payload"]``);
     "" for a dataset without any."""
+    text_identity: str = ""
+    """What made its rows' ``length`` token counts (``datasets.attrs["text"]["identity"]``:
+    the encoding and its tokenizer file's digest, see ``pipelines/text.py``); "" for none."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ A payload is named like ``image`` or, for a field of a struct, ``image.bytes`` (
 Face exports images: ``struct<bytes: binary, path: string>``). Its values are one of:
 
 - **binary** (``binary``, ``large_binary``, ``fixed_size_binary``): each row's bytes are a
-  sample as if they were a file (an encoded image, a ``.npy``, raw records).
+  sample as if they were a file (an encoded image, a ``.npy``, raw records). A string column
+  (``string``, ``large_string``) is binary too: its rows are their UTF-8 text (the ingest
+  takes one only as ``--text``, for ``batchd.Text``).
 - **list** (``list``/``large_list`` of numbers): a variable-length sequence, such as tokens.
 - **fixed** (``fixed_size_list`` of numbers, nested for more dimensions): a fixed-shape array.
 
@@ -88,6 +90,8 @@ def _numeric(t: pa.DataType) -> bool:
 def _classify(t: pa.DataType) -> tuple[str, pa.DataType | None, int] | None:
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return "binary", None, 0
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "binary", None, 0
     if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _numeric(t.value_type):
         return "list", t.value_type, 0
     if pa.types.is_fixed_size_list(t):
@@ -118,8 +122,6 @@ def resolve_payload(pf: pq.ParquetFile, column: str, where: str) -> Payload:
         hint = ""
         if pa.types.is_struct(arrow_type) and arrow_type.get_field_index("bytes") >= 0:
             hint = f" (a struct: for its bytes, pass --payload {column}.bytes)"
-        elif pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
-            hint = " (text: store it as binary, or tokenize it into a list of integers)"
         raise DataError(
             f"{where}: column {column!r} is {arrow_type}{hint}; a payload must be {_ALLOWED}"
         )

@@ -61,7 +61,7 @@ def expanded_bytes(parts: list[pa.Array]) -> int:
 
 
 def _offset_type(t: pa.DataType) -> type[np.int32] | type[np.int64]:
-    return np.int64 if pa.types.is_large_binary(t) else np.int32
+    return np.int64 if pa.types.is_large_binary(t) or pa.types.is_large_string(t) else np.int32
 
 
 def decode(parts: list[pa.Array], payload: Payload, target: np.dtype[Any] | None) -> Group:
@@ -112,7 +112,8 @@ def _binary(
         data = _bytes_of(buffers[1])
         starts = (np.arange(n + 1, dtype=np.int64) + array.offset) * width
     else:
-        dtype = np.int64 if pa.types.is_large_binary(array.type) else np.int32
+        large = pa.types.is_large_binary(array.type) or pa.types.is_large_string(array.type)
+        dtype = np.int64 if large else np.int32
         offsets = np.frombuffer(buffers[1], dtype)[array.offset : array.offset + n + 1]
         starts = offsets.astype(np.int64)
         data = _bytes_of(buffers[2])

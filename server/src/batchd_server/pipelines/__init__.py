@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import BadSample, FieldSpec, Pipeline, SampleInfo, sample_rng
+from batchd_server.pipelines.chat import ChatPipeline
 from batchd_server.pipelines.image import ImagePipeline
 from batchd_server.pipelines.registry import (
     BUILTIN,
@@ -16,6 +17,7 @@ from batchd_server.pipelines.registry import (
     build_pipeline,
     registered_decoders,
 )
+from batchd_server.pipelines.text import TextPipeline
 from batchd_server.pipelines.tokens import TokensPipeline
 
 __all__ = [
@@ -23,10 +25,12 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "ArrayPipeline",
     "BadSample",
+    "ChatPipeline",
     "FieldSpec",
     "ImagePipeline",
     "Pipeline",
     "SampleInfo",
+    "TextPipeline",
     "TokensPipeline",
     "build_pipeline",
     "registered_decoders",

@@ -23,7 +23,9 @@ from typing import Any, Final
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
+from batchd_server.pipelines.chat import ChatPipeline
 from batchd_server.pipelines.image import ImagePipeline
+from batchd_server.pipelines.text import TextPipeline
 from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.pipelines.types import Bytes, Offsets
 
@@ -33,6 +35,8 @@ BUILTIN: Final[Mapping[str, Callable[..., Pipeline]]] = {
     "image": ImagePipeline,
     "array": ArrayPipeline,
     "tokens": TokensPipeline,
+    "text": TextPipeline,
+    "chat": ChatPipeline,
 }
 CUSTOM: Final = "custom"
 ENTRY_POINT_GROUP: Final = "batchd.decoders"
@@ -49,9 +53,9 @@ def build_pipeline(kind: str, options: Mapping[str, Any]) -> Pipeline:
     """The pipeline a session's spec describes.
 
     Args:
-        kind: ``"image"``, ``"array"``, ``"tokens"`` (``options`` are the constructor's
-            keyword arguments) or ``"custom"`` (``options["name"]`` is the registered decoder,
-            ``options.get("options", {})`` its keyword arguments).
+        kind: ``"image"``, ``"array"``, ``"tokens"``, ``"text"``, ``"chat"`` (``options``
+            are the constructor's keyword arguments) or ``"custom"`` (``options["name"]``
+            is the registered decoder, ``options.get("options", {})`` its keyword arguments).
         options: As above.
 
     Raises:

@@ -37,7 +37,7 @@ serves shuffled rows and an unshuffled one serves the documents roughly in id or
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
@@ -369,7 +369,8 @@ class PackedMixing:
         inner: The session's sources: one split (``OneSplit``) or a ``MixOptions``.
         pack: How to pack.
         splits: Each source's split arrays, in order.
-        tokens: Each source's (token size in bytes, max_len), from its Tokens pipeline.
+        tokens: Each source's (token size in bytes, max_len), from its Tokens pipeline; or
+            what gives its documents' lengths (a Text pipeline's ``packing_lengths``).
 
     Raises:
         InvalidArgument: a document without a length.
@@ -378,7 +379,7 @@ class PackedMixing:
     inner: Mixing
     pack: PackOptions
     splits: Sequence[SplitArrays]
-    tokens: Sequence[tuple[int, int]]
+    tokens: Sequence[tuple[int, int] | Callable[[SplitArrays], Int64Array]]
     _lengths: list[Int64Array] = field(init=False)
     _places: list[Int64Array | None] = field(init=False)
     _rows: dict[tuple[int, int, bool], list[PackedRows]] = field(init=False, default_factory=dict)
@@ -386,8 +387,8 @@ class PackedMixing:
     def __post_init__(self) -> None:
         assert len(self.splits) == len(self.tokens) == len(self.inner.sources)
         self._lengths = [
-            document_lengths(split, itemsize, max_len)
-            for split, (itemsize, max_len) in zip(self.splits, self.tokens, strict=True)
+            rule(split) if callable(rule) else document_lengths(split, *rule)
+            for split, rule in zip(self.splits, self.tokens, strict=True)
         ]
         # Where the lengths go, and so the rows, are the same every epoch (NOTE [ Packed
         # rows ]): placed once, each epoch only assigns its documents to the places.
@@ -510,7 +511,7 @@ def packed_mixing(
     """
     if pack is None:
         return mixing
-    tokens = []
+    tokens: list[tuple[int, int] | Callable[[SplitArrays], Int64Array]] = []
     for source in mixing.sources:
         kind, options = (
             (source.pipeline_kind, source.pipeline_options) if source.pipeline_kind else pipeline
@@ -522,5 +523,7 @@ def packed_mixing(
                 "pipeline; pass pipeline=batchd.Tokens(max_len=..., dtype=...) with "
                 "pack=batchd.Pack(...)"
             )
-        tokens.append((built.dtype.itemsize, built.max_len))
+        # Text is counted by its tokenizer at ingest (pipelines/text.py), tokens by their bytes.
+        counted = getattr(built, "packing_lengths", None)
+        tokens.append(counted or (built.dtype.itemsize, built.max_len))
     return PackedMixing(mixing, pack, splits, tokens)

@@ -20,6 +20,7 @@ from batchd_server.decode_cache.worker import CachedSource, SampleCache
 from batchd_server.parquet.rows import ParquetRows
 from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.base import Pipeline
+from batchd_server.pipelines.text import TextPipeline
 from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.storage.open import open_reader
 from batchd_server.storage.reader import SampleReader
@@ -89,7 +90,7 @@ def open_fields(
         return (SampleField(ranges, pipeline, cached),)
     if not source.parquet_payload:
         return (SampleField(ParquetRowReader(None, ranges), pipeline, cached),)
-    parquet, numbers = _parquet_rows(
+    parquet, pipeline, numbers = _parquet_rows(
         reader, source.parquet_payload, pipeline, read.max_sample_bytes
     )
     numbers_cached = (
@@ -102,12 +103,16 @@ def open_fields(
 
 def _parquet_rows(
     reader: SampleReader, column: str, pipeline: Pipeline, max_bytes: int
-) -> tuple[ParquetRows, Pipeline]:
-    """A Parquet source's row reader and the pipeline of its numeric values: those arrive
-    as raw numbers of the pipeline's own dtype (an array pipeline reads them raw)."""
+) -> tuple[ParquetRows, Pipeline, Pipeline]:
+    """A Parquet source's row reader, the pipeline of its values' bytes and the pipeline of
+    its numeric values: those arrive as raw numbers of the pipeline's own dtype (an array
+    pipeline reads them raw); a string column's values arrive as their UTF-8 bytes."""
+    if isinstance(pipeline, TextPipeline):
+        text = pipeline.utf8()
+        return ParquetRows(reader, column, None, max_bytes), text, text
     if isinstance(pipeline, ArrayPipeline):
         raw = pipeline if pipeline.raw else ArrayPipeline(pipeline.shape, pipeline.dtype.str, True)
-        return ParquetRows(reader, column, pipeline.dtype, max_bytes), raw
+        return ParquetRows(reader, column, pipeline.dtype, max_bytes), pipeline, raw
     if isinstance(pipeline, TokensPipeline):
-        return ParquetRows(reader, column, pipeline.dtype, max_bytes), pipeline
-    return ParquetRows(reader, column, None, max_bytes), pipeline
+        return ParquetRows(reader, column, pipeline.dtype, max_bytes), pipeline, pipeline
+    return ParquetRows(reader, column, None, max_bytes), pipeline, pipeline

@@ -24,6 +24,11 @@ writes every field of the batch once, vectorised over the batch's tokens:
 - ``length`` int32 ``(rows,)``: each row's tokens before its padding;
 - ``sample_id``, ``label`` (and ``source`` in a mix): of each row's first document.
 
+A text session's documents (``pipelines/text.py``) are tokenized, not stored as tokens: the
+worker reads each document of the batch whole, once, tokenizes them together and cuts the
+pieces from their tokens; a chat session's rows carry its ``loss_mask`` beside ``input_ids``
+(0 on padding), cut the same way.
+
 A piece that cannot be read (or whose document holds fewer tokens than the catalog said)
 is a bad sample of its document: under ``on_error="raise"`` the batch fails; under "skip"
 and "replace" the piece is left out and its row ends earlier (a packed row has no room for a
@@ -43,6 +48,7 @@ import numpy.typing as npt
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
+from batchd_server.pipelines.text import TextPipeline
 from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.planning.packing import PackOptions
 from batchd_server.workers.fields import SampleField
@@ -59,6 +65,8 @@ __all__ = [
 
 _ROW_FIELDS: Final = ("input_ids", "position_ids", "segment_ids", "document_id")
 """The packed fields of shape ``(rows, seq_len)``."""
+KEPT_TOKENS: Final = 1 << 22
+"""Tokens of partly used documents a worker keeps per text session (16 MiB of int32)."""
 
 
 class _Source(Protocol):
@@ -108,6 +116,15 @@ class PackedPipeline(Pipeline):
     def __init__(self, tokens: Pipeline, seq_len: int) -> None:
         self.tokens = tokens_of(tokens)
         self.seq_len = seq_len
+        self.masked = any(f.name == "loss_mask" for f in self.tokens.fields())
+        """The documents' tokens have a loss mask (chat), which the rows carry."""
+        self.read: Callable[..., Read] = (
+            partial(_read_encoded, held=KeptDocuments())
+            if isinstance(self.tokens, TextPipeline)
+            else _read_pieces
+        )
+        """How the pieces' tokens are had: their bytes (token records) or their documents'
+        encodings (text)."""
 
     def fields(self) -> list[FieldSpec]:
         """A packed batch's fields (one row's shape at most)."""
@@ -122,6 +139,7 @@ class PackedPipeline(Pipeline):
             FieldSpec("cu_seqlens", int32, (seq_len + 1,)),
             # Each row's tokens before padding: what a mix's per-source accounting sums.
             FieldSpec("length", int32, ()),
+            *([FieldSpec("loss_mask", np.dtype(np.uint8), (seq_len,))] if self.masked else []),
         ]
 
     def decode_into(self, data: memoryview, sample: SampleInfo, row: Block) -> None:
@@ -156,15 +174,14 @@ def run_packed(context: PackedContext, packed: PackedPipeline, task: BatchTask) 
     block = context.slot_block(task.slot)
     read_start = time.perf_counter()
     pipeline = packed.tokens
-    tokens, kept, failures, fatal = _read_pieces(context, pipeline, task, pieces)
+    tokens, kept, failures, fatal = packed.read(context, pipeline, task, pieces)
     decode_start = time.perf_counter()
     boundaries = 0
     if not fatal:
         boundaries = _write(context, pipeline, block, pieces[kept], tokens, rows, seq_len)
     done = time.perf_counter()
     shapes: dict[str, tuple[int, ...]] = {
-        name: (rows, seq_len)
-        for name in ("input_ids", "position_ids", "segment_ids", "document_id")
+        name: (rows, seq_len) for name in (*_ROW_FIELDS, "loss_mask") if name in block
     }
     shapes["cu_seqlens"] = (boundaries,)
     for name in ("length", "sample_id", "label", SOURCE_FIELD):
@@ -175,18 +192,56 @@ def run_packed(context: PackedContext, packed: PackedPipeline, task: BatchTask) 
     return rows, shapes, failures, fatal, times
 
 
+Read = tuple[
+    tuple[npt.NDArray[Any], npt.NDArray[np.uint8] | None],
+    npt.NDArray[np.bool_],
+    list[SampleFailure],
+    bool,
+]
+"""What reading a task's pieces gives: their tokens concatenated (and their loss mask, or
+None), which pieces were read, the failures, whether the batch must fail."""
+
+
+class KeptDocuments:
+    """The encodings of documents a task used only part of (a document longer than a row:
+    its other pieces are in other rows, often other tasks), kept by this worker for the
+    session so that a later task of its own need not tokenize them again; least recently
+    used first out past ``max_tokens``."""
+
+    def __init__(self, max_tokens: int = KEPT_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._kept: dict[int, Any] = {}
+
+    def pop(self, position: int) -> Any:
+        found = self._kept.pop(position, None)
+        if found is not None:
+            self.tokens -= found[0].size
+        return found
+
+    def keep(self, position: int, encoded: Any) -> None:
+        size = int(encoded[0].size)
+        if size > self.max_tokens:
+            return
+        self.pop(position)
+        while self._kept and self.tokens + size > self.max_tokens:
+            self.pop(next(iter(self._kept)))
+        self._kept[position] = encoded
+        self.tokens += size
+
+
 def _read_pieces(
     context: PackedContext,
     tokens: TokensPipeline,
     task: BatchTask,
     pieces: npt.NDArray[np.int64],
-) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_], list[SampleFailure], bool]:
+) -> Read:
     """Every piece's tokens, concatenated; which pieces were read; the failures; whether
     the batch must fail (on_error="raise")."""
     if not task.one_by_one and not task.hung:
         together = _read_together(context, tokens, pieces)
         if together is not None:
-            return together, np.ones(len(pieces), np.bool_), [], False
+            return (together, None), np.ones(len(pieces), np.bool_), [], False
     itemsize = tokens.dtype.itemsize
     out: list[npt.NDArray[Any]] = []
     kept = np.ones(len(pieces), np.bool_)
@@ -217,10 +272,124 @@ def _read_pieces(
                 SampleFailure(int(columns.ids[local]), source.path(local), e.kind, str(e))
             )
             if context.spec.on_error == "raise":
-                return np.empty(0, tokens.dtype), kept, failures, True
+                return (np.empty(0, tokens.dtype), None), kept, failures, True
     context.where[0] = -1
     joined = np.concatenate(out) if out else np.empty(0, tokens.dtype)
-    return joined, kept, failures, False
+    return (joined, None), kept, failures, False
+
+
+def _read_encoded(
+    context: PackedContext,
+    tokens: TokensPipeline,
+    task: BatchTask,
+    pieces: npt.NDArray[np.int64],
+    *,
+    held: KeptDocuments,
+) -> Read:
+    """Every piece's tokens cut from its document's encoding: each document of the batch is
+    read whole once (or taken from ``held``), and each source's documents are tokenized
+    together (one ``encode_batch``, by the source's own pipeline: JSON values or a Parquet
+    column's UTF-8); a document the batch uses only part of is kept for a later task."""
+    documents, inverse = np.unique(pieces[:, 1], return_inverse=True)
+    located = [context.locate(p) for p in documents.tolist()]
+    encoded: dict[int, Any] = {}
+    groups: dict[int, list[int]] = {}
+    for d, (source, _) in enumerate(located):
+        found = held.pop(int(documents[d]))
+        if found is not None:
+            encoded[d] = found
+        else:
+            groups.setdefault(id(source), []).append(d)
+    for members in groups.values():
+        source = located[members[0]][0]
+        datas = _documents(context, source, task, documents, located, members, encoded)
+        field = source.fields[0]
+        text = field.pipeline
+        assert isinstance(text, TextPipeline), "a text session's sources are text"
+        for d, found in zip(datas, text.encode_documents(list(datas.values())), strict=True):
+            if isinstance(found, BadSample):
+                found = BadSample(found.kind, f"{source.path(located[d][1])}: {found}")
+            encoded[d] = found
+    context.where[0] = -1
+    used = np.bincount(inverse, weights=pieces[:, 3], minlength=documents.size)
+    for d, found in encoded.items():
+        if not isinstance(found, BadSample) and used[d] < found[0].size:
+            held.keep(int(documents[d]), found)
+    out: list[npt.NDArray[Any]] = []
+    masks: list[npt.NDArray[np.uint8]] = []
+    kept = np.ones(len(pieces), np.bool_)
+    failures: list[SampleFailure] = []
+    failed: set[int] = set()
+    for i, (d, start, count) in enumerate(
+        zip(inverse.tolist(), pieces[:, 2].tolist(), pieces[:, 3].tolist(), strict=True)
+    ):
+        found = encoded[d]
+        source, local = located[d]
+        if not isinstance(found, BadSample) and start + count > found[0].size:
+            found = encoded[d] = BadSample(
+                "shape",
+                f"{source.path(local)}: tokenizes to {found[0].size} tokens where the catalog's "
+                f"count promised {start + count}; its counts are not this tokenizer's: "
+                "re-ingest the text with --tokenizer and this tokenizer",
+            )
+        if isinstance(found, BadSample):
+            kept[i] = False
+            if d not in failed:
+                failed.add(d)
+                sample_id = int(source.columns.ids[local])
+                failures.append(
+                    SampleFailure(sample_id, source.path(local), found.kind, str(found))
+                )
+            if context.spec.on_error == "raise":
+                return (np.empty(0, tokens.dtype), None), kept, failures, True
+            continue
+        ids, mask = found
+        out.append(ids[start : start + count])
+        if mask is not None:
+            masks.append(mask[start : start + count])
+    joined = np.concatenate(out) if out else np.empty(0, tokens.dtype)
+    if not masks:
+        return (joined, None), kept, failures, False
+    return (joined, np.concatenate(masks)), kept, failures, False
+
+
+def _documents(
+    context: PackedContext,
+    source: _Source,
+    task: BatchTask,
+    documents: npt.NDArray[np.int64],
+    located: list[tuple[_Source, int]],
+    members: list[int],
+    failed: dict[int, Any],
+) -> dict[int, Any]:
+    """The bytes of ``members`` (indexes into ``documents``) of one source, each whole: in
+    one batch read where the reader can, else one by one; a document that cannot be read
+    goes into ``failed`` (its BadSample) instead."""
+    rows = source.fields[0].rows
+    local = np.array([located[d][1] for d in members], np.int64)
+    hung = set(task.hung)
+    if not task.one_by_one and not hung:
+        got = rows.read_batch(local)
+        if got is not None:
+            data, starts, lengths, _ = got
+            ends = (starts + lengths).tolist()
+            return {
+                d: bytes(data[s:e]) for d, s, e in zip(members, starts.tolist(), ends, strict=True)
+            }
+    datas: dict[int, Any] = {}
+    for d, position in zip(members, local.tolist(), strict=True):
+        context.where[0] = int(documents[d])
+        try:
+            if int(documents[d]) in hung:
+                raise BadSample(
+                    "timeout",
+                    f"{source.path(position)}: reading it hung past the server's task deadline "
+                    "(--task-timeout-s) twice; check the file and its file system",
+                )
+            datas[d] = bytes(rows.read(position))
+        except BadSample as e:
+            failed[d] = e
+    return datas
 
 
 def _piece(
@@ -295,7 +464,7 @@ def _write(
     pipeline: TokensPipeline,
     block: Block,
     pieces: npt.NDArray[np.int64],
-    tokens: npt.NDArray[Any],
+    read: tuple[npt.NDArray[Any], npt.NDArray[np.uint8] | None],
     rows: int,
     seq_len: int,
 ) -> int:
@@ -320,7 +489,12 @@ def _write(
     step = np.arange(total, dtype=np.int64)
     local = step - np.repeat(ends - count, count)
     flat = np.repeat(row * seq_len + column, count) + local
+    tokens, mask = read
     ids[flat] = tokens
+    if mask is not None:
+        loss = block["loss_mask"].reshape(-1)[:area]
+        loss[:] = 0
+        loss[flat] = mask
     positions[flat] = np.repeat(start, count) + local
     segments[flat] = np.repeat(np.arange(len(pieces)) - row_first + 1, count)
     sample_ids, labels, sources = context.piece_ids(pieces[:, 1])

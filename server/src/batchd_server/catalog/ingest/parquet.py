@@ -16,7 +16,7 @@ same files (footers, row groups, pages) is ``parquet/``, which knows nothing of 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -33,6 +33,7 @@ from batchd_server.catalog.ingest.load import (
     find_files,
     load,
 )
+from batchd_server.catalog.ingest.token_counts import TextSpec, TokenCounter, chunked, text_attrs
 from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, Row, check_name
 from batchd_server.catalog.types import DatasetRef
 from batchd_server.errors import DataError
@@ -57,7 +58,11 @@ def ingest_parquet(
     version: str = "1",
     root: str | Path,
     files: list[str],
-    payload: str,
+    payload: str | None = None,
+    text: str | None = None,
+    tokenizer: str | None = None,
+    template: str | None = None,
+    workers: int | None = None,
     split: str | None = None,
     split_column: str | None = None,
     label: str | None = None,
@@ -78,6 +83,10 @@ def ingest_parquet(
         payload: The column whose value is the sample (``image.bytes`` for a struct's
             field): binary, a list of numbers or a fixed-size list of numbers. A dataset
             serves one payload column: every ingest into it names the same.
+        text: Instead of ``payload``: a string column of text documents, served by
+            ``batchd.Text`` (empty or null ones are left out and listed in the report).
+        tokenizer: With ``text``: record each document's token count (``batchd.Pack``
+            plans from them), counted by ``workers`` processes (default: the CPUs).
         split, split_column: The split of every row, or the column that holds it.
         label, key, length: Columns of labels (integers), keys (default
             ``<file>#<row>``) and sequence lengths (default: a list payload's length).
@@ -89,13 +98,23 @@ def ingest_parquet(
     """
     if split is not None:
         check_name("split", split, SPLIT_MAX_CHARS)
+    if (payload is None) == (text is None):
+        raise DataError("name the sample's column: --payload COLUMN or --text COLUMN (one)")
+    if (tokenizer is not None or template is not None) and text is None:
+        raise DataError("--tokenizer and --template count text documents: they go with --text")
+    if template is not None:
+        raise DataError("--template renders chat messages, which Parquet ingest does not take")
+    spec = TextSpec("text", text, tokenizer, raw=True) if text is not None else None
+    counter = TokenCounter(spec, workers) if spec is not None and tokenizer else None
+    column = text if text is not None else str(payload)
     stored_root, found = find_files(root, files, object_store_retry_s=object_store_retry_s)
     opens = {shard.rel: shard.open for shard in found}
     rels = list(opens)
     samples = ParquetSamples(
         files=rels,
         open_file=lambda rel: opens[rel](),
-        payload=payload,
+        payload=column,
+        text=spec is not None,
         split=split,
         split_column=split_column,
         label=label,
@@ -103,17 +122,43 @@ def ingest_parquet(
         length=length,
         progress=progress,
     )
-    return load(
+    identity = counter.identity if counter is not None else ""
+
+    def attrs_update(ref: DatasetRef, attrs: dict[str, Any]) -> bool:
+        changed = _parquet_attrs(ref, attrs, column)
+        return (spec is not None and text_attrs(ref, attrs, spec, identity)) or changed
+
+    report = load(
         engine,
         Target(dataset, version, description),
         Source(
             root=stored_root,
-            rows=samples.rows(),
+            rows=_counted(samples.rows(), counter) if counter else _plain(samples, spec),
             empty=f"no rows in {len(rels)} Parquet file(s) under {stored_root}",
             columns=PARQUET_STAGE_COLUMNS,
-            attrs_update=lambda ref, attrs: _parquet_attrs(ref, attrs, payload),
+            attrs_update=attrs_update,
         ),
     )
+    skipped = samples.skipped
+    shown = skipped[:20] + ([f"... and {len(skipped) - 20} more"] if len(skipped) > 20 else [])
+    return replace(report, skipped=tuple(shown)) if shown else report
+
+
+def _plain(samples: ParquetSamples, spec: TextSpec | None) -> Iterator[Row]:
+    """The rows without token counts (without their text's bytes)."""
+    rows = samples.rows()
+    return rows if spec is None else (row[:-1] for row in rows)
+
+
+def _counted(rows: Iterator[Row], counter: TokenCounter) -> Iterator[Row]:
+    """``rows`` (their last value the document's UTF-8) with their token counts."""
+    with counter:
+        chunks = (([r[:-1] for r in c], [r[-1] for r in c]) for c in chunked(rows))
+        for metas, counts in counter.counted(chunks):
+            for row, count in zip(metas, counts, strict=True):
+                if isinstance(count, str):
+                    raise DataError(f"{row[2]}, row {row[-1]} of group {row[-2]}: {count}")
+                yield (*row[:7], count, *row[8:])
 
 
 def _parquet_attrs(ref: DatasetRef, attrs: dict[str, Any], payload: str) -> bool:
@@ -167,8 +212,12 @@ class ParquetSamples:
     key: str | None = None
     length: str | None = None
     progress: Callable[[int, int, int], None] | None = None
+    text: bool = False
+    """The payload is a string column of text documents: each row ends with its UTF-8 (for
+    counting its tokens); empty and null ones are left out, in ``skipped``."""
     payload_kinds: set[str] = field(default_factory=set)
     """The payload kinds met (``binary``, ``list``, ``fixed``)."""
+    skipped: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if (self.split is None) == (self.split_column is None):
@@ -189,6 +238,7 @@ class ParquetSamples:
             pf = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{rel} is not a Parquet file ({e})") from e
+        self._check_text(pf, rel)
         payload = resolve_payload(pf, self.payload, rel)
         self.payload_kinds.add(payload.kind)
         small = {
@@ -200,7 +250,7 @@ class ParquetSamples:
         wanted = {role: self._column(pf, rel, role, name) for role, name in small.items() if name}
         read = sorted({".".join(path) for path, _ in wanted.values()})
         with_lengths = payload.kind == "list" and self.length is None
-        if with_lengths:
+        if with_lengths or self.text:
             read.append(".".join(payload.names))
         metadata = pf.metadata
         _check_row_counts(rel, f, metadata, payload)
@@ -221,11 +271,20 @@ class ParquetSamples:
                 if with_lengths:
                     lengths = pc.list_value_length(_field(table, payload.names))
                     values["length"] = lengths.to_pylist()
+                if self.text:
+                    values["text"] = _field(table, payload.names).to_pylist()
             for i in range(count):
-                line += 1
                 where = f"{rel}, row {row_in_file}"
-                yield self._row(line, rel, where, row_in_file, values, i, offset, nbytes, group)
                 row_in_file += 1
+                if self.text:
+                    document = values["text"][i]
+                    if not document:
+                        what = "null" if document is None else "an empty document"
+                        self.skipped.append(f"{where}: {what} (left out: it has no tokens)")
+                        continue
+                line += 1
+                row = self._row(line, rel, where, row_in_file - 1, values, i, offset, nbytes, group)
+                yield (*row, document.encode("utf-8")) if self.text else row
 
     def _row(
         self,
@@ -273,6 +332,25 @@ class ParquetSamples:
             group,
             i,
         )
+
+    def _check_text(self, pf: pq.ParquetFile, rel: str) -> None:
+        """A text column holds strings; a string column is taken only as text."""
+        found = find_field(pf.schema_arrow, self.payload)
+        if found is None:
+            return  # resolve_payload says it is missing
+        t = found[1]
+        is_string = pa.types.is_string(t) or pa.types.is_large_string(t)
+        if self.text and not is_string:
+            raise DataError(
+                f"{rel}: column {self.payload!r} (--text) is {t}; text documents are a string "
+                "column (tokens already made are a list of integers: --payload)"
+            )
+        if not self.text and is_string:
+            raise DataError(
+                f"{rel}: column {self.payload!r} is {t}: text. Ingest it with --text "
+                f"{self.payload} (and --tokenizer PATH for packing), and serve it with "
+                "batchd.Text"
+            )
 
     def _column(
         self, pf: pq.ParquetFile, rel: str, role: str, name: str

@@ -148,6 +148,26 @@ class TokensPipeline(_message.Message):
     pad_id: int
     def __init__(self, max_len: _Optional[int] = ..., dtype: _Optional[str] = ..., pad_id: _Optional[int] = ...) -> None: ...
 
+class TextPipeline(_message.Message):
+    __slots__ = ("tokenizer", "add_bos", "add_eos", "max_len", "dtype", "pad_id", "chat", "template")
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    ADD_EOS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAD_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    tokenizer: str
+    add_bos: bool
+    add_eos: bool
+    max_len: int
+    dtype: str
+    pad_id: int
+    chat: bool
+    template: str
+    def __init__(self, tokenizer: _Optional[str] = ..., add_bos: _Optional[bool] = ..., add_eos: _Optional[bool] = ..., max_len: _Optional[int] = ..., dtype: _Optional[str] = ..., pad_id: _Optional[int] = ..., chat: _Optional[bool] = ..., template: _Optional[str] = ...) -> None: ...
+
 class CustomPipeline(_message.Message):
     __slots__ = ("name", "options_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -157,16 +177,18 @@ class CustomPipeline(_message.Message):
     def __init__(self, name: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class Pipeline(_message.Message):
-    __slots__ = ("image", "array", "tokens", "custom")
+    __slots__ = ("image", "array", "tokens", "custom", "text")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     ARRAY_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     image: ImagePipeline
     array: ArrayPipeline
     tokens: TokensPipeline
     custom: CustomPipeline
-    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ...) -> None: ...
+    text: TextPipeline
+    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ..., text: _Optional[_Union[TextPipeline, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix", "no_decode_cache", "pack", "share")
