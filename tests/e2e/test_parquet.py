@@ -116,7 +116,7 @@ def test_ingest_parquet_refuses_a_file_that_is_not_parquet_or_lacks_the_column(
     missing = ingest("jpeg", "images-0.parquet")
     assert "has no column 'jpeg' for --payload" in missing and "png: binary" in missing
     assert "pass --payload image.bytes" in ingest("image", "images-0.parquet")
-    assert "a payload must be binary" in ingest("split", "images-0.parquet")
+    assert "Ingest it with --text split" in ingest("split", "images-0.parquet")
     with engine.connect() as conn:
         assert conn.scalar(sa.text("SELECT count(*) FROM samples")) == 0
 
