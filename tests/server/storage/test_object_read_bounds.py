@@ -20,7 +20,9 @@ from batchd_server.storage import s3 as s3_module
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.fetch_pool import FETCH_THREADS, AheadBudget
 from batchd_server.storage.objects import ObjectFiles
+from batchd_server.storage.options import StoreOptions
 from batchd_server.storage.ranges import Ranges, plan_reads
+from batchd_server.storage.roots import STORE_STATUS, check_object_root
 from batchd_server.storage.s3 import S3Fetcher, split_url
 
 pytestmark = pytest.mark.slow(seconds=30)
@@ -230,3 +232,20 @@ def test_a_plain_http_endpoint_is_warned_about_once_per_process(
             s3_module.store_for(BUCKET, retry_s=retry_s)
     warned = [r.getMessage() for r in caplog.records if "plain HTTP" in r.getMessage()]
     assert len(warned) == 1 and s3.endpoint in warned[0]
+
+
+def test_a_roots_listing_at_session_open_is_trusted_for_a_few_seconds(s3: ThrowawayS3) -> None:
+    """Ten opens of one root within the setting cost one listing; with it 0, ten."""
+    proxy = FaultyProxy(s3.ports["s3"])
+    try:
+        with store_env(s3):
+            os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
+            for list_cache_s, listings in ((60.0, 1), (0.0, 10)):
+                STORE_STATUS.forget()
+                before = proxy.requests
+                for _ in range(10):
+                    check_object_root("d", ROOT, StoreOptions(retry_s=1, list_cache_s=list_cache_s))
+                assert proxy.requests - before == listings
+    finally:
+        STORE_STATUS.forget()
+        proxy.close()
