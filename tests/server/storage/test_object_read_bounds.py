@@ -5,16 +5,22 @@ never served as two versions' bytes, and a zero-length sample is an empty payloa
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import obstore
 import pytest
 from s3server import FaultyProxy, ThrowawayS3, store_env, throwaway_s3
+from sqlalchemy.engine import Engine
 
+from batchd_server.catalog.ingest import ingest_manifest
+from batchd_server.catalog.object_roots import ObjectListing, object_shards
+from batchd_server.errors import DataError
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage import s3 as s3_module
 from batchd_server.storage.base import TooLarge
@@ -249,3 +255,26 @@ def test_a_roots_listing_at_session_open_is_trusted_for_a_few_seconds(s3: Throwa
     finally:
         STORE_STATUS.forget()
         proxy.close()
+
+
+@pytest.mark.parametrize("path", ["a//b.bin", "./a.bin", "a/./b.bin", "a/", "../x.bin", "/a.bin"])
+def test_one_path_rule_at_ingest_and_at_read(
+    path: str, sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """What a reader of a store refuses as ``unsafe_path``, ingest refuses too, naming the
+    row (a path such as ``a//b`` named another key than ``a/b``, and was only found out at
+    read time, as a bad sample per epoch)."""
+    fetcher = S3Fetcher()
+    with pytest.raises(BadSample) as caught:
+        ObjectFiles(ROOT, fetcher, fetcher.size, max_sample_bytes=MIB).read(path, 0, 4)
+    assert caught.value.kind == "unsafe_path"
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"path": path, "split": "train"}) + "\n")
+    with pytest.raises(DataError, match="line 1: path="):
+        ingest_manifest(sqlite_engine, dataset="p", root=ROOT, manifest=manifest, verify=False)
+
+
+def test_a_shard_url_that_leaves_the_root_is_refused(s3: ThrowawayS3) -> None:
+    listing = ObjectListing(ROOT)
+    with pytest.raises(DataError, match=r"'\.\.' component"):
+        object_shards(listing, [f"{ROOT}/../other/x.tar"])

@@ -9,7 +9,7 @@ around it), so this class knows nothing of HTTP.
 
 - **Confinement.** A catalog path is untrusted: an absolute path, a ``..`` component, an
   empty component or a NUL would name a key outside the prefix, and is refused as
-  ``unsafe_path`` before any request.
+  ``unsafe_path`` before any request (``storage/paths.py``: the rule ingest applies too).
 - **Coalescing.** A batch's byte ranges of one object are sorted and neighbours within
   :data:`OBJECT_GAP_BYTES` merged into runs (``storage/ranges.plan_reads``): a request
   costs a round trip of a millisecond or more, so fetching up to 1 MiB of gap is cheaper
@@ -47,9 +47,9 @@ from batchd._wire.lifetime import Closeable
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
 from batchd_server.storage.fetch_pool import AHEAD, FETCH_THREADS, AheadBudget, fetch_pool
+from batchd_server.storage.paths import sample_url
 from batchd_server.storage.ranges import Ranges, ReadPlan
 from batchd_server.storage.reader import check_ranges, check_read, too_large
-from batchd_server.storage.s3 import join_url
 
 __all__ = [
     "FETCH_THREADS",
@@ -345,18 +345,7 @@ class ObjectFiles(Closeable):
     # -- internals -------------------------------------------------------------------------
 
     def _url(self, path: str) -> str:
-        if (
-            not path
-            or path.startswith("/")
-            or "\x00" in path
-            or any(part in ("", ".", "..") for part in path.split("/"))
-        ):
-            raise BadSample(
-                "unsafe_path",
-                f"{path!r}: sample paths must be relative to the dataset root, without '..', "
-                "'.' or empty components",
-            )
-        return join_url(self.root, path)
+        return sample_url(self.root, path)
 
     def _check_size(self, url: str, count: int) -> None:
         if count > self.max_sample_bytes:
