@@ -61,13 +61,16 @@ class StoreStatus:
     def listing(self, root: str, store: StoreOptions) -> StoreUnreachable | None:
         """Why the store did not answer a listing under ``root`` (None: it did), listed
         now unless listed less than ``store.list_cache_s`` ago. One listing per root at a
-        time: opens that arrive during it take its answer."""
+        time: opens that arrive during it take its answer. A failure is trusted only with
+        the node cache (where it does not refuse the open): without it, an open after the
+        store came back must not be refused for what an earlier listing saw."""
         with self._lock:
             gate = self._listing.setdefault(root, threading.Lock())
         with gate:
             with self._lock:
                 seen = self._seen.get(root)
-            if seen is not None and time.monotonic() - seen.at < store.list_cache_s:
+            fresh = seen is not None and time.monotonic() - seen.at < store.list_cache_s
+            if seen is not None and fresh and (seen.failure is None or store.cache_dir):
                 return seen.failure
             try:
                 check_reachable(root, retry_s=min(store.retry_s, OPEN_CHECK_RETRY_S))
