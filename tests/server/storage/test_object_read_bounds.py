@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 
 from batchd_server.catalog.ingest import ingest_manifest
 from batchd_server.catalog.object_roots import ObjectListing, object_shards
-from batchd_server.errors import DataError
+from batchd_server.errors import DataError, FailedPrecondition
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage import s3 as s3_module
 from batchd_server.storage.base import TooLarge
@@ -278,3 +278,25 @@ def test_a_shard_url_that_leaves_the_root_is_refused(s3: ThrowawayS3) -> None:
     listing = ObjectListing(ROOT)
     with pytest.raises(DataError, match=r"'\.\.' component"):
         object_shards(listing, [f"{ROOT}/../other/x.tar"])
+
+
+def test_a_failed_listing_refuses_only_that_open_without_the_node_cache(s3: ThrowawayS3) -> None:
+    """Without the node cache a store that does not answer refuses the open, and the next
+    open after it answers again lists anew (the failure is not trusted for the setting's
+    seconds); with the cache the open goes ahead, and the store is reported down."""
+    options = StoreOptions(retry_s=0.2, list_cache_s=60.0)
+    STORE_STATUS.forget()
+    try:
+        with store_env(s3):
+            os.environ["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"  # nothing listens there
+            with pytest.raises(FailedPrecondition, match=f"cannot reach {ROOT}") as refused:
+                check_object_root("d", ROOT, options)
+            assert "127.0.0.1" not in str(refused.value)
+            check_object_root("d", ROOT, StoreOptions(retry_s=0.2, cache_dir="/nonexistent"))
+            assert STORE_STATUS.down().keys() == {ROOT}
+            assert "did not answer" in STORE_STATUS.notes()[0]
+        with store_env(s3):
+            check_object_root("d", ROOT, options)
+        assert STORE_STATUS.down() == {}
+    finally:
+        STORE_STATUS.forget()
