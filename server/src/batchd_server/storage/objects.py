@@ -13,14 +13,15 @@ around it), so this class knows nothing of HTTP.
 - **Coalescing.** A batch's byte ranges of one object are sorted and neighbours within
   :data:`OBJECT_GAP_BYTES` merged into runs (``storage/ranges.plan_reads``): a request
   costs a round trip of a millisecond or more, so fetching up to 1 MiB of gap is cheaper
-  than another request. Through the node cache only touching ranges are merged: the cache
-  fetches its misses as runs of whole blocks anyway, and a gap read from its disk would
-  be read and checked for nothing.
+  than another request; the gaps one object's runs span add up to at most
+  :data:`OBJECT_EXTRA_BYTES` or the bytes asked, whichever is larger. Through the node
+  cache only touching ranges are merged: the cache fetches its misses as runs of whole
+  blocks anyway, and a gap read from its disk would be read and checked for nothing.
 - **Several requests in flight.** The objects of a batch are fetched at once, from the
   process's one pool of fetch threads (``storage/fetch_pool.py``; the store's calls release
   the GIL), and a run of whole objects (image files) is fetched ahead by :meth:`prefetch`
-  while the worker decodes the first ones. A fetch of one object's runs is itself split into
-  parallel requests by the client.
+  while the worker decodes the first ones. A fetch of one object's runs is itself one GET
+  per run, several in flight, all of one version of the object (``storage/s3_gets.py``).
 - **Bounded ahead.** What is fetched ahead is reserved first from the process's budget
   (``fetch_pool.AHEAD``), by its size when known, else by a guess from the sizes seen: a
   fetch ahead never brings more than it reserved (a larger object grows its reservation if
@@ -46,13 +47,12 @@ import numpy.typing as npt
 from batchd._wire.lifetime import Closeable
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
-from batchd_server.storage.fetch_pool import AHEAD, FETCH_THREADS, AheadBudget, fetch_pool
+from batchd_server.storage.fetch_pool import AHEAD, AheadBudget, fetch_pool
 from batchd_server.storage.paths import sample_url
 from batchd_server.storage.ranges import Ranges, ReadPlan
 from batchd_server.storage.reader import check_ranges, check_read, too_large
 
 __all__ = [
-    "FETCH_THREADS",
     "OBJECT_EXTRA_BYTES",
     "OBJECT_GAP_BYTES",
     "PREFETCH_BYTES",
