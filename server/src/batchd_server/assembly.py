@@ -42,6 +42,7 @@ from batchd_server.shm import PREFIX, ShmRegistry
 from batchd_server.shm.space import shm_space
 from batchd_server.storage.open import make_fetcher
 from batchd_server.storage.options import StoreOptions
+from batchd_server.storage.roots import STORE_STATUS
 from batchd_server.workers.pool import WorkerPool
 from batchd_server.workers.sizing import Autoscaler
 from batchd_server.workers.task import BatchResult, BatchTask, ReadOptions
@@ -249,6 +250,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
             retry_s=config.object_store_retry_s,
             cache_dir=None if config.cache_dir is None else str(config.cache_dir),
             cache_size_bytes=config.cache_size_bytes,
+            list_cache_s=config.object_store_list_cache_s,
         )
         sessions = SessionManager(
             catalog=catalog,
@@ -276,6 +278,7 @@ def assemble(config: ServerConfig, *, on_health_change: Callable[[HealthReport],
             workers_alive=lambda: pool.alive,
             dispatcher_alive=lambda: pool.dispatcher_alive,
             crash_loop=lambda: pool.crash_loop,
+            notes=STORE_STATUS.notes,
             interval_s=config.health_interval_s,
             on_change=on_health_change,
         )

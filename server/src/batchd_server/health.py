@@ -10,6 +10,10 @@ each change once with its reason. The catalog is probed on yet another thread: a
 that hangs (a stopped VM, a full disk) must not hang the monitor, so a probe still running
 after ``catalog_timeout_s`` counts as a failure while it runs.
 
+What is wrong without making the server unready goes in the report's ``notes``: an object
+store that does not answer (sessions are then served from the node cache) is one. They are
+logged when they change, and a SERVING answer carries them (``api/health.py``).
+
 Liveness is narrower on purpose: a server that is merely unready (a database restart) must
 not be killed and restarted for it. It is live while the monitor's own loop keeps turning and
 the worker pool's dispatcher thread runs; a wedged server fails both.
@@ -53,6 +57,8 @@ class HealthReport:
     """The outcome of one round of checks; ready when there is no problem."""
 
     problems: tuple[Problem, ...] = ()
+    notes: tuple[str, ...] = ()
+    """What is wrong without making the server unready (an object store down)."""
 
     @property
     def ready(self) -> bool:
@@ -154,6 +160,7 @@ class HealthMonitor:
         workers_alive: How many of them live now.
         dispatcher_alive: Whether the worker pool's dispatcher thread runs (liveness).
         crash_loop: Why the workers are in a crash loop, or None (the default: never).
+        notes: What is wrong without making the server unready (the default: nothing).
         interval_s: Seconds between rounds.
         on_change: Called with the new report after each change (and once at start), from
             the monitor's thread.
@@ -172,7 +179,9 @@ class HealthMonitor:
         interval_s: float,
         on_change: Callable[[HealthReport], None],
         crash_loop: Callable[[], str | None] = lambda: None,
+        notes: Callable[[], list[str]] = list,
     ) -> None:
+        self._notes = notes
         self._space = space
         self._min_free = min_free_shm_bytes
         self._catalog = _CatalogProbe(
@@ -269,7 +278,7 @@ class HealthMonitor:
                     "being replaced (if this lasts, the server log says why they die)",
                 )
             )
-        return HealthReport(tuple(problems))
+        return HealthReport(tuple(problems), tuple(self._notes()))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -289,6 +298,9 @@ class HealthMonitor:
                 previous = self._report
                 self._report = report
                 self._last_tick = time.monotonic()
+            if previous is None or previous.notes != report.notes:
+                for note in report.notes:
+                    logger.warning("health: %s", note)
             if previous is not None and previous.checks == report.checks:
                 return
             if report.ready:

@@ -52,6 +52,11 @@ PINNED: dict[str, tuple[str | None, str, Any]] = {
     "decode_cache_dir": ("--decode-cache-dir", "BATCHD_DECODE_CACHE_DIR", None),
     "decode_cache_dir_bytes": ("--decode-cache-dir-size", "BATCHD_DECODE_CACHE_DIR_SIZE", 0),
     "object_store_retry_s": ("--object-store-retry-s", "BATCHD_OBJECT_STORE_RETRY_S", 30.0),
+    "object_store_list_cache_s": (
+        "--object-store-list-cache-s",
+        "BATCHD_OBJECT_STORE_LIST_CACHE_S",
+        5.0,
+    ),
     "reflection": ("--reflection", "BATCHD_REFLECTION", False),
     "heartbeat_interval_s": ("--heartbeat-interval-s", "BATCHD_HEARTBEAT_INTERVAL_S", 5.0),
     "cache_dir": ("--cache-dir", "BATCHD_CACHE_DIR", None),

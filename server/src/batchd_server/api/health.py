@@ -9,7 +9,9 @@ Service names a probe may ask about:
   restarting) stays live, so a liveness probe does not restart it for nothing.
 
 A NOT_SERVING answer carries its reason in the trailing metadata key :data:`REASON_KEY`
-(UTF-8; ``batchd-server healthcheck`` prints it). The protocol has no field for it, and
+(UTF-8; ``batchd-server healthcheck`` prints it); a SERVING one carries there what is wrong
+without making the server unready (the object store down: sessions served from the node
+cache), when anything is. The protocol has no field for it, and
 clients that do not look are unaffected. The caller needs no token, so the reason says which
 check fails and what to look at, never the catalog's own error (its URL names the database's
 user and host): that is in the server's log (:func:`public_reason`).
@@ -120,9 +122,15 @@ class HealthService(health.HealthServicer):
                 live = monitor is None or monitor.live()
                 return health_pb2.HealthCheckResponse(status=_SERVING if live else _NOT_SERVING)
             response: health_pb2.HealthCheckResponse = super().Check(request, context)
-            if response.status == _NOT_SERVING and monitor is not None:
-                reason = public_reason(monitor.report)
-                context.set_trailing_metadata(((REASON_KEY, reason.encode()),))
+            if monitor is not None:
+                report = monitor.report
+                reason = (
+                    public_reason(report)
+                    if response.status == _NOT_SERVING
+                    else "; ".join(report.notes)
+                )
+                if reason:
+                    context.set_trailing_metadata(((REASON_KEY, reason.encode()),))
             return response
         finally:
             ticket.release()

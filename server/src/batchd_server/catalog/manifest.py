@@ -20,6 +20,7 @@ from typing import Any
 from batchd_server.catalog.schema import datasets, samples
 from batchd_server.errors import DataError, InvalidArgument
 from batchd_server.limits import INT64_MAX
+from batchd_server.storage.paths import path_problem
 
 __all__ = [
     "DATASET_NAME_MAX_CHARS",
@@ -75,17 +76,8 @@ def check_name(what: str, value: str, max_chars: int) -> None:
         )
 
 
-def _path_problem(path: str) -> str | None:
-    """Why ``path`` cannot name a file under a dataset root, or None when it can."""
-    if not path:
-        return "path must be a non-empty relative path"
-    if "\x00" in path:
-        return "path must not contain a NUL character"
-    if path.startswith("/") or os.path.isabs(path):
-        return "path must be relative to --root, not absolute"
-    if ".." in path and ".." in path.split("/"):
-        return "path must not have a '..' component; samples stay inside --root"
-    return None
+_path_problem = path_problem
+"""Why a path cannot name a file under a dataset root: the one rule, ``storage/paths.py``."""
 
 
 _ALLOWED = {

@@ -33,6 +33,7 @@ from batchd_server.catalog.tar_shards import Shard, expand_braces
 from batchd_server.errors import DataError
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.options import DEFAULT_RETRY_S
+from batchd_server.storage.paths import path_problem
 from batchd_server.storage.s3 import S3Fetcher, StoreUnreachable, join_url, list_objects, split_url
 from batchd_server.storage.schemes import is_local_root
 from batchd_server.storage.seekable import SeekableBytes
@@ -154,6 +155,9 @@ def object_shards(listing: ObjectListing, patterns: list[str]) -> list[Shard]:
                 if not expanded.startswith(root):
                     raise DataError(f"shard {expanded} is not under --root {listing.root}")
                 expanded = expanded[len(root) :]
+            problem = path_problem(expanded)
+            if problem is not None:
+                raise DataError(f"shard pattern {pattern!r}: {problem}")
             if _MAGIC.search(expanded):
                 parts = expanded.split("/")
                 matched += sorted(

@@ -9,18 +9,24 @@ around it), so this class knows nothing of HTTP.
 
 - **Confinement.** A catalog path is untrusted: an absolute path, a ``..`` component, an
   empty component or a NUL would name a key outside the prefix, and is refused as
-  ``unsafe_path`` before any request.
+  ``unsafe_path`` before any request (``storage/paths.py``: the rule ingest applies too).
 - **Coalescing.** A batch's byte ranges of one object are sorted and neighbours within
   :data:`OBJECT_GAP_BYTES` merged into runs (``storage/ranges.plan_reads``): a request
   costs a round trip of a millisecond or more, so fetching up to 1 MiB of gap is cheaper
-  than another request. Through the node cache only touching ranges are merged: the cache
-  fetches its misses as runs of whole blocks anyway, and a gap read from its disk would
-  be read and checked for nothing.
-- **Several requests in flight.** The objects of a batch are fetched at once, from a thread
-  pool (:data:`FETCH_THREADS`; the store's calls release the GIL), and a run of whole
-  objects (image files) is fetched ahead by :meth:`prefetch` while the worker decodes the
-  first ones. A fetch of one object's runs is itself split into parallel requests by the
-  client.
+  than another request; the gaps one object's runs span add up to at most
+  :data:`OBJECT_EXTRA_BYTES` or the bytes asked, whichever is larger. Through the node
+  cache only touching ranges are merged: the cache fetches its misses as runs of whole
+  blocks anyway, and a gap read from its disk would be read and checked for nothing.
+- **Several requests in flight.** The objects of a batch are fetched at once, from the
+  process's one pool of fetch threads (``storage/fetch_pool.py``; the store's calls release
+  the GIL), and a run of whole objects (image files) is fetched ahead by :meth:`prefetch`
+  while the worker decodes the first ones. A fetch of one object's runs is itself one GET
+  per run, several in flight, all of one version of the object (``storage/s3_gets.py``).
+- **Bounded ahead.** What is fetched ahead is reserved first from the process's budget
+  (``fetch_pool.AHEAD``), by its size when known, else by a guess from the sizes seen: a
+  fetch ahead never brings more than it reserved (a larger object grows its reservation if
+  the budget allows, else is left for :meth:`read`), so the budget holds while sizes are
+  unknown. A read itself brings at most ``max_sample_bytes``.
 - **Failures.** The client retries (see ``storage/s3.py``); what still fails is a bad sample
   of kind ``missing`` (naming the URL) or ``transient``. After one ``transient`` failure a
   batch's remaining fetches fail at once (the store is down: one retry window per batch,
@@ -41,21 +47,30 @@ import numpy.typing as npt
 from batchd._wire.lifetime import Closeable
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.base import RangeFetcher, TooLarge, WholeFetcher
+from batchd_server.storage.fetch_pool import AHEAD, AheadBudget, fetch_pool
+from batchd_server.storage.paths import sample_url
 from batchd_server.storage.ranges import Ranges, ReadPlan
 from batchd_server.storage.reader import check_ranges, check_read, too_large
-from batchd_server.storage.s3 import join_url
 
-__all__ = ["FETCH_THREADS", "OBJECT_GAP_BYTES", "PREFETCH_BYTES", "ObjectFiles"]
+__all__ = [
+    "OBJECT_EXTRA_BYTES",
+    "OBJECT_GAP_BYTES",
+    "PREFETCH_BYTES",
+    "ObjectFiles",
+]
 
 OBJECT_GAP_BYTES: Final = 1 << 20
 """Ranges of one object closer than this are fetched in one request, the gap included."""
-FETCH_THREADS: Final = 64
-"""Objects a worker fetches at once: the images of a batch of 64 in one round trip. A small
-object's fetch costs its latency, not its bytes (at 50 ms, 8 at a time held two workers to
-about 280 images a second, half what they decode); a thread waiting on the store holds no
-GIL, and the threads start only as fetches need them."""
+OBJECT_EXTRA_BYTES: Final = 4 << 20
+"""Gap bytes one object's coalesced runs may fetch beyond what was asked, at least: the
+bound is the larger of this and the bytes asked (a batch fetches at most twice what it
+reads, plus this); the smallest gaps are bridged first."""
 PREFETCH_BYTES: Final = 256 << 20
-"""Whole objects fetched ahead of a batch's decodes, at most this many bytes in all."""
+"""A batch's byte ranges staged at once, at most this many bytes in all."""
+AHEAD_GUESS_BYTES: Final = 1 << 20
+"""What a whole object of unknown size reserves of the budget ahead before any size is seen;
+then twice the mean of the sizes seen (at least :data:`_MIN_GUESS_BYTES`)."""
+_MIN_GUESS_BYTES: Final = 64 << 10
 _MAX_SIZES: Final = 65536
 _MAX_MAPS: Final = 8
 
@@ -74,6 +89,7 @@ class ObjectFiles(Closeable):
         fetcher: Where the bytes come from (``storage/open.make_fetcher``).
         size_of: The size of an object, for whole-object reads.
         max_sample_bytes: The most bytes one sample may have; more is ``too_large``.
+        ahead: The budget of bytes fetched ahead (default: the process's).
     """
 
     fresh_buffers: Final = True
@@ -84,7 +100,13 @@ class ObjectFiles(Closeable):
     together."""
 
     def __init__(
-        self, root: str, fetcher: RangeFetcher, size_of: SizeOf, *, max_sample_bytes: int
+        self,
+        root: str,
+        fetcher: RangeFetcher,
+        size_of: SizeOf,
+        *,
+        max_sample_bytes: int,
+        ahead: AheadBudget | None = None,
     ) -> None:
         if max_sample_bytes < 1:
             raise ValueError(f"max_sample_bytes={max_sample_bytes} must be >= 1")
@@ -103,8 +125,10 @@ class ObjectFiles(Closeable):
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._sizes_lock = threading.Lock()
         self._maps: OrderedDict[str, npt.NDArray[np.uint8]] = OrderedDict()
-        self._pool: ThreadPoolExecutor | None = None
-        self._ahead: dict[str, Future[bytes | memoryview]] = {}
+        self._budget = AHEAD if ahead is None else ahead
+        self._ahead: dict[str, _Ahead] = {}
+        self._seen = [0, 0]
+        """Whole objects read and their bytes: what an unknown size is guessed from."""
         self._staged: dict[tuple[str, int, int], memoryview] = {}
         """A batch's byte ranges fetched together (:meth:`stage`), by (path, offset, length)."""
         self._down: BadSample | None = None
@@ -162,7 +186,14 @@ class ObjectFiles(Closeable):
         whole = offset <= 0 and length == -1
         if whole:
             ahead = self._ahead.pop(path, None)
-            return memoryview(ahead.result() if ahead is not None else self._fetch_whole(url))
+            if ahead is not None:
+                try:
+                    return memoryview(ahead.future.result())
+                except _NotAhead:
+                    pass  # over its reservation, and the budget had no more: read it here
+                finally:
+                    self._budget.give(ahead.reserved)
+            return memoryview(self._fetch_whole(url, self.max_sample_bytes))
         start = max(offset, 0)
         if length == -1:
             length = self._size(url) - start
@@ -200,7 +231,7 @@ class ObjectFiles(Closeable):
         urls = [self._url(p) for p in ranges.paths]
         check_ranges(ranges, urls, self.max_sample_bytes)
         groups = ranges.by_file()
-        plans = ranges.plans(self._gap)
+        plans = ranges.plans(self._gap, None if self.cached else OBJECT_EXTRA_BYTES)
         runs = [
             list(zip(p.run_offsets.tolist(), p.run_lengths.tolist(), strict=True)) for p in plans
         ]
@@ -273,12 +304,16 @@ class ObjectFiles(Closeable):
             self._maps.popitem(last=False)
         return array
 
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes this reader reserved for its fetches ahead (in flight or not yet read)."""
+        return sum(a.reserved for a in list(self._ahead.values()))
+
     def prefetch(self, paths: Sequence[str]) -> None:
         """Start fetching these whole objects (a run of image files about to be decoded one
-        by one), up to :data:`PREFETCH_BYTES`; :meth:`read` then takes them. Problems are
-        left for :meth:`read` to report."""
+        by one), in order, while the budget ahead has room for them (see the module docs);
+        :meth:`read` then takes them. Problems are left for :meth:`read` to report."""
         pool = self._threads()
-        budget = PREFETCH_BYTES
         cached = getattr(self._fetcher, "has_whole", None)
         for path in paths:
             if path in self._ahead:
@@ -291,37 +326,26 @@ class ObjectFiles(Closeable):
                 continue  # on the node's disk: read() reads it in this thread, no handoff
             with self._sizes_lock:
                 known = self._sizes.get(url)
-            if known is not None:
-                if known > budget:
-                    break
-                budget -= known
-            self._ahead[path] = pool.submit(self._fetch_whole, url)
+            if known is not None and known > self.max_sample_bytes:
+                continue  # read() says too_large
+            want = max(self._guess() if known is None else known, 1)
+            if not self._budget.take(want):
+                break
+            ahead = _Ahead(want)
+            ahead.future = pool.submit(self._fetch_ahead, ahead, url)
+            self._ahead[path] = ahead
 
     def close(self) -> None:
-        """Stop fetching ahead and drop what was fetched. Idempotent."""
+        """Stop fetching ahead and drop what was fetched. Idempotent. (A fetch already
+        running is not waited for: one stuck in the retries of a store that is down would
+        hold the worker's session close for the retry window; it ends on its own.)"""
         self._drop_ahead()
         self._maps.clear()
-        if self._pool is not None:
-            # Not waited for: a fetch stuck in the retries of a store that is down would hold
-            # the worker's session close for the retry window; it ends on its own.
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
     # -- internals -------------------------------------------------------------------------
 
     def _url(self, path: str) -> str:
-        if (
-            not path
-            or path.startswith("/")
-            or "\x00" in path
-            or any(part in ("", ".", "..") for part in path.split("/"))
-        ):
-            raise BadSample(
-                "unsafe_path",
-                f"{path!r}: sample paths must be relative to the dataset root, without '..', "
-                "'.' or empty components",
-            )
-        return join_url(self.root, path)
+        return sample_url(self.root, path)
 
     def _check_size(self, url: str, count: int) -> None:
         if count > self.max_sample_bytes:
@@ -339,38 +363,67 @@ class ObjectFiles(Closeable):
                 if e.kind == "transient":
                     self._down = e
                 raise
-            with self._sizes_lock:
-                self._sizes[url] = size
-                if len(self._sizes) > _MAX_SIZES:
-                    self._sizes.popitem(last=False)
+            self._remember(url, size)
         return size
 
-    def _fetch_whole(self, url: str) -> bytes | memoryview:
+    def _guess(self) -> int:
+        """What a whole object of unknown size reserves ahead (see the module docs)."""
+        count, total = self._seen
+        guess = max(2 * total // count, _MIN_GUESS_BYTES) if count else AHEAD_GUESS_BYTES
+        return min(guess, self.max_sample_bytes)
+
+    def _fetch_ahead(self, ahead: _Ahead, url: str) -> bytes | memoryview:
+        """A whole object fetched ahead, bringing at most what ``ahead`` reserved: a larger
+        one grows the reservation if the budget has room, else raises :class:`_NotAhead`."""
+        try:
+            return self._fetch_whole(url, ahead.reserved)
+        except TooLarge as e:  # over the reservation, within max_sample_bytes
+            if not self._budget.take(e.size - ahead.reserved):
+                raise _NotAhead() from None
+            ahead.reserved = e.size
+            return self._fetch_whole(url, e.size)
+
+    def _fetch_whole(self, url: str, limit: int) -> bytes | memoryview:
+        """The whole object, at most ``limit`` bytes of it fetched.
+
+        Raises:
+            BadSample: ``too_large`` over ``max_sample_bytes``, or as :meth:`read`.
+            TooLarge: over ``limit`` but within ``max_sample_bytes`` (a fetch ahead).
+        """
         if self._whole is not None:
-            return self._get_whole(self._whole, url)
+            return self._get_whole(self._whole, url, limit)
         size = self._size(url)
         self._check_size(url, size)
+        if size > limit:
+            raise TooLarge(url, size)
         return self._fetch(url, [(0, size)])[0] if size else b""
 
-    def _get_whole(self, fetcher: WholeFetcher, url: str) -> bytes | memoryview:
+    def _get_whole(self, fetcher: WholeFetcher, url: str, limit: int) -> bytes | memoryview:
         """One GET of the whole object, no HEAD first; the size comes with the answer."""
         down = self._down
         if down is not None:
             raise BadSample(down.kind, str(down))
         try:
-            data = fetcher.fetch_whole(url, self.max_sample_bytes)
+            data = fetcher.fetch_whole(url, limit)
         except TooLarge as e:
+            self._remember(url, e.size)
             self._check_size(url, e.size)
-            raise AssertionError("unreachable: the size was over the bound") from e
+            raise
         except BadSample as e:
             if e.kind == "transient":
                 self._down = e
             raise
+        self._remember(url, len(data), seen=True)
+        return data
+
+    def _remember(self, url: str, size: int, *, seen: bool = False) -> None:
         with self._sizes_lock:
-            self._sizes[url] = len(data)
+            if seen:
+                self._seen[0] += 1
+                self._seen[1] += size
+            self._sizes[url] = size
             if len(self._sizes) > _MAX_SIZES:
                 self._sizes.popitem(last=False)
-        return data
 
     def _fetch(self, url: str, ranges: list[tuple[int, int]]) -> list[bytes | memoryview]:
         down = self._down
@@ -392,11 +445,28 @@ class ObjectFiles(Closeable):
         return got
 
     def _threads(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="batchd-fetch")
-        return self._pool
+        return fetch_pool()
 
     def _drop_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, {}
-        for future in ahead.values():
-            future.cancel()
+        dropped, self._ahead = self._ahead, {}
+        for ahead in dropped.values():
+            if ahead.future.cancel():
+                self._budget.give(ahead.reserved)
+            else:  # running or done: its bytes go when it ends
+                ahead.future.add_done_callback(ahead.give_back(self._budget))
+
+
+class _Ahead:
+    """A whole object being fetched ahead, and the bytes it reserved of the budget."""
+
+    future: Future[bytes | memoryview]
+
+    def __init__(self, reserved: int) -> None:
+        self.reserved = reserved
+
+    def give_back(self, budget: AheadBudget) -> Callable[[object], None]:
+        return lambda _: budget.give(self.reserved)
+
+
+class _NotAhead(Exception):
+    """A fetch ahead found its object larger than the budget had room for: not fetched."""

@@ -52,7 +52,10 @@ def ends_past_int64(offsets: Int64Array, lengths: Int64Array) -> Int64Array:
 
 
 def plan_reads(
-    offsets: Int64Array, lengths: Int64Array, max_gap_bytes: int = MAX_GAP_BYTES
+    offsets: Int64Array,
+    lengths: Int64Array,
+    max_gap_bytes: int = MAX_GAP_BYTES,
+    max_extra_bytes: int | None = None,
 ) -> ReadPlan:
     """Group ranges ``[offsets[i], offsets[i] + lengths[i])`` into as few runs as allowed.
 
@@ -60,6 +63,9 @@ def plan_reads(
         offsets: Non-negative byte offsets, in any order.
         lengths: Non-negative byte counts, one per offset.
         max_gap_bytes: Largest gap between ranges that one run spans.
+        max_extra_bytes: With it, the gaps the runs span add up to at most the larger of
+            this and the bytes the ranges ask (the smallest gaps are spanned first); None:
+            no bound but ``max_gap_bytes``.
 
     Raises:
         ValueError: A range ends past 2**63 - 1 (its callers refuse those first).
@@ -83,6 +89,8 @@ def plan_reads(
     new_run = np.empty(n, np.bool_)
     new_run[0] = True
     np.greater(begin[1:], reach[:-1] + max_gap_bytes, out=new_run[1:])
+    if max_extra_bytes is not None and n > 1:
+        _bound_gaps(new_run, begin[1:] - reach[:-1], max(max_extra_bytes, int(lengths.sum())))
     firsts = np.flatnonzero(new_run)
     lasts = np.append(firsts[1:] - 1, n - 1)
     run_offsets = begin[firsts]
@@ -100,6 +108,17 @@ def plan_reads(
         int(run_starts[-1] + run_lengths[-1]),
         int(reach[-1]),
     )
+
+
+def _bound_gaps(new_run: npt.NDArray[np.bool_], gaps: Int64Array, budget: int) -> None:
+    """Start new runs (``new_run[1:]``) at the widest spanned gaps until the spanned ones
+    add up to at most ``budget`` bytes (overlaps and touching ranges cost nothing)."""
+    spanned = np.flatnonzero(~new_run[1:] & (gaps > 0))
+    if int(gaps[spanned].sum()) <= budget:
+        return
+    by_width = spanned[np.argsort(gaps[spanned], kind="stable")]
+    kept = np.cumsum(gaps[by_width]) <= budget
+    new_run[1:][by_width[~kept]] = True
 
 
 @dataclass(frozen=True)
@@ -126,9 +145,11 @@ class Ranges:
             return [np.arange(len(self.offsets))]
         return [np.flatnonzero(self.files == k) for k in range(len(self.paths))]
 
-    def plans(self, max_gap_bytes: int = MAX_GAP_BYTES) -> list[ReadPlan]:
+    def plans(
+        self, max_gap_bytes: int = MAX_GAP_BYTES, max_extra_bytes: int | None = None
+    ) -> list[ReadPlan]:
         """Each path's read plan (:func:`plan_reads`), in the order of :meth:`by_file`."""
         return [
-            plan_reads(self.offsets[rows], self.lengths[rows], max_gap_bytes)
+            plan_reads(self.offsets[rows], self.lengths[rows], max_gap_bytes, max_extra_bytes)
             for rows in self.by_file()
         ]

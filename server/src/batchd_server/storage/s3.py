@@ -18,11 +18,18 @@ What ``object_store`` does not read, this module adds (:func:`store_config`):
   ``endpoint_url`` are read here; a profile without keys (SSO, ``role_arn``) goes through
   boto3 when it is installed (it is not a dependency).
 - **Plain HTTP endpoints**: an ``http://`` endpoint (a MinIO or SeaweedFS on a private
-  network) just works; ``object_store`` would refuse it unless ``AWS_ALLOW_HTTP`` is set.
+  network) works (``object_store`` would refuse it unless ``AWS_ALLOW_HTTP`` is set), with a
+  warning in the log once per process: its requests, signed or not, cross the network in
+  clear.
 
 Credentials stay inside the store objects: no message, log line or metric here carries
-one. Errors quote only the first line of ``object_store``'s message (method, URL, status),
-never a header or a signature.
+one. Errors quote only the first line of ``object_store``'s message, with every URL in it
+replaced by the object's ``s3://`` URL or "the store": the endpoint is the operator's
+business, and these messages reach tenants (bad samples, refused opens). The server's log
+has the endpoint.
+
+Bucket names are checked (:func:`split_url`) before any request: an invalid one is a clear
+error, not a store's puzzling answer.
 
 A store is made lazily, once per process and bucket (:func:`store_for`): worker processes
 are spawned, and each makes its own on its first read.
@@ -31,19 +38,22 @@ are spawned, and each makes its own on its first read.
 from __future__ import annotations
 
 import configparser
+import logging
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
 import obstore
-from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+from obstore.exceptions import PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store
 
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.options import DEFAULT_RETRY_S
+from batchd_server.storage.s3_gets import Versions, get_ranges, tag_of
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -68,6 +78,12 @@ STREAM_PIECE_BYTES: Final = 64 << 10
 """The smallest piece :meth:`S3Fetcher.stream` hands on (the client joins smaller ones into
 one): small enough that the allocator reuses its memory, large enough that a 4 MiB block is
 a few dozen Python steps."""
+_BUCKET: Final = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+"""S3's rule for bucket names: 3 to 63 lowercase letters, digits, dots and hyphens,
+starting and ending with a letter or digit (no two dots in a row, not an IP address)."""
+_IP: Final = re.compile(r"\d+\.\d+\.\d+\.\d+")
+_HTTP_URL: Final = re.compile(r"\bhttps?://\S+")
+logger = logging.getLogger(__name__)
 _PROFILE_KEYS: Final = (
     ("aws_access_key_id", "access_key_id"),
     ("aws_secret_access_key", "secret_access_key"),
@@ -79,6 +95,9 @@ class StoreUnreachable(Exception):
     """The store could not be listed or asked about an object: the message names the URL
     and says what to check (endpoint, credentials, bucket)."""
 
+    denied: bool = False
+    """The store answered, and refused the credentials (it is up)."""
+
 
 def is_object_url(root: str) -> bool:
     """Whether ``root`` names an object-store prefix (``s3://bucket/prefix``)."""
@@ -89,13 +108,20 @@ def split_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/key`` -> ``("bucket", "some/key")``.
 
     Raises:
-        ValueError: not an ``s3://`` URL with a bucket.
+        ValueError: not an ``s3://`` URL with a bucket, or the bucket's name is not one S3
+            allows.
     """
     if not is_object_url(url):
         raise ValueError(f"{url!r} is not an s3:// URL")
     bucket, _, key = url[len(SCHEME) :].partition("/")
     if not bucket:
         raise ValueError(f"{url!r} names no bucket; write s3://BUCKET/PREFIX")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket or _IP.fullmatch(bucket):
+        raise ValueError(
+            f"{url!r}: {bucket[:80]!r} is not a valid bucket name (3 to 63 lowercase letters, "
+            "digits, dots and hyphens, starting and ending with a letter or digit, not an IP "
+            "address); check the URL"
+        )
     return bucket, key
 
 
@@ -164,6 +190,27 @@ def store_config(environ: Mapping[str, str] | None = None) -> tuple[dict[str, An
     return extra, provider
 
 
+_warned_http: set[tuple[int, str]] = set()
+
+
+def _warn_plain_http() -> None:
+    """Log once per process and endpoint that the store is reached over plain HTTP."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    _, config = _profile_sections(os.environ.get("AWS_PROFILE") or "default", os.environ)
+    endpoint = endpoint or config.get("endpoint_url")
+    if not endpoint or not endpoint.startswith("http://"):
+        return
+    key = (os.getpid(), endpoint)
+    if key not in _warned_http:
+        _warned_http.add(key)
+        logger.warning(
+            "the object store's endpoint %s is plain HTTP: requests and the bytes they carry "
+            "cross the network unencrypted (signatures stop tampering, not reading); use "
+            "https:// unless the network is private",
+            endpoint,
+        )
+
+
 def _boto3_provider(profile: str) -> Any:
     """A profile without static keys (SSO, an assumed role), through boto3 if it is here."""
     try:
@@ -195,6 +242,8 @@ def store_for(bucket: str, *, retry_s: float = DEFAULT_RETRY_S) -> S3Store:
         store = _stores.get(key)
         if store is None:
             extra, provider = store_config()
+            if extra.get("allow_http"):
+                _warn_plain_http()
             retry = {
                 "max_retries": 1000,  # bounded by retry_timeout
                 "retry_timeout": timedelta(seconds=retry_s),
@@ -218,9 +267,12 @@ def store_for(bucket: str, *, retry_s: float = DEFAULT_RETRY_S) -> S3Store:
         return store
 
 
-def first_line(error: BaseException) -> str:
-    """``object_store``'s message without its multi-line debug dump."""
-    return str(error).split("\n", 1)[0].strip() or type(error).__name__
+def first_line(error: BaseException, url: str | None = None) -> str:
+    """``object_store``'s message without its multi-line debug dump, and without the
+    endpoint: each HTTP(S) URL in it becomes ``url`` (the object's ``s3://`` URL), or "the
+    store"."""
+    line = str(error).split("\n", 1)[0].strip() or type(error).__name__
+    return _HTTP_URL.sub(url or "the store", line)
 
 
 def _is_not_found(error: BaseException) -> bool:
@@ -236,10 +288,16 @@ def classify(url: str, error: Exception) -> BadSample:
     retries are spent, or the store refused the credentials: the object may well be fine)."""
     if _is_not_found(error):
         return BadSample("missing", f"{url}: no such object in the store")
+    if isinstance(error, PreconditionError):
+        return BadSample(
+            "unreadable",
+            f"{url}: the object changed in place while it was read; objects a session reads "
+            "should not be rewritten: write a new key, and ingest a new version",
+        )
     if _is_denied(error):
         return BadSample(
             "transient",
-            f"{url}: the store refused access ({first_line(error)}); the object may well be "
+            f"{url}: the store refused access ({first_line(error, url)}); the object may well be "
             "fine: check the server's credentials (AWS_* environment, profile or web "
             "identity) and their permissions",
         )
@@ -247,23 +305,29 @@ def classify(url: str, error: Exception) -> BadSample:
         return BadSample("unreadable", f"{url}: a byte range lies past the end of the object")
     return BadSample(
         "transient",
-        f"{url}: {first_line(error)}; the store kept failing through the retries, the object "
+        f"{url}: {first_line(error, url)}; the store kept failing through the retries, the object "
         "itself may well be fine: check the store and the network to it",
     )
 
 
 def unreachable(url: str, error: Exception) -> StoreUnreachable:
-    """An error of a listing or HEAD at ingest or session open, as a clear message."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    where = f" at {endpoint}" if endpoint else ""
-    if _is_denied(error):
+    """An error of a listing or HEAD at ingest or session open, as a clear message (without
+    the endpoint, which the server's log has: it goes to tenants)."""
+    denied = _is_denied(error)
+    if denied:
         why = "the store refused the credentials; check AWS_ACCESS_KEY_ID and its permissions"
     else:
         why = (
-            f"check that the store{where} is up and reachable from here (AWS_ENDPOINT_URL), "
+            "check that the store is up and reachable from the server (AWS_ENDPOINT_URL), "
             "that the bucket exists, and the credentials"
         )
-    return StoreUnreachable(f"cannot reach {url}: {first_line(error)}; {why}")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    logger.warning(
+        "cannot reach %s (endpoint %s): %s", url, endpoint or "AWS's", first_line(error, url)
+    )
+    failure = StoreUnreachable(f"cannot reach {url}: {first_line(error, url)}; {why}")
+    failure.denied = denied
+    return failure
 
 
 class S3Fetcher:
@@ -275,19 +339,32 @@ class S3Fetcher:
 
     def __init__(self, *, retry_s: float = DEFAULT_RETRY_S) -> None:
         self.retry_s = retry_s
+        self.versions = Versions()
+        """Each object's version as this fetcher first read it (``storage/s3_gets.py``)."""
 
     def fetch(self, url: str, ranges: Any) -> list[bytes | memoryview]:
+        """Each range a GET of its own, several in flight, all of the object's version as
+        first read (``storage/s3_gets.py``); an empty range costs no request.
+
+        Raises:
+            BadSample: as :func:`classify`, or ``unreadable`` when the object changed again
+                while it was fetched anew.
+        """
         bucket, key = split_url(url)
+        out: list[bytes | memoryview] = [b""] * len(ranges)
+        asked = [(i, int(o), int(n)) for i, (o, n) in enumerate(ranges) if int(n) > 0]
+        if not asked:
+            return out
         store = store_for(bucket, retry_s=self.retry_s)
-        starts = [int(o) for o, _ in ranges]
-        lengths = [int(n) for _, n in ranges]
-        if not starts:
-            return []
         try:
-            got = obstore.get_ranges(store, key, starts=starts, lengths=lengths)
+            got = get_ranges(store, key, url, [(o, n) for _, o, n in asked], self.versions)
+        except BadSample:
+            raise
         except Exception as e:
             raise classify(url, e) from None
-        return [memoryview(b) for b in got]  # the client's buffers, not copies of them
+        for (i, _, _), data in zip(asked, got, strict=True):
+            out[i] = data  # the client's buffers, not copies of them
+        return out
 
     def stream(self, url: str, offset: int, length: int) -> Iterator[memoryview]:
         """The bytes ``[offset, offset + length)`` of the object in one GET, as they arrive,
@@ -302,8 +379,13 @@ class S3Fetcher:
         """
         bucket, key = split_url(url)
         store = store_for(bucket, retry_s=self.retry_s)
+        options: Any = {"range": (offset, offset + length)}
+        known = self.versions.get(url)
+        if known is not None:
+            options["if_match"] = known
         try:
-            result = obstore.get(store, key, options={"range": (offset, offset + length)})
+            result = obstore.get(store, key, options=options)
+            self.versions.record(url, tag_of(result.meta))
             for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
                 yield memoryview(piece)
         except Exception as e:
@@ -324,6 +406,7 @@ class S3Fetcher:
             if size > max_bytes:
                 raise TooLarge(url, size)  # the body is dropped unread with the result
             data = memoryview(result.bytes())  # the client's buffer, not a copy of it
+            self.versions.record(url, tag_of(result.meta))
         except TooLarge:
             raise
         except Exception as e:

@@ -23,7 +23,7 @@ from batchd_server.settings import (
     size,
     within,
 )
-from batchd_server.storage.options import DEFAULT_RETRY_S
+from batchd_server.storage.options import DEFAULT_LIST_CACHE_S, DEFAULT_RETRY_S
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_PREFETCH_BATCHES", "StorageSettings"]
 
@@ -58,6 +58,15 @@ class StorageSettings:
         "down) with backoff for up to this many seconds; what still fails is a bad sample of "
         "kind 'transient'. Keep it below --task-timeout-s",
         commands=(EVERY_COMMAND,),
+    )
+
+    object_store_list_cache_s: float = seconds(
+        flag="--object-store-list-cache-s",
+        default=DEFAULT_LIST_CACHE_S,
+        check=within(0, 3600),
+        help="a session open on an s3:// dataset lists its root to check that the store "
+        "answers; trust that answer for this many seconds (the opens of one job's ranks cost "
+        "one listing); 0: list at every open",
     )
 
     cache_dir: Path | None = path(
