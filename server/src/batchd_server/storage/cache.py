@@ -28,6 +28,7 @@ and the server adds them to its metrics (``metrics.node_cache.record_cache``).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -56,6 +57,8 @@ __all__ = [
     "cached",
     "object_url",
 ]
+
+logger = logging.getLogger(__name__)
 
 _MAX_SIZES: Final = 1 << 16
 """Object sizes a fetcher remembers in memory (the records on disk keep them all)."""
@@ -561,13 +564,30 @@ def cached(
     block_bytes: int = BLOCK_BYTES,
 ) -> RangeFetcher:
     """``inner`` read through the node cache in ``cache_dir``; ``inner`` itself when there is
-    none (``--cache-dir`` unset). What the object-store reader calls to get its fetcher."""
+    none (``--cache-dir`` unset), or when the disk refuses to open it (a warning is logged).
+    What the object-store reader calls to get its fetcher.
+
+    Raises:
+        FailedPrecondition: the directory may be changed by another user
+            (``cache_dir.check_dir``): the server refuses to start on it.
+    """
     if cache_dir is None:
         return inner
     key = (os.getpid(), cache_dir, capacity_bytes, block_bytes)
     with _STORES_LOCK:
         store = _STORES.get(key)
         if store is None or store.closed:
-            store = BlockStore(cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes)
+            try:
+                store = BlockStore(
+                    cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes
+                )
+            except OSError as e:  # a read-only or failing disk: read without the cache
+                logger.warning(
+                    "the node cache in %s cannot be opened (%s); objects are read from the "
+                    "store without it until the disk is fixed",
+                    cache_dir,
+                    e.strerror or e,
+                )
+                return inner
             _STORES[key] = store
     return CachingFetcher(inner, store)

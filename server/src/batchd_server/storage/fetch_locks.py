@@ -49,7 +49,9 @@ class FetchLocks:
     """
 
     def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Never through a link, and never blocking on a FIFO put in the file's place.
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        self._fd = os.open(path, flags, 0o600)
         self._stripes = [threading.Lock() for _ in range(FETCH_STRIPES)]
 
     def close(self) -> None:
