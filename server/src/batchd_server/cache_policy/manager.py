@@ -45,9 +45,11 @@ import numpy as np
 import numpy.typing as npt
 
 from batchd_server.cache_policy.eviction import next_uses, victims
+from batchd_server.cache_policy.on_disk import DiskView
 from batchd_server.cache_policy.plan_blocks import SourceBlocks, Uses, upcoming_uses
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
+from batchd_server.limits import MAX_SAMPLE_BYTES
 from batchd_server.metrics import node_cache as cache_metrics
 from batchd_server.metrics.registry import dataset_label
 from batchd_server.pipelines.base import BadSample
@@ -63,9 +65,12 @@ logger = logging.getLogger(__name__)
 
 _USES_MAX_AGE_S: Final = 1.0
 """The next uses of every block are computed again at most this often."""
-_HORIZON_SAMPLES: Final = 1 << 22
-"""The samples of each session's future that eviction looks at; blocks read only later
-count as never read (no live session reads them within the horizon)."""
+_HORIZON_SAMPLES: Final = 1 << 23
+"""The samples of the sessions' future that eviction looks at, shared among them (8M: half
+a second of array work); blocks read only later count as never read (no live session reads
+them within the horizon)."""
+_DIRECTORIES_PER_ROUND: Final = 8
+"""Block directories (of 256) listed again each round while the cache is near full."""
 _RESCAN_S: Final = 300.0
 """How often the ledger is set again to what the files take (``BlockStore.scan``)."""
 _MARGIN_FRACTION: Final = 20
@@ -106,6 +111,9 @@ class Reading:
     """The session's next epoch, read after this one (None: not known)."""
     next_start: int = 0
     """The first batch the stream will read of the next epoch."""
+    max_sample_bytes: int = MAX_SAMPLE_BYTES
+    """The most bytes one of its samples may have (``--max-sample-bytes``): a whole object
+    of unknown size is prefetched only up to this (more is the worker's ``too_large``)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,8 @@ class _Job:
     ranges: list[tuple[int, int]]
     blocks: frozenset[BlockKey]
     """Those of its blocks that are not cached."""
+    max_bytes: int
+    """A whole object's bytes at most (the session's ``max_sample_bytes``)."""
 
 
 def _own(root: Path) -> int:
@@ -170,7 +180,8 @@ class CacheManager:
         self._in_flight: dict[BlockKey, Future[int]] = {}
         """Blocks a prefetch is fetching."""
         self._sources: dict[str, SourceBlocks] = {}
-        self._uses: dict[BlockKey, int] = {}
+        self._uses: list[Uses] = []
+        self._disk = DiskView(self.store)
         self._uses_at = -_USES_MAX_AGE_S
         self._leads: set[str] = set()
         """The datasets whose prefetch lead is reported."""
@@ -246,7 +257,7 @@ class CacheManager:
             room -= per_block * len(job.blocks - self._in_flight.keys())
             if room < 0:
                 break
-            future = self._pool.submit(self._prefetch, job.url, job.ranges)
+            future = self._pool.submit(self._prefetch, job.url, job.ranges, job.max_bytes)
             running += 1
             self._in_flight.update((key, future) for key in job.blocks)
         cache_metrics.record_cache(None, self.fetcher.stats.take())
@@ -255,13 +266,14 @@ class CacheManager:
             self._scanned_at = time.monotonic()
         cache_metrics.CACHE_USED_BYTES.set(self.store.used_bytes())
 
-    def _prefetch(self, url: str, ranges: list[tuple[int, int]]) -> int:
+    def _prefetch(self, url: str, ranges: list[tuple[int, int]], max_bytes: int) -> int:
         """Fetch the blocks of ``ranges``; a length of -1 is the whole object, fetched as a
         worker would (one GET, no HEAD first, where the client can), so a prefetch of an
-        image costs the store one request, not two."""
+        image costs the store one request, not two; an object of more than ``max_bytes``
+        is not fetched (its worker's read of it is ``too_large``)."""
         try:
             if any(length < 0 for _, length in ranges):
-                return self.fetcher.prefetch_whole(url, self.store.capacity_bytes)
+                return self.fetcher.prefetch_whole(url, max_bytes)
             return self.fetcher.prefetch(url, ranges)
         except (BadSample, TooLarge) as e:  # the worker that reads it reports it
             logger.debug("prefetch of %s failed: %s", url, e)
@@ -309,7 +321,14 @@ class CacheManager:
                     mine = rows[source.objects[rows] == obj]
                     offsets, lengths = source.offsets[mine].tolist(), source.lengths[mine].tolist()
                     ranges = list(zip(offsets, lengths, strict=True))
-                    jobs.append(_Job(distance, source.urls[obj], ranges, frozenset(absent[obj])))
+                    job = _Job(
+                        distance,
+                        source.urls[obj],
+                        ranges,
+                        frozenset(absent[obj]),
+                        reading.max_sample_bytes,
+                    )
+                    jobs.append(job)
             counting = counting and complete
             lead += int(counting)
         return lead, jobs
@@ -331,28 +350,35 @@ class CacheManager:
         margin = self.store.capacity_bytes // _MARGIN_FRACTION
         free = self.store.capacity_bytes - self.store.used_bytes()
         want = window_bytes + margin - free
+        if want <= -margin:
+            return
+        # Near full: the listing is kept fresh a few directories a round, so that making
+        # room needs no listing of every file.
+        self._disk.refresh(_DIRECTORIES_PER_ROUND)
         if want <= 0:
             return
         now = time.monotonic()
         if now - self._uses_at >= _USES_MAX_AGE_S:
-            self._uses = next_uses(use for r in readings for use in self._future(r))
+            horizon = _HORIZON_SAMPLES // max(len(readings), 1)
+            self._uses = [use for r in readings for use in self._future(r, horizon)]
             self._uses_at = now
-        window = self.prefetch_batches
-        for key in victims(self.store.blocks(), self._uses, want, farther_than=window):
-            if self.store.delete(key, reason="evicted"):
-                self.evicted += 1
-                cache_metrics.CACHE_EVICTED.inc()
+        cached = self._disk.cached()
+        uses = next_uses(self._uses, cached)
+        chosen = victims(cached, uses, want, farther_than=self.prefetch_batches)
+        evicted = self._disk.delete(cached, chosen)
+        self.evicted += evicted
+        cache_metrics.CACHE_EVICTED.inc(evicted)
 
-    def _future(self, reading: Reading) -> Iterator[Uses]:
+    def _future(self, reading: Reading, horizon: int) -> Iterator[Uses]:
         """The blocks the stream reads from its cursor to the end of its next epoch (within
-        the horizon), each with how many of the stream's batches from now."""
+        ``horizon`` samples), each with how many of the stream's batches from now."""
         stride = max(reading.stride, 1)
         plans = [(reading.plan, reading.cursor, 0)]
         rest = len(range(reading.cursor, reading.plan.num_batches, stride))
         following = reading.next_plan()
         if following is not None:
             plans.append((following, reading.next_start, rest))
-        budget = _HORIZON_SAMPLES
+        budget = horizon
         for plan, first, offset in plans:
             ks = np.arange(first, plan.num_batches, stride, dtype=np.int64)
             ks = ks[: max(budget // plan.batch_size, 1)]

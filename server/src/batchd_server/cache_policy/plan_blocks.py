@@ -20,9 +20,14 @@ from batchd_server.catalog.types import SampleColumns
 from batchd_server.storage.blocks import object_hash
 from batchd_server.storage.cache import object_url
 
-__all__ = ["SourceBlocks", "Uses", "upcoming_uses"]
+__all__ = ["SourceBlocks", "Uses", "hashes64", "upcoming_uses"]
 
 Int64Array = npt.NDArray[np.int64]
+
+
+def hashes64(hashes: Sequence[str]) -> npt.NDArray[np.uint64]:
+    """The last 64 bits of each object hash (hex), as the eviction's arrays name objects."""
+    return np.fromiter((int(h[-16:], 16) for h in hashes), np.uint64, len(hashes))
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class SourceBlocks:
     Attributes:
         urls: Every object the source reads, by the index ``objects`` holds.
         hashes: Each URL's :func:`~batchd_server.storage.blocks.object_hash`.
+        hashes64: The last 64 bits of each (:func:`hashes64`).
         objects: Row -> index into ``urls``.
         first, last: Row -> the first and last block its bytes touch (``last < first``: none).
         offsets, lengths: Row -> its byte range; length -1 for a whole object of unknown size.
@@ -39,6 +45,7 @@ class SourceBlocks:
 
     urls: list[str]
     hashes: list[str]
+    hashes64: npt.NDArray[np.uint64]
     objects: npt.NDArray[np.int32]
     first: Int64Array
     last: Int64Array
@@ -73,7 +80,8 @@ class SourceBlocks:
         known = np.where(lengths < 0, 1, lengths)
         first = offsets // block_bytes
         last = np.where(known > 0, (offsets + known - 1) // block_bytes, first - 1)
-        return cls(urls, [object_hash(u) for u in urls], objects, first, last, offsets, lengths)
+        hashes = [object_hash(u) for u in urls]
+        return cls(urls, hashes, hashes64(hashes), objects, first, last, offsets, lengths)
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,7 @@ class Uses:
     ``when[i]`` batches from now."""
 
     hashes: Sequence[str]
+    hashes64: npt.NDArray[np.uint64]
     objects: npt.NDArray[np.int32]
     blocks: Int64Array
     when: Int64Array
@@ -97,6 +106,7 @@ def upcoming_uses(source: SourceBlocks, rows: npt.NDArray[np.int64], when: Int64
     step = np.arange(total) - np.repeat(np.cumsum(spans) - spans, spans)
     return Uses(
         source.hashes,
+        source.hashes64,
         source.objects[rows][repeated],
         first[repeated] + step,
         when[repeated],

@@ -78,6 +78,7 @@ from batchd_server.storage.block_listing import (
     RECORD_BYTES,
     RECORD_SUFFIX,
     TMP_PREFIX,
+    Listing,
     list_directory,
 )
 from batchd_server.storage.block_writer import BlockWriter, write_at
@@ -94,6 +95,7 @@ __all__ = [
     "BlockRead",
     "BlockStore",
     "BlockWriter",
+    "Listing",
     "ObjectMeta",
     "object_hash",
 ]
@@ -455,6 +457,10 @@ class BlockStore:
     def blocks(self) -> dict[BlockKey, tuple[int, float]]:
         """Every block file: its bytes and modification time."""
         return self.listing()[0]
+
+    def directory(self, slot: int) -> Listing:
+        """The files of block directory ``slot`` (of 256), listed without the ledger's lock."""
+        return list_directory(self._slot_dir(slot), time.time())
 
     def _slot_dir(self, slot: int) -> str:
         return f"{self._blocks}/{slot:02x}"
