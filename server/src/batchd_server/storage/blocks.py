@@ -209,6 +209,14 @@ class BlockStore:
         with self._ledger.locked() as ledger:
             return ledger.used
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more would fit now (a hint: another writer may take it first)."""
+        try:
+            with self._ledger.locked() as ledger:
+                return ledger.used + nbytes <= self.capacity_bytes
+        except OSError:
+            return False
+
     def _give_back(self, nbytes: int, tmp: str | None, slot: int) -> None:
         """Give back a reservation and remove the file written for it."""
         try:

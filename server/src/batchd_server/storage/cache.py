@@ -95,12 +95,23 @@ class NodeCacheCounts:
     prefetched_bytes: int = 0
     """Of ``fetched_bytes``, those fetched ahead of a session by the cache manager."""
     corrupt: int = 0
-    """Block files found corrupt or truncated, deleted and fetched again."""
+    """Block files found bad (corrupt, truncated, unreadable, not a regular file), removed
+    and fetched again."""
+    unkept: int = 0
+    """Missed blocks the cache had no room to keep: only the ranges asked of them were
+    fetched (no whole block per record of a working set larger than the cache)."""
     get_seconds: list[float] = field(default_factory=list)
     """The latency of each request to the store (at most ``_MAX_LATENCIES`` of them)."""
 
     def __bool__(self) -> bool:
-        return bool(self.hits or self.misses or self.fetched_bytes or self.get_seconds)
+        return bool(
+            self.hits
+            or self.misses
+            or self.fetched_bytes
+            or self.get_seconds
+            or self.corrupt
+            or self.unkept
+        )
 
 
 class CacheStats:
@@ -258,6 +269,8 @@ class CachingFetcher:
         started = time.perf_counter()
         data = inner.fetch_whole(url, max_bytes)
         self.stats.latency(time.perf_counter() - started)
+        if len(data) > max_bytes:  # a client that does not bound its read: nothing is kept
+            raise TooLarge(url, len(data))
         b = self.store.block_bytes
         count = -(-len(data) // b)
         self.stats.add(
@@ -401,6 +414,8 @@ class CachingFetcher:
             return min((i + 1) * b, size) if size >= 0 else i * b + max(hi for _, hi in need[i])
 
         spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
+        if not self.store.has_room(sum(self.store.file_bytes(length) for _, length in spans)):
+            return self._fetch_unkept(url, need, missing, prefetch)
         if self._streams is not None:
             return self._stream_missing(self._streams, url, runs, spans, need, short, prefetch)
         started = time.perf_counter()
@@ -419,6 +434,40 @@ class CachingFetcher:
                 content = view[i * b - start : min((i + 1) * b, start + length) - start]
                 got[i] = BlockRead(len(content), [(0, content)])
                 self.store.write(BlockKey(h, i), content, replace=i in short)
+        return got
+
+    def _fetch_unkept(
+        self, url: str, need: dict[int, list[tuple[int, int]]], missing: list[int], prefetch: bool
+    ) -> dict[int, BlockRead]:
+        """The asked spans of ``missing`` blocks, in one request, none kept: the cache has no
+        room for the blocks (a working set larger than it), and fetching a whole block per
+        record would multiply the bytes asked of the store by the block's size. A prefetch
+        fetches nothing: nothing it fetched could be kept."""
+        if prefetch:
+            return {}
+        b = self.store.block_bytes
+        merged: dict[int, list[list[int]]] = {}
+        for i in missing:
+            runs = merged[i] = []
+            for lo, hi in sorted(need[i]):
+                if runs and lo <= runs[-1][1]:
+                    runs[-1][1] = max(runs[-1][1], hi)
+                else:
+                    runs.append([lo, hi])
+        spans = [(i * b + lo, hi - lo) for i in missing for lo, hi in merged[i]]
+        started = time.perf_counter()
+        datas = iter(self.inner.fetch(url, spans))
+        self.stats.latency(time.perf_counter() - started)
+        self.stats.add(unkept=len(missing), fetched_bytes=sum(n for _, n in spans))
+        got: dict[int, BlockRead] = {}
+        for i in missing:
+            parts: list[tuple[int, bytes | memoryview]] = []
+            for lo, hi in merged[i]:
+                data = next(datas)
+                if len(data) != hi - lo:
+                    raise _short(url, len(data), hi - lo, i * b + lo)
+                parts.append((lo, data))
+            got[i] = BlockRead(merged[i][-1][1], parts)
         return got
 
     def _stream_missing(
