@@ -68,31 +68,58 @@ class CachedBlocks:
         return cls(keys, block_ids(objects, blocks), sizes, mtimes)
 
 
+class _Lookup:
+    """Where each of some ids is among ``ids``: a hash table in arrays (a few gathers per
+    lookup, not a binary search): each round's table holds the ids whose slot no earlier
+    round's did."""
+
+    def __init__(self, ids: U64) -> None:
+        self._ids = ids
+        bits = max((4 * len(ids)).bit_length(), 4)
+        self._mask = np.uint64((1 << bits) - 1)
+        self._tables: list[npt.NDArray[np.intp]] = []
+        rest = np.arange(len(ids), dtype=np.intp)
+        while len(rest):
+            slots = (ids[rest] & self._mask).astype(np.intp)
+            table = np.full(1 << bits, -1, np.intp)
+            table[slots] = rest
+            self._tables.append(table)
+            rest = rest[table[slots] != rest]
+
+    def find(self, needles: U64) -> npt.NDArray[np.intp]:
+        """Each needle's index in ``ids`` (-1: not there)."""
+        slots = (needles & self._mask).astype(np.intp)
+        found = np.full(len(needles), -1, np.intp)
+        for table in self._tables:
+            candidate = table[slots]
+            open_ = (found < 0) & (candidate >= 0)
+            match = np.zeros(len(needles), np.bool_)
+            match[open_] = self._ids[candidate[open_]] == needles[open_]
+            found[match] = candidate[match]
+        return found
+
+
 def next_uses(uses: Iterable[Uses], cached: CachedBlocks) -> I64:
     """Each cached block's first read over all ``uses``: how many batches from now
     (:data:`NEVER`: none within them)."""
-    order = np.argsort(cached.ids, kind="stable")
-    ids = cached.ids[order]
-    soonest = np.full(len(ids), np.iinfo(np.int64).max, np.int64)
-    if len(ids):
-        for use in uses:
-            if not len(use.blocks):
-                continue
-            found = block_ids(use.hashes64[use.objects], use.blocks)
-            at = np.minimum(np.searchsorted(ids, found), len(ids) - 1)
-            hit = ids[at] == found
-            where, when = at[hit], use.when[hit]
-            if len(when) > 1 and not bool(np.all(when[1:] >= when[:-1])):
-                by_when = np.argsort(when, kind="stable")
-                where, when = where[by_when], when[by_when]
-            # Of a block's reads (in order of when), the first is assigned last: it stays.
-            first = np.full(len(ids), np.iinfo(np.int64).max, np.int64)
-            first[where[::-1]] = when[::-1]
-            np.minimum(soonest, first, out=soonest)
-    soonest[soonest == np.iinfo(np.int64).max] = NEVER
-    out = np.empty_like(soonest)
-    out[order] = soonest
-    return out
+    lookup = _Lookup(cached.ids)
+    none = np.iinfo(np.int64).max
+    soonest = np.full(len(cached.ids), none, np.int64)
+    for use in uses:
+        if not len(use.blocks) or not len(soonest):
+            continue
+        at = lookup.find(block_ids(use.hashes64[use.objects], use.blocks))
+        hit = at >= 0
+        where, when = at[hit], use.when[hit]
+        if len(when) > 1 and not bool(np.all(when[1:] >= when[:-1])):
+            by_when = np.argsort(when, kind="stable")
+            where, when = where[by_when], when[by_when]
+        # Of a block's reads (in order of when), the first is assigned last: it stays.
+        first = np.full(len(soonest), none, np.int64)
+        first[where[::-1]] = when[::-1]
+        np.minimum(soonest, first, out=soonest)
+    soonest[soonest == none] = NEVER
+    return soonest
 
 
 def victims(cached: CachedBlocks, uses: I64, nbytes: int, *, farther_than: int = -1) -> list[int]:

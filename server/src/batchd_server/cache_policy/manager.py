@@ -282,15 +282,11 @@ class CacheManager:
     def _source(self, ref: SourceRef) -> SourceBlocks:
         blocks = self._sources.get(ref.key)
         if blocks is None:
-            blocks = SourceBlocks.of(
-                ref.columns, ref.root, self.store.block_bytes, self._known_size
-            )
+            # Whole objects' sizes are not looked up (a record read per object: seconds of
+            # the main process for a million images); their rows read their first block.
+            blocks = SourceBlocks.of(ref.columns, ref.root, self.store.block_bytes)
             self._sources[ref.key] = blocks
         return blocks
-
-    def _known_size(self, url: str) -> int:
-        meta = self.store.meta(url)
-        return -1 if meta is None else meta.size
 
     def _window(self, reading: Reading, missing: set[BlockKey]) -> tuple[int, list[_Job]]:
         """The stream's prefetch lead, and the prefetch jobs of its window: (distance, url,

@@ -58,10 +58,11 @@ class SourceBlocks:
         columns: SampleColumns,
         root: str,
         block_bytes: int,
-        size_of: Callable[[str], int],
+        size_of: Callable[[str], int] | None = None,
     ) -> SourceBlocks:
         """The rows of ``columns`` under ``root``; ``size_of(url)`` gives an object's size
-        (-1: unknown) for the rows that are whole objects."""
+        (-1: unknown) for the rows that are whole objects; without it every whole object's
+        size is unknown, and its rows read its first block (the only one of an image)."""
         n = len(columns.ids)
         index: dict[bytes, int] = {}
         raw = columns.path_bytes
@@ -73,9 +74,12 @@ class SourceBlocks:
         lengths = columns.byte_lengths.astype(np.int64, copy=True)
         whole = offsets < 0
         if whole.any():
-            sizes = np.array([size_of(u) for u in urls], np.int64)
             offsets[whole] = 0
-            lengths[whole] = sizes[objects[whole]]
+            if size_of is None:
+                lengths[whole] = -1
+            else:
+                sizes = np.array([size_of(u) for u in urls], np.int64)
+                lengths[whole] = sizes[objects[whole]]
         # A row "to the end of the object" reads its first block at least.
         known = np.where(lengths < 0, 1, lengths)
         first = offsets // block_bytes

@@ -209,13 +209,14 @@ class BlockStore:
         with self._ledger.locked() as ledger:
             return ledger.used
 
-    def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more would fit now (a hint: another writer may take it first)."""
+    def room(self) -> int:
+        """The bytes that would fit now (a hint: another writer may take them first); 0 when
+        the ledger cannot be read."""
         try:
             with self._ledger.locked() as ledger:
-                return ledger.used + nbytes <= self.capacity_bytes
+                return self.capacity_bytes - ledger.used
         except OSError:
-            return False
+            return 0
 
     def _give_back(self, nbytes: int, tmp: str | None, slot: int) -> None:
         """Give back a reservation and remove the file written for it."""

@@ -383,6 +383,8 @@ class CachingFetcher:
             self._count(have, len(fetch), prefetch=prefetch)
             if fetch:
                 have.update(self._fetch_missing(url, size, need, fetch, short, prefetch=prefetch))
+                if size >= 0 and self.store.meta(url) is None:  # evicted with earlier blocks
+                    self.store.record(ObjectMeta(url, size))
         return have, len(fetch)
 
     def _count(self, hits: dict[int, BlockRead], misses: int, *, prefetch: bool) -> None:
@@ -401,7 +403,27 @@ class CachingFetcher:
         *,
         prefetch: bool,
     ) -> dict[int, BlockRead]:
-        """Fetch ``missing`` blocks, one range per run of neighbours, and keep them."""
+        """Fetch ``missing`` blocks, one range per run of neighbours, and keep them; those
+        the cache has no room for, only in the spans asked (:meth:`_fetch_unkept`)."""
+        b = self.store.block_bytes
+        room, cost = self.store.room(), self.store.file_bytes(b)
+        kept = missing[: max(room // cost, 0)]
+        got = {} if prefetch else self._fetch_unkept(url, need, missing[len(kept) :])
+        if kept:
+            got.update(self._fetch_kept(url, size, need, kept, short, prefetch=prefetch))
+        return got
+
+    def _fetch_kept(
+        self,
+        url: str,
+        size: int,
+        need: dict[int, list[tuple[int, int]]],
+        missing: list[int],
+        short: set[int],
+        *,
+        prefetch: bool,
+    ) -> dict[int, BlockRead]:
+        """Fetch ``missing`` blocks whole, one range per run of neighbours, and keep them."""
         b = self.store.block_bytes
         runs: list[list[int]] = []
         for i in missing:
@@ -414,8 +436,6 @@ class CachingFetcher:
             return min((i + 1) * b, size) if size >= 0 else i * b + max(hi for _, hi in need[i])
 
         spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
-        if not self.store.has_room(sum(self.store.file_bytes(length) for _, length in spans)):
-            return self._fetch_unkept(url, need, missing, prefetch)
         if self._streams is not None:
             return self._stream_missing(self._streams, url, runs, spans, need, short, prefetch)
         started = time.perf_counter()
@@ -437,13 +457,13 @@ class CachingFetcher:
         return got
 
     def _fetch_unkept(
-        self, url: str, need: dict[int, list[tuple[int, int]]], missing: list[int], prefetch: bool
+        self, url: str, need: dict[int, list[tuple[int, int]]], missing: list[int]
     ) -> dict[int, BlockRead]:
         """The asked spans of ``missing`` blocks, in one request, none kept: the cache has no
         room for the blocks (a working set larger than it), and fetching a whole block per
-        record would multiply the bytes asked of the store by the block's size. A prefetch
-        fetches nothing: nothing it fetched could be kept."""
-        if prefetch:
+        record would multiply the bytes asked of the store by the block's size. (A prefetch
+        fetches none of them: nothing it fetched could be kept.)"""
+        if not missing:
             return {}
         b = self.store.block_bytes
         merged: dict[int, list[list[int]]] = {}
