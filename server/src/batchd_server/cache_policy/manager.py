@@ -69,8 +69,13 @@ _HORIZON_SAMPLES: Final = 1 << 23
 """The samples of the sessions' future that eviction looks at, shared among them (8M: half
 a second of array work); blocks read only later count as never read (no live session reads
 them within the horizon)."""
-_DIRECTORIES_PER_ROUND: Final = 8
-"""Block directories (of 256) listed again each round while the cache is near full."""
+_FILES_PER_ROUND: Final = 8192
+"""Files listed again each round while the cache is near full, a block directory at a time:
+a small cache is listed whole each round; in a large one the victims are chosen among the
+directories listed so far (each a uniform sample of the blocks, by their hashes), and no
+round lists them all."""
+_SOURCE_ROWS_INLINE: Final = 1 << 16
+"""A source of more rows is mapped to blocks beside the rounds (:meth:`CacheManager._source`)."""
 _RESCAN_S: Final = 300.0
 """How often the ledger is set again to what the files take (``BlockStore.scan``)."""
 _MARGIN_FRACTION: Final = 20
@@ -180,6 +185,8 @@ class CacheManager:
         self._in_flight: dict[BlockKey, Future[int]] = {}
         """Blocks a prefetch is fetching."""
         self._sources: dict[str, SourceBlocks] = {}
+        self._building: dict[str, Future[SourceBlocks]] = {}
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="batchd-cache-plan")
         self._uses: list[Uses] = []
         self._disk = DiskView(self.store)
         self._uses_at = -_USES_MAX_AGE_S
@@ -204,14 +211,16 @@ class CacheManager:
         if self._thread is not None:
             self._thread.join(5.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._builder.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         if self._owner >= 0:
             os.close(self._owner)  # the lock goes with the descriptor
             self._owner = -1
 
     def drain(self, timeout_s: float = 60.0) -> None:
-        """Wait for the prefetches under way (tests; shutdown)."""
-        wait_futures(set(self._in_flight.values()), timeout=timeout_s)
+        """Wait for the prefetches under way and the sources being mapped to blocks (tests;
+        shutdown)."""
+        wait_futures({*self._in_flight.values(), *self._building.values()}, timeout=timeout_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -228,6 +237,8 @@ class CacheManager:
         live = {s.key for r in readings for s in r.sources}
         for key in [k for k in self._sources if k not in live]:
             del self._sources[key]
+        for key in [k for k in self._building if k not in live]:
+            self._building.pop(key).cancel()
         self._in_flight = {k: f for k, f in self._in_flight.items() if not f.done()}
         wanted: list[_Job] = []
         missing: set[BlockKey] = set()
@@ -279,13 +290,30 @@ class CacheManager:
             logger.debug("prefetch of %s failed: %s", url, e)
             return 0
 
-    def _source(self, ref: SourceRef) -> SourceBlocks:
+    def _source(self, ref: SourceRef) -> SourceBlocks | None:
+        """The source's rows as blocks; None while they are being worked out. A large source
+        (a million images: seconds of hashing) is worked out beside the rounds, which leave
+        it out meanwhile, so that no round waits for it."""
         blocks = self._sources.get(ref.key)
-        if blocks is None:
-            # Whole objects' sizes are not looked up (a record read per object: seconds of
-            # the main process for a million images); their rows read their first block.
-            blocks = SourceBlocks.of(ref.columns, ref.root, self.store.block_bytes)
-            self._sources[ref.key] = blocks
+        if blocks is not None:
+            return blocks
+        # Whole objects' sizes are not looked up (a record read per object: seconds of the
+        # main process for a million images); their rows read their first block.
+        if len(ref.columns.ids) <= _SOURCE_ROWS_INLINE:
+            blocks = self._sources[ref.key] = SourceBlocks.of(
+                ref.columns, ref.root, self.store.block_bytes
+            )
+            return blocks
+        building = self._building.get(ref.key)
+        if building is None:
+            self._building[ref.key] = self._builder.submit(
+                SourceBlocks.of, ref.columns, ref.root, self.store.block_bytes
+            )
+            return None
+        if not building.done():
+            return None
+        del self._building[ref.key]
+        blocks = self._sources[ref.key] = building.result()
         return blocks
 
     def _window(self, reading: Reading, missing: set[BlockKey]) -> tuple[int, list[_Job]]:
@@ -337,8 +365,9 @@ class CacheManager:
         which = np.searchsorted(starts, positions, side="right")
         for index, ref in enumerate(reading.sources):
             mine = positions[which == index]
-            if len(mine) and ref.remote:
-                yield self._source(ref), mine - ref.start
+            source = self._source(ref) if len(mine) and ref.remote else None
+            if source is not None:
+                yield source, mine - ref.start
 
     # -- eviction ---------------------------------------------------------------------------
 
@@ -350,7 +379,7 @@ class CacheManager:
             return
         # Near full: the listing is kept fresh a few directories a round, so that making
         # room needs no listing of every file.
-        self._disk.refresh(_DIRECTORIES_PER_ROUND)
+        self._disk.refresh(_FILES_PER_ROUND)
         if want <= 0:
             return
         now = time.monotonic()
@@ -387,8 +416,8 @@ class CacheManager:
             which = np.searchsorted(starts, positions, side="right")
             for index, ref in enumerate(reading.sources):
                 chosen = which == index
-                if ref.remote and chosen.any():
-                    source = self._source(ref)
+                source = self._source(ref) if ref.remote and chosen.any() else None
+                if source is not None:
                     yield upcoming_uses(source, positions[chosen] - ref.start, when[chosen])
             if budget <= 0:
                 break

@@ -58,12 +58,17 @@ class DiskView:
         self._dirs: list[_Directory | None] = [None] * SLOTS
         self._next = 0
 
-    def refresh(self, count: int) -> None:
-        """List ``count`` directories again (in turn), and delete the records there that have
-        had no block for a while."""
-        for _ in range(min(count, SLOTS)):
-            self._dirs[self._next] = self._sweep(self._next, _ORPHAN_AGE_S)
+    def refresh(self, files: int) -> None:
+        """List directories again, in turn, until about ``files`` files were listed (at
+        least one directory, at most all), and delete the records there that have had no
+        block for a while."""
+        listed = 0
+        for _ in range(SLOTS):
+            d = self._dirs[self._next] = self._sweep(self._next, _ORPHAN_AGE_S)
             self._next = (self._next + 1) % SLOTS
+            listed += len(d.blocks.keys) + len(d.records) + 1
+            if listed >= files:
+                break
 
     def _sweep(self, slot: int, age_s: float) -> _Directory:
         """List directory ``slot`` and delete the records older than ``age_s`` of objects
@@ -82,20 +87,16 @@ class DiskView:
         return d
 
     def cached(self) -> CachedBlocks:
-        """Every cached block as listed (a directory never listed is listed now)."""
-        parts = [self._get(s).blocks for s in range(SLOTS)]
+        """Every cached block of the directories listed so far."""
+        parts = [d.blocks for d in self._dirs if d is not None]
+        if not parts:
+            return CachedBlocks.of({})
         return CachedBlocks(
             [k for p in parts for k in p.keys],
             np.concatenate([p.ids for p in parts]),
             np.concatenate([p.sizes for p in parts]),
             np.concatenate([p.mtimes for p in parts]),
         )
-
-    def _get(self, slot: int) -> _Directory:
-        found = self._dirs[slot]
-        if found is None:
-            found = self._dirs[slot] = _directory(self._store, slot)
-        return found
 
     def delete(self, cached: CachedBlocks, chosen: list[int]) -> int:
         """Delete the blocks ``chosen`` (indexes into ``cached``), then the records of the
