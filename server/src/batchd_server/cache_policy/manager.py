@@ -220,7 +220,8 @@ class CacheManager:
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait for the prefetches under way and the sources being mapped to blocks (tests;
         shutdown)."""
-        wait_futures({*self._in_flight.values(), *self._building.values()}, timeout=timeout_s)
+        wait_futures(set(self._in_flight.values()), timeout=timeout_s)
+        wait_futures(set(self._building.values()), timeout=timeout_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
