@@ -27,6 +27,7 @@ __all__ = [
     "read_spans",
     "table_check",
     "unpack_table",
+    "whole_matches",
 ]
 
 CHUNK_BYTES: Final = 16 << 10
@@ -139,3 +140,19 @@ def read_spans(
             return None
         parts.append((start, view))
     return BlockRead(length, parts)
+
+
+def whole_matches(head: bytes, data: bytes, offset: int, length: int, chunk: int) -> bool:
+    """Whether ``head`` (a block file's header and chunk table) and ``data`` (its content,
+    read with one byte more than ``length``) are a block of exactly ``length`` bytes at
+    ``offset`` whose every chunk matches its digest."""
+    n = -(-length // chunk)
+    if len(head) != HEADER_BYTES + DIGEST_BYTES * n or len(data) != length:
+        return False
+    magic, stored, stored_length, stored_chunk, checked = HEADER.unpack_from(head)
+    if (magic, stored, stored_length, stored_chunk) != (MAGIC, offset, length, chunk):
+        return False
+    table = memoryview(head)[HEADER_BYTES:]
+    if table_check(table) != checked:
+        return False
+    return chunks_match(memoryview(data), unpack_table(table, n), 0, n, chunk)

@@ -5,14 +5,32 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from batchd_server.storage.block_format import DIGEST_BYTES, HEADER_BYTES, chunk_hasher
 
-if TYPE_CHECKING:
-    from batchd_server.storage.blocks import BlockKey, BlockStore
-
 __all__ = ["BlockWriter", "write_at"]
+
+
+class _Key(Protocol):
+    """A block's key (``blocks.BlockKey``)."""
+
+    @property
+    def object(self) -> str: ...
+    @property
+    def index(self) -> int: ...
+
+
+class _Store(Protocol):
+    """What a writer asks of its store (``blocks.BlockStore``), typed here so that the two
+    modules do not import each other."""
+
+    @property
+    def chunk_bytes(self) -> int: ...
+    def _head(self, key: Any, length: int, digests: list[int]) -> tuple[bytes, bytes]: ...
+    def _link(self, tmp: str, key: Any, nbytes: int, *, replace: bool) -> bool: ...
+    def _give_back(self, nbytes: int, tmp: str | None, slot: int) -> None: ...
+    def _refused(self, error: OSError, doing: str) -> None: ...
 
 
 class BlockWriter:
@@ -23,7 +41,7 @@ class BlockWriter:
     (one fetch writes it)."""
 
     def __init__(
-        self, store: BlockStore, key: BlockKey, length: int, nbytes: int, tmp: str, fd: int
+        self, store: _Store, key: _Key, length: int, nbytes: int, tmp: str, fd: int
     ) -> None:
         self._store, self.key, self.length = store, key, length
         self._nbytes, self._tmp, self._fd = nbytes, tmp, fd
@@ -59,9 +77,8 @@ class BlockWriter:
             write_at(self._fd, b"".join(head), 0)
             os.close(self._fd)
             self._fd = -1
-            if self._store._link(self._tmp, self.key, self._nbytes, replace=replace):
-                self._nbytes = 0  # another's file stays; the reservation went back
-            self._nbytes = 0
+            self._store._link(self._tmp, self.key, self._nbytes, replace=replace)
+            self._nbytes = 0  # the file's now, or given back where another's file stays
             return True
         except OSError as e:
             self._store._refused(e, "keep a block")

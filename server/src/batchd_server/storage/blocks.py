@@ -68,11 +68,10 @@ from batchd_server.storage.block_format import (
     HEADER_BYTES,
     MAGIC,
     BlockRead,
-    chunks_match,
     pack_table,
     read_spans,
     table_check,
-    unpack_table,
+    whole_matches,
 )
 from batchd_server.storage.block_listing import (
     RECORD_BYTES,
@@ -322,21 +321,8 @@ class BlockStore:
             return None
         finally:
             os.close(fd)
-        if len(head) != HEADER_BYTES + DIGEST_BYTES * n or len(data) != length:
-            return None
-        magic, offset, stored, stored_chunk, checked = HEADER.unpack_from(head)
-        if (magic, offset, stored, stored_chunk) != (
-            MAGIC,
-            key.index * self.block_bytes,
-            length,
-            chunk,
-        ):
-            return None
-        table = memoryview(head)[HEADER_BYTES:]
-        if table_check(table) != checked:
-            return None
-        digests = unpack_table(table, n)
-        return data if chunks_match(memoryview(data), digests, 0, n, chunk) else None
+        at = key.index * self.block_bytes
+        return data if whole_matches(head, data, at, length, chunk) else None
 
     def write(self, key: BlockKey, content: bytes | memoryview, *, replace: bool = False) -> bool:
         """Keep ``content`` as the block (through :meth:`writer`, in one piece); whether it is

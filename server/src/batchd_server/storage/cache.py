@@ -33,12 +33,12 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.base import RangeFetcher, StreamsRanges, TooLarge, WholeFetcher
+from batchd_server.storage.block_filling import Filling
 from batchd_server.storage.blocks import (
     BLOCK_BYTES,
     BlockKey,
@@ -47,6 +47,7 @@ from batchd_server.storage.blocks import (
     ObjectMeta,
     object_hash,
 )
+from batchd_server.storage.cache_stats import STATS, CacheStats, NodeCacheCounts
 
 __all__ = [
     "STATS",
@@ -62,9 +63,6 @@ logger = logging.getLogger(__name__)
 
 _MAX_SIZES: Final = 1 << 16
 """Object sizes a fetcher remembers in memory (the records on disk keep them all)."""
-_MAX_LATENCIES: Final = 256
-"""Request latencies a process keeps between two :meth:`CacheStats.take`; more are dropped
-(the counts stay exact)."""
 
 
 @runtime_checkable
@@ -79,67 +77,6 @@ class SizesObjects(Protocol):
 def object_url(root: str, path: str) -> str:
     """The URL of a catalog path under a dataset root (``s3://bucket/prefix`` + ``a/b.tar``)."""
     return f"{root.rstrip('/')}/{path.lstrip('/')}"
-
-
-@dataclass
-class NodeCacheCounts:
-    """What a process read through the cache since the counts were last taken."""
-
-    hits: int = 0
-    """Blocks found on disk, intact."""
-    misses: int = 0
-    """Blocks fetched from the store by a reader (a worker)."""
-    hit_bytes: int = 0
-    fetched_bytes: int = 0
-    """Bytes received from the store, prefetches included."""
-    prefetched_bytes: int = 0
-    """Of ``fetched_bytes``, those fetched ahead of a session by the cache manager."""
-    corrupt: int = 0
-    """Block files found bad (corrupt, truncated, unreadable, not a regular file), removed
-    and fetched again."""
-    unkept: int = 0
-    """Missed blocks the cache had no room to keep: only the ranges asked of them were
-    fetched (no whole block per record of a working set larger than the cache)."""
-    get_seconds: list[float] = field(default_factory=list)
-    """The latency of each request to the store (at most ``_MAX_LATENCIES`` of them)."""
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.hits
-            or self.misses
-            or self.fetched_bytes
-            or self.get_seconds
-            or self.corrupt
-            or self.unkept
-        )
-
-
-class CacheStats:
-    """A process's :class:`NodeCacheCounts`, safe to add to from many threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = NodeCacheCounts()
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self._counts, name, getattr(self._counts, name) + value)
-
-    def latency(self, seconds: float) -> None:
-        with self._lock:
-            if len(self._counts.get_seconds) < _MAX_LATENCIES:
-                self._counts.get_seconds.append(seconds)
-
-    def take(self) -> NodeCacheCounts:
-        """The counts so far; they start again from zero."""
-        with self._lock:
-            counts, self._counts = self._counts, NodeCacheCounts()
-        return counts
-
-
-STATS: Final = CacheStats()
-"""This process's counts (see the module docs)."""
 
 
 class CachingFetcher:
@@ -507,7 +444,7 @@ class CachingFetcher:
         h = object_hash(url)
         got: dict[int, BlockRead] = {}
         for run, (start, length) in zip(runs, spans, strict=True):
-            block = _Filling(self.store, h, run[0], start, length, need, prefetch)
+            block = Filling(self.store, h, run[0], start, length, need, prefetch)
             received = 0
             started = time.perf_counter()
             try:
@@ -525,7 +462,7 @@ class CachingFetcher:
                         if block.full:
                             got[block.index] = block.finish(replace=block.index in short)
                             if block.index < run[-1]:
-                                block = _Filling(
+                                block = Filling(
                                     self.store, h, block.index + 1, start, length, need, prefetch
                                 )
             except BaseException:
@@ -556,66 +493,6 @@ def _short(url: str, received: int, length: int, start: int) -> BadSample:
         f"{url}: the store answered {received} bytes for the {length} at {start}; the object "
         "may have changed or been truncated",
     )
-
-
-class _Filling:
-    """Block ``index`` of a run being streamed: its file's writer (None when the cache has
-    no room for it: the block is then only served) and a reader's copies of its spans."""
-
-    def __init__(
-        self,
-        store: BlockStore,
-        h: str,
-        index: int,
-        start: int,
-        length: int,
-        need: dict[int, list[tuple[int, int]]],
-        prefetch: bool,
-    ) -> None:
-        b = store.block_bytes
-        self.index = index
-        self.size = min((index + 1) * b, start + length) - index * b
-        self.at = 0
-        self.writer = store.writer(BlockKey(h, index), self.size)
-        merged: list[list[int]] = []
-        for lo, hi in sorted(() if prefetch else need.get(index, ())):
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self.spans = [(lo, bytearray(hi - lo)) for lo, hi in merged]
-
-    @property
-    def full(self) -> bool:
-        return self.at == self.size
-
-    def add(self, view: memoryview) -> memoryview:
-        """Take what of ``view`` belongs to this block; returns the rest."""
-        piece, rest = view[: self.size - self.at], view[self.size - self.at :]
-        lo, hi = self.at, self.at + len(piece)
-        for start, copy in self.spans:
-            a, z = max(lo, start), min(hi, start + len(copy))
-            if a < z:
-                copy[a - start : z - start] = piece[a - lo : z - lo]
-        if self.writer is not None:
-            try:
-                self.writer.add(piece)
-            except OSError:  # the disk refused: the block is served, not kept
-                self.writer.abort()
-                self.writer = None
-        self.at = hi
-        return rest
-
-    def finish(self, *, replace: bool) -> BlockRead:
-        if self.writer is not None:
-            self.writer.finish(replace=replace)
-            self.writer = None
-        return BlockRead(self.size, [(lo, memoryview(copy)) for lo, copy in self.spans])
-
-    def abort(self) -> None:
-        if self.writer is not None:
-            self.writer.abort()
-            self.writer = None
 
 
 _STORES: dict[tuple[int, Path, int, int], BlockStore] = {}
