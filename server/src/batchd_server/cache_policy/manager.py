@@ -57,6 +57,7 @@ from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.blocks import BlockKey
 from batchd_server.storage.cache import CachingFetcher
+from batchd_server.storage.cache_dir import open_file
 from batchd_server.storage.schemes import is_local_root
 
 __all__ = ["CacheManager", "Reading", "SourceRef"]
@@ -141,7 +142,7 @@ def _own(root: Path) -> int:
     Raises:
         FailedPrecondition: another process holds it.
     """
-    fd = os.open(root / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_file(root / "manager.lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
