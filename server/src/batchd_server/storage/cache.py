@@ -343,9 +343,14 @@ class CachingFetcher:
         """Fetch ``missing`` blocks, one range per run of neighbours, and keep them; those
         the cache has no room for, only in the spans asked (:meth:`_fetch_unkept`)."""
         b = self.store.block_bytes
-        room, cost = self.store.room(), self.store.file_bytes(b)
-        kept = missing[: max(room // cost, 0)]
-        got = {} if prefetch else self._fetch_unkept(url, need, missing[len(kept) :])
+        room, keep = self.store.room(), 0
+        for i in missing:  # a block's file: what of it is fetched (all of it, if size known)
+            room -= self.store.file_bytes(b if size < 0 else min(b, size - i * b))
+            if room < 0:
+                break
+            keep += 1
+        kept = missing[:keep]
+        got = {} if prefetch else self._fetch_unkept(url, need, missing[keep:])
         if kept:
             got.update(self._fetch_kept(url, size, need, kept, short, prefetch=prefetch))
         return got
