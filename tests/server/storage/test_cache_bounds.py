@@ -131,3 +131,24 @@ def test_a_miss_the_full_cache_cannot_keep_fetches_only_what_was_asked(
     assert fetcher.fetch(url, [(BLOCK + 7, 40)]) == [data[BLOCK + 7 : BLOCK + 47]]
     assert inner.requests == [(url, [(BLOCK, BLOCK)])]
     assert set(store.blocks()) == {BlockKey(object_hash(url), 1)}
+
+
+def test_an_objects_record_counts_in_the_capacity(images: Path, tmp_path: Path) -> None:
+    """Each object's record of its size takes a file system block: it counts in the cache's
+    size (a million images' records are 4 GiB), is refused when there is no room, and goes
+    with the object (``forget``)."""
+    from batchd_server.storage.blocks import RECORD_BYTES
+
+    inner = StatDirFetcher(images)
+    store = small_store(tmp_path / "c")
+    fetcher = CachingFetcher(inner, store, stats=CacheStats())
+    for i in range(3):
+        fetcher.fetch(inner.url(f"i{i}.bin"), [(0, 10)])
+    assert store.used_bytes() == 3 * (store.file_bytes(BLOCK) + RECORD_BYTES)
+    assert len(store.listing()[1]) == 3
+    store.forget(inner.url("i0.bin"))
+    assert store.used_bytes() == 2 * (store.file_bytes(BLOCK) + RECORD_BYTES)
+    store.capacity_bytes = store.used_bytes() + RECORD_BYTES - 1  # no room for a record
+    fresh = CachingFetcher(inner, store, stats=CacheStats())
+    assert fresh.size(inner.url("i0.bin")) == 8 * BLOCK
+    assert len(store.listing()[1]) == 2, "the record did not fit: not kept"
