@@ -89,8 +89,8 @@ def test_a_delete_racing_a_relink_gives_back_what_it_removed(
     tmp_path: Path, stores: tuple[BlockStore, BlockStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Between a delete's look at a block file and its unlink, another process deletes the
-    block and links a new, longer one (a refetch of more of it). The delete must not remove the new file
-    while giving back the old one's bytes: the ledger would drift from the files for good.
+    block and links a new, longer one (a refetch of more of it). The delete must not remove
+    the new file while giving back the old one's bytes: the ledger would drift for good.
     (Made so by looking, unlinking and giving back under the ledger's lock: the other process
     cannot act in between.)"""
     mine, other = stores
