@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from batchd_server.cache_policy.manager import CacheManager, Reading, SourceRef
 from batchd_server.catalog.types import SampleColumns
@@ -20,6 +21,8 @@ from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage.blocks import BlockKey, BlockStore, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher
 from tests.cache_support import ROOT_URL, StatDirFetcher
+
+pytestmark = pytest.mark.slow(seconds=40)
 
 OBJECTS = 1_000_000
 SESSIONS = 20
