@@ -23,6 +23,11 @@ def small_store(directory: Path, capacity: int = 1 << 30) -> BlockStore:
     return BlockStore(directory, capacity_bytes=capacity, block_bytes=BLOCK, chunk_bytes=CHUNK)
 
 
+def being_written(directory: Path) -> list[str]:
+    """The files being written (or left half-written) in a cache directory."""
+    return [p.name for p in (directory / "blocks").glob("*/.tmp-*")]
+
+
 class DirFetcher:
     """Objects are the files under ``root``; ``file+test://bucket/<relative path>`` names one."""
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchd_server.cache_policy.eviction import next_uses, victims
+from batchd_server.cache_policy.eviction import NEVER, CachedBlocks, next_uses, victims
 from batchd_server.cache_policy.manager import CacheManager, Reading, SourceRef
-from batchd_server.cache_policy.plan_blocks import SourceBlocks, Uses, upcoming_uses
+from batchd_server.cache_policy.plan_blocks import SourceBlocks, Uses, hashes64, upcoming_uses
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
 from batchd_server.metrics import node_cache as cache_metrics
@@ -22,6 +22,7 @@ from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage.blocks import (
     DIGEST_BYTES,
     HEADER_BYTES,
+    RECORD_BYTES,
     BlockKey,
     BlockStore,
     object_hash,
@@ -38,25 +39,45 @@ def key(i: int) -> BlockKey:
     return BlockKey(f"{i:040x}", 0)
 
 
+def chosen(
+    cached: dict[BlockKey, tuple[int, float]],
+    uses: dict[BlockKey, int],
+    nbytes: int,
+    farther_than: int = -1,
+) -> list[BlockKey]:
+    """:func:`victims` over dictionaries, by key."""
+    blocks = CachedBlocks.of(cached)
+    when = np.array([uses.get(k, NEVER) for k in blocks.keys], np.int64)
+    return [blocks.keys[i] for i in victims(blocks, when, nbytes, farther_than=farther_than)]
+
+
 def test_victims_are_the_unread_first_then_the_farthest_read() -> None:
     """Blocks no session reads go first (oldest first), then the one read farthest; a block
     read within the prefetch window never goes."""
     cached = {key(i): (100, float(10 - i)) for i in range(6)}
     uses = {key(0): 5, key(1): 1, key(3): 9, key(4): 3}  # 2 and 5 are never read again
-    assert victims(cached, uses, 250) == [key(5), key(2), key(3)]
-    assert victims(cached, uses, 10_000, farther_than=4) == [key(5), key(2), key(3), key(0)]
-    assert victims(cached, uses, 0) == []
+    assert chosen(cached, uses, 250) == [key(5), key(2), key(3)]
+    assert chosen(cached, uses, 10_000, farther_than=4) == [key(5), key(2), key(3), key(0)]
+    assert chosen(cached, uses, 0) == []
+
+
+def uses_of(hashes: list[str], objects: list[int], blocks: list[int], when: list[int]) -> Uses:
+    return Uses(
+        hashes,
+        hashes64(hashes),
+        np.array(objects, np.int32),
+        np.array(blocks, np.int64),
+        np.array(when, np.int64),
+    )
 
 
 def test_next_uses_are_the_first_read_of_each_block_over_all_sessions() -> None:
-    a = Uses(["a" * 40], np.zeros(4, np.int32), np.array([3, 1, 3, 2]), np.array([0, 1, 2, 5]))
-    b = Uses(["a" * 40], np.zeros(2, np.int32), np.array([2, 7]), np.array([1, 4]))
-    assert next_uses([a, b]) == {
-        BlockKey("a" * 40, 3): 0,
-        BlockKey("a" * 40, 1): 1,
-        BlockKey("a" * 40, 2): 1,
-        BlockKey("a" * 40, 7): 4,
-    }
+    h = ["a" * 40]
+    a = uses_of(h, [0] * 4, [3, 1, 3, 2], [0, 1, 2, 5])
+    b = uses_of(h, [0] * 2, [2, 7], [1, 4])
+    late = uses_of(h, [0] * 2, [1, 3], [9, 0])  # out of order: the least still counts
+    cached = CachedBlocks.of({BlockKey("a" * 40, i): (1, 0.0) for i in (1, 2, 3, 7, 9)})
+    assert next_uses([a, b, late], cached).tolist() == [1, 1, 0, 4, NEVER]
 
 
 def textbook_opt_misses(reads: list[int], capacity: int) -> int:
@@ -112,18 +133,10 @@ def test_evicting_by_the_plan_misses_as_few_as_belady_optimum(
         misses += 1
         if len(cached) >= capacity:
             rest = reads[t + 1 :]
-            uses = next_uses(
-                [
-                    Uses(
-                        hashes,
-                        np.array(rest, np.int32),
-                        np.zeros(len(rest), np.int64),
-                        np.arange(1, len(rest) + 1, dtype=np.int64),
-                    )
-                ]
-            )
-            (victim,) = victims(cached, uses, 1)
-            del cached[victim]
+            blocks = CachedBlocks.of(cached)
+            use = uses_of(hashes, rest, [0] * len(rest), list(range(1, len(rest) + 1)))
+            (victim,) = victims(blocks, next_uses([use], blocks), 1)
+            del cached[blocks.keys[victim]]
         cached[k] = (1, float(t))
     assert misses == textbook_opt_misses(reads, capacity)
     assert misses <= lru_misses(reads, capacity)
@@ -243,7 +256,8 @@ def test_a_full_cache_gives_up_unread_blocks_then_the_farthest_never_the_window(
     soon, last = late[:2], late[-2:]
     assert first_read[soon[1]] < first_read[last[0]] < first_read[last[1]]
     per_block = HEADER_BYTES + DIGEST_BYTES + BLOCK  # one chunk a block: one digest
-    capacity = (len(window) + 4) * per_block
+    records = 4 * RECORD_BYTES  # each object's record of its size
+    capacity = (len(window) + 4) * per_block + records
     urls = {object_hash(u): u for u in (f"{ROOT_URL}/s{i}.bin" for i in range(3))}
     for manager in make_manager(shards, tmp_path / "c", capacity, [reading], prefetch=2):
         fetcher = manager.fetcher
@@ -252,10 +266,20 @@ def test_a_full_cache_gives_up_unread_blocks_then_the_farthest_never_the_window(
         fetcher.fetch(unread, [(0, 2 * BLOCK)])
         for b in [*last, *soon]:
             fetcher.fetch(urls[b.object], [(b.index * BLOCK, BLOCK)])
-        assert manager.store.used_bytes() == 6 * per_block
+        objects = {object_hash(unread)} | {b.object for b in [*last, *soon]}
+        assert manager.store.used_bytes() == 6 * per_block + RECORD_BYTES * len(objects)
         rounds(manager, 3)
-        assert set(manager.store.blocks()) == window | set(soon) | {last[0]}
-        assert manager.evicted == 3
+        # Room for the window's two missing blocks and the margin: the two unread blocks
+        # go, then the farthest read, as many as the margin asks.
+        farthest = -(-(2 * per_block + capacity // 20) // per_block) - 2
+        assert 1 <= farthest <= 2
+        kept = [last[0], soon[1], soon[0]][farthest - 1 :]
+        assert set(manager.store.blocks()) == window | set(kept)
+        assert manager.evicted == 2 + farthest
+        # The unread object's record went with its last block; the others' stay.
+        blocks, kept_records = manager.store.listing()
+        assert object_hash(unread) not in kept_records
+        assert set(kept_records) == {b.object for b in blocks}
         assert manager.store.used_bytes() <= capacity
 
 

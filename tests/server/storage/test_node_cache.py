@@ -4,7 +4,6 @@ processes and restarts, bad files fetched again, and a size never passed."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.blocks import HEADER_BYTES, BlockKey, object_hash
+from batchd_server.storage.blocks import HEADER_BYTES, RECORD_BYTES, BlockKey, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher, cached
 from batchd_server.storage.fetch_locks import FetchLocks
 from tests.cache_support import (
@@ -24,6 +23,7 @@ from tests.cache_support import (
     StatDirFetcher,
     StreamDirFetcher,
     StreamStatDirFetcher,
+    being_written,
     small_store,
 )
 
@@ -116,6 +116,7 @@ def test_blocks_outlive_the_fetcher_that_wrote_them(objects: Path, tmp_path: Pat
     found = second.store.scan()
     assert len(found) == 11
     files = 10 * second.store.file_bytes(BLOCK) + second.store.file_bytes(123)
+    files += RECORD_BYTES  # the object's record of its size
     assert second.store.used_bytes() == used == files
     inner2.stopped = True  # and no request is needed: not even for the size
     assert second.fetch(url, [(5, 100)]) == [(objects / "shard2.bin").read_bytes()[5:105]]
@@ -156,7 +157,7 @@ def test_a_corrupt_or_truncated_block_file_is_fetched_again(
     # The damage happened behind the ledger's back; a scan sets it right.
     one = fetcher.store.file_bytes(BLOCK)
     assert sum(size for size, _ in fetcher.store.scan().values()) == one
-    assert fetcher.store.used_bytes() == one
+    assert fetcher.store.used_bytes() == one + RECORD_BYTES * len(fetcher.store.listing()[1])
 
 
 def test_the_files_never_pass_the_capacity(objects: Path, tmp_path: Path) -> None:
@@ -223,12 +224,12 @@ def test_processes_reading_the_same_blocks_at_once_leave_one_file_each(
     assert results[0] == results[2] and results[1] == results[3]
     store = small_store(tmp_path / "cache")
     used = store.used_bytes()
-    found = store.blocks()
-    assert used == sum(size for size, _ in found.values())
+    found, records = store.listing()
+    assert used == sum(size for size, _ in found.values()) + RECORD_BYTES * len(records)
     for key in found:
         intact = store.read(key, [(0, 1)])
         assert intact is not None and intact.parts is not None
-    assert os.listdir(tmp_path / "cache" / "tmp") == []
+    assert being_written(tmp_path / "cache") == []
 
 
 def test_no_cache_dir_means_the_store_itself(objects: Path) -> None:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.blocks import BlockKey, object_hash
+from batchd_server.storage.blocks import RECORD_BYTES, BlockKey, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher
-from tests.cache_support import BLOCK, StreamStatDirFetcher, small_store
+from tests.cache_support import BLOCK, StreamStatDirFetcher, being_written, small_store
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_block_written_in_pieces_is_the_file_written_at_once(tmp_path: Path, p
     assert got is not None and got.parts is not None
     assert bytes(got.cut(0, len(content))) == content
     assert pieces.used_bytes() == whole.used_bytes() == pieces.file_bytes(len(content))
-    assert os.listdir(tmp_path / "pieces" / "tmp") == []
+    assert being_written(tmp_path / "pieces") == []
 
 
 def test_an_aborted_writer_leaves_no_file_and_gives_its_room_back(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_an_aborted_writer_leaves_no_file_and_gives_its_room_back(tmp_path: Path
     writer.abort()
     writer.abort()
     assert store.used_bytes() == 0
-    assert os.listdir(tmp_path / "tmp") == [] and store.blocks() == {}
+    assert being_written(tmp_path) == [] and store.blocks() == {}
     store.capacity_bytes = store.file_bytes(BLOCK) - 1
     assert store.writer(BlockKey(object_hash("s3://b/k"), 0), BLOCK) is None, "no room"
 
@@ -98,8 +98,10 @@ def test_a_stream_cut_short_keeps_the_blocks_it_finished_and_nothing_else(
     store = fetcher.store
     h = object_hash(url)
     assert set(store.blocks()) == {BlockKey(h, 0), BlockKey(h, 1)}
-    assert store.used_bytes() == 2 * store.file_bytes(BLOCK)
-    assert os.listdir(tmp_path / "cache" / "tmp") == []
+    assert store.used_bytes() == 2 * store.file_bytes(BLOCK) + RECORD_BYTES * len(
+        store.listing()[1]
+    )
+    assert being_written(tmp_path / "cache") == []
     inner.limit, inner.fail = len(data), False
     inner.requests.clear()
     assert fetcher.fetch(url, [(0, 4 * BLOCK)]) == [data[: 4 * BLOCK]]

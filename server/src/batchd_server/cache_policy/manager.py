@@ -45,9 +45,11 @@ import numpy as np
 import numpy.typing as npt
 
 from batchd_server.cache_policy.eviction import next_uses, victims
+from batchd_server.cache_policy.on_disk import DiskView
 from batchd_server.cache_policy.plan_blocks import SourceBlocks, Uses, upcoming_uses
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.errors import FailedPrecondition
+from batchd_server.limits import MAX_SAMPLE_BYTES
 from batchd_server.metrics import node_cache as cache_metrics
 from batchd_server.metrics.registry import dataset_label
 from batchd_server.pipelines.base import BadSample
@@ -55,6 +57,7 @@ from batchd_server.planning.sampling import EpochPlan
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.blocks import BlockKey
 from batchd_server.storage.cache import CachingFetcher
+from batchd_server.storage.cache_dir import open_file
 from batchd_server.storage.schemes import is_local_root
 
 __all__ = ["CacheManager", "Reading", "SourceRef"]
@@ -63,9 +66,17 @@ logger = logging.getLogger(__name__)
 
 _USES_MAX_AGE_S: Final = 1.0
 """The next uses of every block are computed again at most this often."""
-_HORIZON_SAMPLES: Final = 1 << 22
-"""The samples of each session's future that eviction looks at; blocks read only later
-count as never read (no live session reads them within the horizon)."""
+_HORIZON_SAMPLES: Final = 1 << 23
+"""The samples of the sessions' future that eviction looks at, shared among them (8M: half
+a second of array work); blocks read only later count as never read (no live session reads
+them within the horizon)."""
+_FILES_PER_ROUND: Final = 8192
+"""Files listed again each round while the cache is near full, a block directory at a time:
+a small cache is listed whole each round; in a large one the victims are chosen among the
+directories listed so far (each a uniform sample of the blocks, by their hashes), and no
+round lists them all."""
+_SOURCE_ROWS_INLINE: Final = 1 << 16
+"""A source of more rows is mapped to blocks beside the rounds (:meth:`CacheManager._source`)."""
 _RESCAN_S: Final = 300.0
 """How often the ledger is set again to what the files take (``BlockStore.scan``)."""
 _MARGIN_FRACTION: Final = 20
@@ -106,6 +117,9 @@ class Reading:
     """The session's next epoch, read after this one (None: not known)."""
     next_start: int = 0
     """The first batch the stream will read of the next epoch."""
+    max_sample_bytes: int = MAX_SAMPLE_BYTES
+    """The most bytes one of its samples may have (``--max-sample-bytes``): a whole object
+    of unknown size is prefetched only up to this (more is the worker's ``too_large``)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,8 @@ class _Job:
     ranges: list[tuple[int, int]]
     blocks: frozenset[BlockKey]
     """Those of its blocks that are not cached."""
+    max_bytes: int
+    """A whole object's bytes at most (the session's ``max_sample_bytes``)."""
 
 
 def _own(root: Path) -> int:
@@ -126,7 +142,7 @@ def _own(root: Path) -> int:
     Raises:
         FailedPrecondition: another process holds it.
     """
-    fd = os.open(root / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_file(root / "manager.lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -170,7 +186,10 @@ class CacheManager:
         self._in_flight: dict[BlockKey, Future[int]] = {}
         """Blocks a prefetch is fetching."""
         self._sources: dict[str, SourceBlocks] = {}
-        self._uses: dict[BlockKey, int] = {}
+        self._building: dict[str, Future[SourceBlocks]] = {}
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="batchd-cache-plan")
+        self._uses: list[Uses] = []
+        self._disk = DiskView(self.store)
         self._uses_at = -_USES_MAX_AGE_S
         self._leads: set[str] = set()
         """The datasets whose prefetch lead is reported."""
@@ -193,14 +212,17 @@ class CacheManager:
         if self._thread is not None:
             self._thread.join(5.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._builder.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         if self._owner >= 0:
             os.close(self._owner)  # the lock goes with the descriptor
             self._owner = -1
 
     def drain(self, timeout_s: float = 60.0) -> None:
-        """Wait for the prefetches under way (tests; shutdown)."""
+        """Wait for the prefetches under way and the sources being mapped to blocks (tests;
+        shutdown)."""
         wait_futures(set(self._in_flight.values()), timeout=timeout_s)
+        wait_futures(set(self._building.values()), timeout=timeout_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -217,6 +239,8 @@ class CacheManager:
         live = {s.key for r in readings for s in r.sources}
         for key in [k for k in self._sources if k not in live]:
             del self._sources[key]
+        for key in [k for k in self._building if k not in live]:
+            self._building.pop(key).cancel()
         self._in_flight = {k: f for k, f in self._in_flight.items() if not f.done()}
         wanted: list[_Job] = []
         missing: set[BlockKey] = set()
@@ -246,7 +270,7 @@ class CacheManager:
             room -= per_block * len(job.blocks - self._in_flight.keys())
             if room < 0:
                 break
-            future = self._pool.submit(self._prefetch, job.url, job.ranges)
+            future = self._pool.submit(self._prefetch, job.url, job.ranges, job.max_bytes)
             running += 1
             self._in_flight.update((key, future) for key in job.blocks)
         cache_metrics.record_cache(None, self.fetcher.stats.take())
@@ -255,30 +279,44 @@ class CacheManager:
             self._scanned_at = time.monotonic()
         cache_metrics.CACHE_USED_BYTES.set(self.store.used_bytes())
 
-    def _prefetch(self, url: str, ranges: list[tuple[int, int]]) -> int:
+    def _prefetch(self, url: str, ranges: list[tuple[int, int]], max_bytes: int) -> int:
         """Fetch the blocks of ``ranges``; a length of -1 is the whole object, fetched as a
         worker would (one GET, no HEAD first, where the client can), so a prefetch of an
-        image costs the store one request, not two."""
+        image costs the store one request, not two; an object of more than ``max_bytes``
+        is not fetched (its worker's read of it is ``too_large``)."""
         try:
             if any(length < 0 for _, length in ranges):
-                return self.fetcher.prefetch_whole(url, self.store.capacity_bytes)
+                return self.fetcher.prefetch_whole(url, max_bytes)
             return self.fetcher.prefetch(url, ranges)
         except (BadSample, TooLarge) as e:  # the worker that reads it reports it
             logger.debug("prefetch of %s failed: %s", url, e)
             return 0
 
-    def _source(self, ref: SourceRef) -> SourceBlocks:
+    def _source(self, ref: SourceRef) -> SourceBlocks | None:
+        """The source's rows as blocks; None while they are being worked out. A large source
+        (a million images: seconds of hashing) is worked out beside the rounds, which leave
+        it out meanwhile, so that no round waits for it."""
         blocks = self._sources.get(ref.key)
-        if blocks is None:
-            blocks = SourceBlocks.of(
-                ref.columns, ref.root, self.store.block_bytes, self._known_size
+        if blocks is not None:
+            return blocks
+        # Whole objects' sizes are not looked up (a record read per object: seconds of the
+        # main process for a million images); their rows read their first block.
+        if len(ref.columns.ids) <= _SOURCE_ROWS_INLINE:
+            blocks = self._sources[ref.key] = SourceBlocks.of(
+                ref.columns, ref.root, self.store.block_bytes
             )
-            self._sources[ref.key] = blocks
+            return blocks
+        building = self._building.get(ref.key)
+        if building is None:
+            self._building[ref.key] = self._builder.submit(
+                SourceBlocks.of, ref.columns, ref.root, self.store.block_bytes
+            )
+            return None
+        if not building.done():
+            return None
+        del self._building[ref.key]
+        blocks = self._sources[ref.key] = building.result()
         return blocks
-
-    def _known_size(self, url: str) -> int:
-        meta = self.store.meta(url)
-        return -1 if meta is None else meta.size
 
     def _window(self, reading: Reading, missing: set[BlockKey]) -> tuple[int, list[_Job]]:
         """The stream's prefetch lead, and the prefetch jobs of its window: (distance, url,
@@ -309,7 +347,14 @@ class CacheManager:
                     mine = rows[source.objects[rows] == obj]
                     offsets, lengths = source.offsets[mine].tolist(), source.lengths[mine].tolist()
                     ranges = list(zip(offsets, lengths, strict=True))
-                    jobs.append(_Job(distance, source.urls[obj], ranges, frozenset(absent[obj])))
+                    job = _Job(
+                        distance,
+                        source.urls[obj],
+                        ranges,
+                        frozenset(absent[obj]),
+                        reading.max_sample_bytes,
+                    )
+                    jobs.append(job)
             counting = counting and complete
             lead += int(counting)
         return lead, jobs
@@ -322,8 +367,9 @@ class CacheManager:
         which = np.searchsorted(starts, positions, side="right")
         for index, ref in enumerate(reading.sources):
             mine = positions[which == index]
-            if len(mine) and ref.remote:
-                yield self._source(ref), mine - ref.start
+            source = self._source(ref) if len(mine) and ref.remote else None
+            if source is not None:
+                yield source, mine - ref.start
 
     # -- eviction ---------------------------------------------------------------------------
 
@@ -331,28 +377,35 @@ class CacheManager:
         margin = self.store.capacity_bytes // _MARGIN_FRACTION
         free = self.store.capacity_bytes - self.store.used_bytes()
         want = window_bytes + margin - free
+        if want <= -margin:
+            return
+        # Near full: the listing is kept fresh a few directories a round, so that making
+        # room needs no listing of every file.
+        self._disk.refresh(_FILES_PER_ROUND)
         if want <= 0:
             return
         now = time.monotonic()
         if now - self._uses_at >= _USES_MAX_AGE_S:
-            self._uses = next_uses(use for r in readings for use in self._future(r))
+            horizon = _HORIZON_SAMPLES // max(len(readings), 1)
+            self._uses = [use for r in readings for use in self._future(r, horizon)]
             self._uses_at = now
-        window = self.prefetch_batches
-        for key in victims(self.store.blocks(), self._uses, want, farther_than=window):
-            if self.store.delete(key, reason="evicted"):
-                self.evicted += 1
-                cache_metrics.CACHE_EVICTED.inc()
+        cached = self._disk.cached()
+        uses = next_uses(self._uses, cached)
+        chosen = victims(cached, uses, want, farther_than=self.prefetch_batches)
+        evicted = self._disk.delete(cached, chosen)
+        self.evicted += evicted
+        cache_metrics.CACHE_EVICTED.inc(evicted)
 
-    def _future(self, reading: Reading) -> Iterator[Uses]:
+    def _future(self, reading: Reading, horizon: int) -> Iterator[Uses]:
         """The blocks the stream reads from its cursor to the end of its next epoch (within
-        the horizon), each with how many of the stream's batches from now."""
+        ``horizon`` samples), each with how many of the stream's batches from now."""
         stride = max(reading.stride, 1)
         plans = [(reading.plan, reading.cursor, 0)]
         rest = len(range(reading.cursor, reading.plan.num_batches, stride))
         following = reading.next_plan()
         if following is not None:
             plans.append((following, reading.next_start, rest))
-        budget = _HORIZON_SAMPLES
+        budget = horizon
         for plan, first, offset in plans:
             ks = np.arange(first, plan.num_batches, stride, dtype=np.int64)
             ks = ks[: max(budget // plan.batch_size, 1)]
@@ -365,8 +418,8 @@ class CacheManager:
             which = np.searchsorted(starts, positions, side="right")
             for index, ref in enumerate(reading.sources):
                 chosen = which == index
-                if ref.remote and chosen.any():
-                    source = self._source(ref)
+                source = self._source(ref) if ref.remote and chosen.any() else None
+                if source is not None:
                     yield upcoming_uses(source, positions[chosen] - ref.start, when[chosen])
             if budget <= 0:
                 break

@@ -20,9 +20,14 @@ from batchd_server.catalog.types import SampleColumns
 from batchd_server.storage.blocks import object_hash
 from batchd_server.storage.cache import object_url
 
-__all__ = ["SourceBlocks", "Uses", "upcoming_uses"]
+__all__ = ["SourceBlocks", "Uses", "hashes64", "upcoming_uses"]
 
 Int64Array = npt.NDArray[np.int64]
+
+
+def hashes64(hashes: Sequence[str]) -> npt.NDArray[np.uint64]:
+    """The last 64 bits of each object hash (hex), as the eviction's arrays name objects."""
+    return np.fromiter((int(h[-16:], 16) for h in hashes), np.uint64, len(hashes))
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class SourceBlocks:
     Attributes:
         urls: Every object the source reads, by the index ``objects`` holds.
         hashes: Each URL's :func:`~batchd_server.storage.blocks.object_hash`.
+        hashes64: The last 64 bits of each (:func:`hashes64`).
         objects: Row -> index into ``urls``.
         first, last: Row -> the first and last block its bytes touch (``last < first``: none).
         offsets, lengths: Row -> its byte range; length -1 for a whole object of unknown size.
@@ -39,6 +45,7 @@ class SourceBlocks:
 
     urls: list[str]
     hashes: list[str]
+    hashes64: npt.NDArray[np.uint64]
     objects: npt.NDArray[np.int32]
     first: Int64Array
     last: Int64Array
@@ -51,10 +58,11 @@ class SourceBlocks:
         columns: SampleColumns,
         root: str,
         block_bytes: int,
-        size_of: Callable[[str], int],
+        size_of: Callable[[str], int] | None = None,
     ) -> SourceBlocks:
         """The rows of ``columns`` under ``root``; ``size_of(url)`` gives an object's size
-        (-1: unknown) for the rows that are whole objects."""
+        (-1: unknown) for the rows that are whole objects; without it every whole object's
+        size is unknown, and its rows read its first block (the only one of an image)."""
         n = len(columns.ids)
         index: dict[bytes, int] = {}
         raw = columns.path_bytes
@@ -66,14 +74,18 @@ class SourceBlocks:
         lengths = columns.byte_lengths.astype(np.int64, copy=True)
         whole = offsets < 0
         if whole.any():
-            sizes = np.array([size_of(u) for u in urls], np.int64)
             offsets[whole] = 0
-            lengths[whole] = sizes[objects[whole]]
+            if size_of is None:
+                lengths[whole] = -1
+            else:
+                sizes = np.array([size_of(u) for u in urls], np.int64)
+                lengths[whole] = sizes[objects[whole]]
         # A row "to the end of the object" reads its first block at least.
         known = np.where(lengths < 0, 1, lengths)
         first = offsets // block_bytes
         last = np.where(known > 0, (offsets + known - 1) // block_bytes, first - 1)
-        return cls(urls, [object_hash(u) for u in urls], objects, first, last, offsets, lengths)
+        hashes = [object_hash(u) for u in urls]
+        return cls(urls, hashes, hashes64(hashes), objects, first, last, offsets, lengths)
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,7 @@ class Uses:
     ``when[i]`` batches from now."""
 
     hashes: Sequence[str]
+    hashes64: npt.NDArray[np.uint64]
     objects: npt.NDArray[np.int32]
     blocks: Int64Array
     when: Int64Array
@@ -97,6 +110,7 @@ def upcoming_uses(source: SourceBlocks, rows: npt.NDArray[np.int64], when: Int64
     step = np.arange(total) - np.repeat(np.cumsum(spans) - spans, spans)
     return Uses(
         source.hashes,
+        source.hashes64,
         source.objects[rows][repeated],
         first[repeated] + step,
         when[repeated],

@@ -23,6 +23,7 @@ __all__ = [
     "CACHE_HITS",
     "CACHE_MISSES",
     "CACHE_PREFETCH_LEAD",
+    "CACHE_UNKEPT",
     "CACHE_USED_BYTES",
     "CacheCounts",
     "record_cache",
@@ -48,6 +49,8 @@ class CacheCounts(Protocol):
     @property
     def corrupt(self) -> int: ...
     @property
+    def unkept(self) -> int: ...
+    @property
     def get_seconds(self) -> Sequence[float]: ...
 
 
@@ -71,7 +74,13 @@ CACHE_FETCHED_BYTES = Counter(
 )
 CACHE_CORRUPT = Counter(
     "batchd_cache_corrupt_blocks",
-    "Cache block files found corrupt or truncated, deleted and fetched again.",
+    "Cache block files found corrupt, truncated, unreadable or not regular files, removed "
+    "and fetched again.",
+    registry=REGISTRY,
+)
+CACHE_UNKEPT = Counter(
+    "batchd_cache_unkept_blocks",
+    "Missed cache blocks the full cache could not keep: only the ranges asked were fetched.",
     registry=REGISTRY,
 )
 CACHE_EVICTED = Counter(
@@ -118,5 +127,7 @@ def record_cache(dataset: str | None, counts: CacheCounts | None) -> None:
         CACHE_FETCHED_BYTES.labels(reader="prefetch").inc(counts.prefetched_bytes)
     if counts.corrupt:
         CACHE_CORRUPT.inc(counts.corrupt)
+    if counts.unkept:
+        CACHE_UNKEPT.inc(counts.unkept)
     for seconds in counts.get_seconds:
         CACHE_GET_SECONDS.observe(max(0.0, seconds))

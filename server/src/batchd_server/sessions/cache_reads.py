@@ -69,6 +69,7 @@ def readings_of(
                     sources=sources,
                     next_plan=_next_plan(session, stream.epoch + 1),
                     next_start=stream.start % max(stream.stride, 1),
+                    max_sample_bytes=session.spec.read.max_sample_bytes,
                 )
             )
         return found

@@ -5,8 +5,10 @@ and the checks a reader makes of them."""
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import xxhash
@@ -17,12 +19,15 @@ __all__ = [
     "HEADER",
     "HEADER_BYTES",
     "MAGIC",
+    "BlockRead",
     "chunk_hasher",
     "chunks_match",
     "digest",
     "pack_table",
+    "read_spans",
     "table_check",
     "unpack_table",
+    "whole_matches",
 ]
 
 CHUNK_BYTES: Final = 16 << 10
@@ -71,3 +76,83 @@ def chunks_match(
         digest(view[(c - first) * chunk : (c + 1 - first) * chunk]) == digests[c]
         for c in range(first, last)
     )
+
+
+@dataclass(frozen=True)
+class BlockRead:
+    """Some bytes of a cached block: ``parts`` are ``(start, bytes)`` runs of its chunks that
+    cover what was asked (None when the block holds fewer bytes than were asked: only its
+    first ``length``)."""
+
+    length: int
+    parts: Sequence[tuple[int, bytes | memoryview]] | None
+
+    def cut(self, lo: int, hi: int) -> bytes | memoryview:
+        """Bytes ``[lo, hi)`` of the block, from the part that holds them."""
+        assert self.parts is not None, "a short block has no parts"
+        for start, data in self.parts:
+            if start <= lo and hi <= start + len(data):
+                return data[lo - start : hi - start]
+        raise AssertionError(f"[{lo}, {hi}) was not read")
+
+
+def read_spans(
+    fd: int, size: int, offset: int, block_bytes: int, chunk: int, spans: Sequence[tuple[int, int]]
+) -> BlockRead | None:
+    """The chunks that hold the ``(lo, hi)`` spans of the block file ``fd`` (``size`` bytes,
+    the block's first byte ``offset`` in its object), checked; None for a bad file.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    head = os.pread(fd, HEADER_BYTES, 0)
+    if len(head) < HEADER_BYTES:
+        return None
+    magic, stored, length, stored_chunk, checked = HEADER.unpack(head)
+    if magic != MAGIC or stored != offset:
+        return None
+    if stored_chunk != chunk or length > block_bytes:
+        return None
+    n = -(-length // chunk)
+    if size != HEADER_BYTES + DIGEST_BYTES * n + length:
+        return None
+    table = os.pread(fd, DIGEST_BYTES * n, HEADER_BYTES)
+    if len(table) != DIGEST_BYTES * n or table_check(table) != checked:
+        return None
+    if max(hi for _, hi in spans) > length:
+        return BlockRead(length, None)
+    wanted = sorted({c for lo, hi in spans for c in range(lo // chunk, -(-hi // chunk))})
+    runs: list[list[int]] = []
+    for c in wanted:
+        if runs and runs[-1][1] == c:
+            runs[-1][1] = c + 1
+        else:
+            runs.append([c, c + 1])
+    digests = unpack_table(table, n)
+    parts = []
+    for first, last in runs:
+        start, end = first * chunk, min(last * chunk, length)
+        data = os.pread(fd, end - start, HEADER_BYTES + DIGEST_BYTES * n + start)
+        if len(data) != end - start:
+            return None
+        view = memoryview(data)  # a reader's cut of it is a view, not another copy
+        if not chunks_match(view, digests, first, last, chunk):
+            return None
+        parts.append((start, view))
+    return BlockRead(length, parts)
+
+
+def whole_matches(head: bytes, data: bytes, offset: int, length: int, chunk: int) -> bool:
+    """Whether ``head`` (a block file's header and chunk table) and ``data`` (its content,
+    read with one byte more than ``length``) are a block of exactly ``length`` bytes at
+    ``offset`` whose every chunk matches its digest."""
+    n = -(-length // chunk)
+    if len(head) != HEADER_BYTES + DIGEST_BYTES * n or len(data) != length:
+        return False
+    magic, stored, stored_length, stored_chunk, checked = HEADER.unpack_from(head)
+    if (magic, stored, stored_length, stored_chunk) != (MAGIC, offset, length, chunk):
+        return False
+    table = memoryview(head)[HEADER_BYTES:]
+    if table_check(table) != checked:
+        return False
+    return chunks_match(memoryview(data), unpack_table(table, n), 0, n, chunk)

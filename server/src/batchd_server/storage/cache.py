@@ -28,16 +28,17 @@ and the server adds them to its metrics (``metrics.node_cache.record_cache``).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.base import RangeFetcher, StreamsRanges, TooLarge, WholeFetcher
+from batchd_server.storage.block_filling import Filling
 from batchd_server.storage.blocks import (
     BLOCK_BYTES,
     BlockKey,
@@ -46,6 +47,7 @@ from batchd_server.storage.blocks import (
     ObjectMeta,
     object_hash,
 )
+from batchd_server.storage.cache_stats import STATS, CacheStats, NodeCacheCounts
 
 __all__ = [
     "STATS",
@@ -57,11 +59,10 @@ __all__ = [
     "object_url",
 ]
 
+logger = logging.getLogger(__name__)
+
 _MAX_SIZES: Final = 1 << 16
 """Object sizes a fetcher remembers in memory (the records on disk keep them all)."""
-_MAX_LATENCIES: Final = 256
-"""Request latencies a process keeps between two :meth:`CacheStats.take`; more are dropped
-(the counts stay exact)."""
 
 
 @runtime_checkable
@@ -76,56 +77,6 @@ class SizesObjects(Protocol):
 def object_url(root: str, path: str) -> str:
     """The URL of a catalog path under a dataset root (``s3://bucket/prefix`` + ``a/b.tar``)."""
     return f"{root.rstrip('/')}/{path.lstrip('/')}"
-
-
-@dataclass
-class NodeCacheCounts:
-    """What a process read through the cache since the counts were last taken."""
-
-    hits: int = 0
-    """Blocks found on disk, intact."""
-    misses: int = 0
-    """Blocks fetched from the store by a reader (a worker)."""
-    hit_bytes: int = 0
-    fetched_bytes: int = 0
-    """Bytes received from the store, prefetches included."""
-    prefetched_bytes: int = 0
-    """Of ``fetched_bytes``, those fetched ahead of a session by the cache manager."""
-    corrupt: int = 0
-    """Block files found corrupt or truncated, deleted and fetched again."""
-    get_seconds: list[float] = field(default_factory=list)
-    """The latency of each request to the store (at most ``_MAX_LATENCIES`` of them)."""
-
-    def __bool__(self) -> bool:
-        return bool(self.hits or self.misses or self.fetched_bytes or self.get_seconds)
-
-
-class CacheStats:
-    """A process's :class:`NodeCacheCounts`, safe to add to from many threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = NodeCacheCounts()
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self._counts, name, getattr(self._counts, name) + value)
-
-    def latency(self, seconds: float) -> None:
-        with self._lock:
-            if len(self._counts.get_seconds) < _MAX_LATENCIES:
-                self._counts.get_seconds.append(seconds)
-
-    def take(self) -> NodeCacheCounts:
-        """The counts so far; they start again from zero."""
-        with self._lock:
-            counts, self._counts = self._counts, NodeCacheCounts()
-        return counts
-
-
-STATS: Final = CacheStats()
-"""This process's counts (see the module docs)."""
 
 
 class CachingFetcher:
@@ -255,6 +206,8 @@ class CachingFetcher:
         started = time.perf_counter()
         data = inner.fetch_whole(url, max_bytes)
         self.stats.latency(time.perf_counter() - started)
+        if len(data) > max_bytes:  # a client that does not bound its read: nothing is kept
+            raise TooLarge(url, len(data))
         b = self.store.block_bytes
         count = -(-len(data) // b)
         self.stats.add(
@@ -367,6 +320,8 @@ class CachingFetcher:
             self._count(have, len(fetch), prefetch=prefetch)
             if fetch:
                 have.update(self._fetch_missing(url, size, need, fetch, short, prefetch=prefetch))
+                if size >= 0 and self.store.meta(url) is None:  # evicted with earlier blocks
+                    self.store.record(ObjectMeta(url, size))
         return have, len(fetch)
 
     def _count(self, hits: dict[int, BlockRead], misses: int, *, prefetch: bool) -> None:
@@ -385,7 +340,32 @@ class CachingFetcher:
         *,
         prefetch: bool,
     ) -> dict[int, BlockRead]:
-        """Fetch ``missing`` blocks, one range per run of neighbours, and keep them."""
+        """Fetch ``missing`` blocks, one range per run of neighbours, and keep them; those
+        the cache has no room for, only in the spans asked (:meth:`_fetch_unkept`)."""
+        b = self.store.block_bytes
+        room, keep = self.store.room(), 0
+        for i in missing:  # a block's file: what of it is fetched (all of it, if size known)
+            room -= self.store.file_bytes(b if size < 0 else min(b, size - i * b))
+            if room < 0:
+                break
+            keep += 1
+        kept = missing[:keep]
+        got = {} if prefetch else self._fetch_unkept(url, need, missing[keep:])
+        if kept:
+            got.update(self._fetch_kept(url, size, need, kept, short, prefetch=prefetch))
+        return got
+
+    def _fetch_kept(
+        self,
+        url: str,
+        size: int,
+        need: dict[int, list[tuple[int, int]]],
+        missing: list[int],
+        short: set[int],
+        *,
+        prefetch: bool,
+    ) -> dict[int, BlockRead]:
+        """Fetch ``missing`` blocks whole, one range per run of neighbours, and keep them."""
         b = self.store.block_bytes
         runs: list[list[int]] = []
         for i in missing:
@@ -418,6 +398,40 @@ class CachingFetcher:
                 self.store.write(BlockKey(h, i), content, replace=i in short)
         return got
 
+    def _fetch_unkept(
+        self, url: str, need: dict[int, list[tuple[int, int]]], missing: list[int]
+    ) -> dict[int, BlockRead]:
+        """The asked spans of ``missing`` blocks, in one request, none kept: the cache has no
+        room for the blocks (a working set larger than it), and fetching a whole block per
+        record would multiply the bytes asked of the store by the block's size. (A prefetch
+        fetches none of them: nothing it fetched could be kept.)"""
+        if not missing:
+            return {}
+        b = self.store.block_bytes
+        merged: dict[int, list[list[int]]] = {}
+        for i in missing:
+            runs = merged[i] = []
+            for lo, hi in sorted(need[i]):
+                if runs and lo <= runs[-1][1]:
+                    runs[-1][1] = max(runs[-1][1], hi)
+                else:
+                    runs.append([lo, hi])
+        spans = [(i * b + lo, hi - lo) for i in missing for lo, hi in merged[i]]
+        started = time.perf_counter()
+        datas = iter(self.inner.fetch(url, spans))
+        self.stats.latency(time.perf_counter() - started)
+        self.stats.add(unkept=len(missing), fetched_bytes=sum(n for _, n in spans))
+        got: dict[int, BlockRead] = {}
+        for i in missing:
+            parts: list[tuple[int, bytes | memoryview]] = []
+            for lo, hi in merged[i]:
+                data = next(datas)
+                if len(data) != hi - lo:
+                    raise _short(url, len(data), hi - lo, i * b + lo)
+                parts.append((lo, data))
+            got[i] = BlockRead(merged[i][-1][1], parts)
+        return got
+
     def _stream_missing(
         self,
         inner: StreamsRanges,
@@ -435,7 +449,7 @@ class CachingFetcher:
         h = object_hash(url)
         got: dict[int, BlockRead] = {}
         for run, (start, length) in zip(runs, spans, strict=True):
-            block = _Filling(self.store, h, run[0], start, length, need, prefetch)
+            block = Filling(self.store, h, run[0], start, length, need, prefetch)
             received = 0
             started = time.perf_counter()
             try:
@@ -453,7 +467,7 @@ class CachingFetcher:
                         if block.full:
                             got[block.index] = block.finish(replace=block.index in short)
                             if block.index < run[-1]:
-                                block = _Filling(
+                                block = Filling(
                                     self.store, h, block.index + 1, start, length, need, prefetch
                                 )
             except BaseException:
@@ -486,66 +500,6 @@ def _short(url: str, received: int, length: int, start: int) -> BadSample:
     )
 
 
-class _Filling:
-    """Block ``index`` of a run being streamed: its file's writer (None when the cache has
-    no room for it: the block is then only served) and a reader's copies of its spans."""
-
-    def __init__(
-        self,
-        store: BlockStore,
-        h: str,
-        index: int,
-        start: int,
-        length: int,
-        need: dict[int, list[tuple[int, int]]],
-        prefetch: bool,
-    ) -> None:
-        b = store.block_bytes
-        self.index = index
-        self.size = min((index + 1) * b, start + length) - index * b
-        self.at = 0
-        self.writer = store.writer(BlockKey(h, index), self.size)
-        merged: list[list[int]] = []
-        for lo, hi in sorted(() if prefetch else need.get(index, ())):
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self.spans = [(lo, bytearray(hi - lo)) for lo, hi in merged]
-
-    @property
-    def full(self) -> bool:
-        return self.at == self.size
-
-    def add(self, view: memoryview) -> memoryview:
-        """Take what of ``view`` belongs to this block; returns the rest."""
-        piece, rest = view[: self.size - self.at], view[self.size - self.at :]
-        lo, hi = self.at, self.at + len(piece)
-        for start, copy in self.spans:
-            a, z = max(lo, start), min(hi, start + len(copy))
-            if a < z:
-                copy[a - start : z - start] = piece[a - lo : z - lo]
-        if self.writer is not None:
-            try:
-                self.writer.add(piece)
-            except OSError:  # the disk refused: the block is served, not kept
-                self.writer.abort()
-                self.writer = None
-        self.at = hi
-        return rest
-
-    def finish(self, *, replace: bool) -> BlockRead:
-        if self.writer is not None:
-            self.writer.finish(replace=replace)
-            self.writer = None
-        return BlockRead(self.size, [(lo, memoryview(copy)) for lo, copy in self.spans])
-
-    def abort(self) -> None:
-        if self.writer is not None:
-            self.writer.abort()
-            self.writer = None
-
-
 _STORES: dict[tuple[int, Path, int, int], BlockStore] = {}
 """The block stores this process opened, by (pid, directory, capacity, block size): one
 ledger descriptor each, however many sessions read. The pid keeps a forked child from
@@ -561,13 +515,30 @@ def cached(
     block_bytes: int = BLOCK_BYTES,
 ) -> RangeFetcher:
     """``inner`` read through the node cache in ``cache_dir``; ``inner`` itself when there is
-    none (``--cache-dir`` unset). What the object-store reader calls to get its fetcher."""
+    none (``--cache-dir`` unset), or when the disk refuses to open it (a warning is logged).
+    What the object-store reader calls to get its fetcher.
+
+    Raises:
+        FailedPrecondition: the directory may be changed by another user
+            (``cache_dir.check_dir``): the server refuses to start on it.
+    """
     if cache_dir is None:
         return inner
     key = (os.getpid(), cache_dir, capacity_bytes, block_bytes)
     with _STORES_LOCK:
         store = _STORES.get(key)
         if store is None or store.closed:
-            store = BlockStore(cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes)
+            try:
+                store = BlockStore(
+                    cache_dir, capacity_bytes=capacity_bytes, block_bytes=block_bytes
+                )
+            except OSError as e:  # a read-only or failing disk: read without the cache
+                logger.warning(
+                    "the node cache in %s cannot be opened (%s); objects are read from the "
+                    "store without it until the disk is fixed",
+                    cache_dir,
+                    e.strerror or e,
+                )
+                return inner
             _STORES[key] = store
     return CachingFetcher(inner, store)

@@ -10,8 +10,10 @@ one up. See NOTE [ Cache files ] in ``blocks.py`` for how the cache uses them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -49,7 +51,17 @@ class FetchLocks:
     """
 
     def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Never through a link, and never blocking on a FIFO put in the file's place.
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        self._fd = os.open(path, flags, 0o600)
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(self._fd)
+            raise OSError(
+                errno.EINVAL,
+                f"{path} is not a regular file of the server's user; remove it (it is made "
+                "again at start)",
+            )
         self._stripes = [threading.Lock() for _ in range(FETCH_STRIPES)]
 
     def close(self) -> None:
