@@ -6,6 +6,7 @@ limit, which a child process started in it reads."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from batchd_server.workers.host import Cgroups, affinity_cpus, available_memory, usable_cpus
-from batchd_server.workers.sizing import available_cpus, memory_ceiling
+from batchd_server.workers.sizing import Autoscaler, WorkerRange, available_cpus, memory_ceiling
 
 MiB = 1 << 20
 
@@ -116,7 +117,7 @@ def test_no_limit_or_an_unreadable_one_leaves_the_hosts_figures(
 _PROBE = """
 import json
 from batchd_server.workers.host import HOST, affinity_cpus
-from batchd_server.workers.sizing import available_cpus, memory_ceiling
+from batchd_server.workers.sizing import Autoscaler, WorkerRange, available_cpus, memory_ceiling
 print(json.dumps({
     "affinity": affinity_cpus(),
     "cpus": available_cpus(),
@@ -202,3 +203,45 @@ def test_a_process_in_a_real_cgroup_with_a_quota_of_one_cpu_sizes_by_it(
     assert found["quota"] == 1.0 and found["cpus"] == 1, found
     assert 0 < found["memory"] <= 256 * MiB, found
     assert found["ceiling"] <= 1 + 256 * MiB // (32 * MiB), found
+
+
+class _IdlePool:
+    def load(self) -> tuple[int, int]:
+        return 0, 0
+
+
+def test_idle_cores_under_a_quota_are_what_the_cgroup_left_of_it(tmp_path: Path) -> None:
+    """A container at its quota has no idle core to grow into, however idle the node's CPUs
+    are: the autoscaler's idle cores are the quota less the cgroup's own use (v2
+    ``cpu.stat``), and without a quota the host's figure stands."""
+    cgroups = tree(
+        tmp_path,
+        "0::/pod\n",
+        {"pod/cpu.max": "200000 100000\n", "pod/cpu.stat": "usage_usec 5000000\nuser_usec 1\n"},
+    )
+    assert cgroups.cpu_used_s() == 5.0
+    scaler = Autoscaler(
+        _IdlePool(), WorkerRange(1, 4), cpus=4, stall_ratio=lambda: None, cgroups=cgroups
+    )
+    assert scaler._quota_left(100.0) == math.inf, "one reading is no rate yet"
+    (tmp_path / "fs/pod/cpu.stat").write_text("usage_usec 6800000\n")  # 1.8 s in 1 s
+    assert scaler._quota_left(101.0) == pytest.approx(0.2)
+    (tmp_path / "fs/pod/cpu.stat").write_text("usage_usec 9000000\n")  # over the quota
+    assert scaler._quota_left(102.0) == 0.0
+    none = tmp_path / "none"
+    none.mkdir()
+    unlimited = Autoscaler(
+        _IdlePool(), WorkerRange(1, 4), cpus=4, stall_ratio=lambda: None,
+        cgroups=tree(none, "0::/\n", {}),
+    )  # fmt: skip
+    assert unlimited._quota_left(1.0) == unlimited._quota_left(2.0) == math.inf
+
+
+def test_a_v1_cgroups_cpu_use_is_read_from_cpuacct(tmp_path: Path) -> None:
+    cgroups = tree(
+        tmp_path,
+        "4:cpu,cpuacct:/job\n",
+        {"cpu,cpuacct/job/cpuacct.usage": "2500000000\n"},
+        v2=False,
+    )
+    assert cgroups.cpu_used_s() == 2.5

@@ -54,8 +54,9 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _stat_value(path: Path, name: str) -> int:
-    """Field ``name`` of a ``memory.stat`` file; 0 when it is not there."""
+def _stat_value(path: Path, name: str, missing: int = 0) -> int:
+    """Field ``name`` of a ``memory.stat`` or ``cpu.stat`` file; ``missing`` when it is not
+    there (or not a number)."""
     text = _read(path) or ""
     for line in text.splitlines():
         key, _, value = line.partition(" ")
@@ -63,8 +64,8 @@ def _stat_value(path: Path, name: str) -> int:
             try:
                 return int(value)
             except ValueError:
-                return 0
-    return 0
+                return missing
+    return missing
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,20 @@ class Cgroups:
                 quotas.append(_ratio(quota, period))
         known = [q for q in quotas if q is not None]
         return min(known) if known else None
+
+    def cpu_used_s(self) -> float | None:
+        """CPU seconds the process's own cgroup has used since it was made (v2
+        ``cpu.stat``'s ``usage_usec``, v1 ``cpuacct.usage``); None when neither is readable.
+        Its rate against :meth:`cpu_quota` is what is left of the quota to use."""
+        for d in self._v2()[:1]:
+            used = _stat_value(d / "cpu.stat", "usage_usec", missing=-1)
+            if used >= 0:
+                return used / 1e6
+        for d in self._v1("cpuacct", ("cpuacct", *_V1_CPU))[:1]:
+            text = _read(d / "cpuacct.usage")
+            if text is not None and text.isdigit():
+                return int(text) / 1e9
+        return None
 
     def memory_available(self) -> int | None:
         """Bytes the cgroup may still take before its lowest limit (what it holds in

@@ -10,7 +10,8 @@ the CPUs the server may use and what memory affords (both as its cgroup limits t
   reports it has: ``metrics.stall.RecentStall``, at least :attr:`ScalingPolicy.stall_ratio`;
   with no client reporting, a stall is assumed), decode
   work waited for a worker in most samples (the pool's queue), and the machine had a core's
-  worth of idle CPU (``/proc/stat``). All three: a stall with nothing queued is not the
+  worth of idle CPU (``/proc/stat``; under a cgroup CPU quota, no more than the quota its
+  cgroup left unused, ``host.py``). All three: a stall with nothing queued is not the
   workers' fault (the network, the trainer's own input), and queued work with no idle core
   would only be shared out more thinly.
 - **Down** when, over the last :attr:`ScalingPolicy.shrink_window_s` (longer, so a pause
@@ -29,6 +30,7 @@ it has.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import threading
@@ -238,6 +240,7 @@ class Autoscaler:
         stall_ratio: The trainers' current stall ratio over a recent window, or None.
         on_change: Called with (direction, reason) after each change, for metrics.
         on_signals: Called with each window's :class:`Signals`, for metrics.
+        cgroups: Where the process's CPU quota and use are read (``host.py``).
     """
 
     def __init__(
@@ -250,6 +253,7 @@ class Autoscaler:
         policy: ScalingPolicy | None = None,
         on_change: Callable[[str, str], None] | None = None,
         on_signals: Callable[[Signals], None] | None = None,
+        cgroups: Cgroups = HOST,
     ) -> None:
         self.pool = pool
         self.bounds = bounds
@@ -259,6 +263,12 @@ class Autoscaler:
         self._on_change = on_change
         self._on_signals = on_signals
         self._affinity = _affinity()
+        self._quota = cgroups.cpu_quota()
+        """The cgroup's CPU quota: idle cores are what is left of it, when it is lower than
+        the idle time of the CPUs the process may run on."""
+        self._cgroups = cgroups
+        self._used: tuple[float, float] | None = None
+        """(when, the cgroup's CPU seconds) at the last tick, when there is a quota."""
         self._samples: deque[tuple[float, int, bool, float]] = deque()
         """(when, busy workers, work queued, idle cores) per tick."""
         self._changed_at = time.monotonic()
@@ -271,6 +281,18 @@ class Autoscaler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(max(1.0, 4 * self.policy.tick_s))
+
+    def _quota_left(self, now: float) -> float:
+        """CPUs' worth of the cgroup's quota its processes left unused since the last tick
+        (``inf`` without a quota, or before a second reading): on a node whose other pods
+        leave cores idle, a container at its quota has none to grow into."""
+        if self._quota is None:
+            return math.inf
+        used = self._cgroups.cpu_used_s()
+        last, self._used = self._used, (None if used is None else (now, used))
+        if used is None or last is None or now <= last[0]:
+            return math.inf
+        return max(0.0, self._quota - (used - last[1]) / (now - last[0]))
 
     def _run(self) -> None:
         last = cpu_times(self._affinity)
@@ -286,6 +308,7 @@ class Autoscaler:
         idle = 0.0
         if times is not None and last is not None and times[1] > last[1]:
             idle = (times[0] - last[0]) / (times[1] - last[1]) * self.cpus
+        idle = min(idle, self._quota_left(now))
         busy, queued = self.pool.load()
         self._samples.append((now, busy, queued > 0, idle))
         horizon = now - max(self.policy.grow_window_s, self.policy.shrink_window_s)
