@@ -81,7 +81,8 @@ def batch_counts(
     credits = [0] * sources
     # Under "step" interpolation the units change only where a point's window begins.
     constant = schedule.interpolate == "step"
-    window, units = -1, ()
+    window = -1
+    units: tuple[int, ...] = ()
     for b in range(batches):
         g = min(global_batch, length - b * global_batch)
         step = first_step + b
