@@ -134,8 +134,10 @@ def test_big_opens_complete_in_seconds_and_other_clients_stay_fast(
 
         def open_all() -> None:
             try:
-                for name, request in BIG_OPENS.items():
-                    took[name] = _open_and_close(opener, request, "big")
+                # Twice: the second round finds the placements of the first kept.
+                for round_ in range(2):
+                    for name, request in BIG_OPENS.items():
+                        took[f"{name} {round_}"] = _open_and_close(opener, request, "big")
             except BaseException as e:  # surfaced below
                 failed.append(e)
 
@@ -155,7 +157,7 @@ def test_big_opens_complete_in_seconds_and_other_clients_stay_fast(
         thread.join()
     assert not failed, failed
     slow = {name: s for name, s in took.items() if s >= OPEN_BOUND_S}
-    assert set(took) == set(BIG_OPENS) and not slow, took
+    assert len(took) == 2 * len(BIG_OPENS) and not slow, took
     assert len(latencies) >= 100, latencies
     p99 = float(np.percentile(latencies, 99))
     assert p99 < P99_BOUND_S, (p99, max(latencies), took)

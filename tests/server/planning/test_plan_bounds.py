@@ -6,6 +6,7 @@ plan budget charged to a client is above what its plans take."""
 
 from __future__ import annotations
 
+import bisect
 import sys
 import tracemalloc
 from collections.abc import Callable
@@ -205,7 +206,7 @@ def test_too_many_pieces_are_refused_naming_the_smallest_seq_len_that_fits(
     one = OneSplit(MixSourceOptions(dataset="web", weight=1.0))
     with pytest.raises(InvalidArgument, match=r"into 1300 pieces.*use seq_len >= 10"):
         PackedMixing(one, PackOptions(seq_len=8), [split], [(2, 4096)])
-    assert PackedMixing(one, PackOptions(seq_len=10), [split], [(2, 4096)]).source_rows == (100,)
+    assert PackedMixing(one, PackOptions(seq_len=10), [split], [(2, 4096)]).source_rows == (1000,)
 
 
 def _first_fit_one_by_one(lengths: list[int], capacity: int) -> list[int]:
@@ -241,10 +242,45 @@ def test_first_fit_places_every_remainder_where_first_fit_one_by_one_did(
 ) -> None:
     """Sizes a few or many, rows over several blocks: the same row for every remainder, so
     packed epochs are the ones they were."""
-    items = sorted({min(capacity - 1, max(1, n // coarse)) for n in lengths} | set(), reverse=True)
     items = sorted((min(capacity - 1, max(1, n // coarse)) for n in lengths), reverse=True)
     got = placement.place(np.asarray(items, np.int64), "first_fit", capacity)
     assert got.tolist() == _first_fit_one_by_one(items, capacity)
+
+
+def _best_fit_one_by_one(lengths: list[int], capacity: int) -> list[int]:
+    """Best-fit decreasing as it was computed before, into a list at once."""
+    rooms: list[int] = []
+    buckets: dict[int, list[int]] = {}
+    out: list[int] = []
+    opened = 0
+    for length in lengths:
+        i = bisect.bisect_left(rooms, length)
+        if i < len(rooms):
+            room = rooms[i]
+            bucket = buckets[room]
+            row = bucket.pop()
+            if not bucket:
+                del rooms[i]
+                del buckets[room]
+        else:
+            room, row = capacity, opened
+            opened += 1
+        out.append(row)
+        left = room - length
+        if left:
+            if left not in buckets:
+                buckets[left] = []
+                bisect.insort(rooms, left)
+            buckets[left].append(row)
+    return out
+
+
+def test_best_fit_in_chunks_places_every_remainder_where_it_did_at_once() -> None:
+    """40,000 remainders, more than a chunk: the same rows as the loop over them all."""
+    rng = np.random.default_rng(8)
+    items = np.sort(rng.integers(1, 3000, 40_000))[::-1].astype(np.int64)
+    got = placement.place(items, "best_fit", 3001)
+    assert got.tolist() == _best_fit_one_by_one(items.tolist(), 3001)
 
 
 def _lines_run(module_files: tuple[str, ...], call: Callable[[], object]) -> int:
@@ -312,26 +348,27 @@ def _peak_bytes(build: Callable[[], object]) -> int:
     return peak
 
 
-@pytest.mark.parametrize("kind", ["split", "mix", "mix with a stop", "packed", "packed concat"])
+@pytest.mark.parametrize("kind", ["split", "mix", "mix with a stop", "packed mix", "packed concat"])
 def test_the_plan_budget_is_above_what_a_session_s_plans_take(kind: str) -> None:
     """The bytes charged to a client before an open are at least the peak of building two
     epochs' plans (what a session keeps), their batch tables included."""
     n = 200_000
     options = SamplerOptions(batch_size=32, seed=1)
     one = OneSplit(MixSourceOptions(dataset="web", weight=1.0))
-    mixing: Any = {"split": one, "mix": _mix(0.7, 0.3), "mix with a stop": _mix(0.7, 0.3, stop=n)}
-    pack = None if "packed" not in kind else PackOptions(
-        seq_len=2048, method="concat" if "concat" in kind else "best_fit"
-    )
-    halves = [_Split(_documents(n // 2, seed=s), _Dataset(f"d{s}")) for s in (1, 2)]
-    splits = [_Split(_documents(n), _Dataset("web"))] if kind in ("split", "packed concat") else halves
-    inner = mixing.get(kind, one if len(splits) == 1 else _mix(0.7, 0.3))
-    budget = plan_bytes(inner, pack, ("tokens", {"max_len": 8192, "dtype": "uint16"}), splits)
+    tokens = ("tokens", {"max_len": 8192, "dtype": "uint16"})
+    pack = None
+    if kind.startswith("packed"):
+        pack = PackOptions(seq_len=2048, method="concat" if "concat" in kind else "best_fit")
+    if kind in ("split", "packed concat"):
+        inner: Any = one
+        splits = [_Split(_documents(n), _Dataset("web"))]
+    else:
+        inner = _mix(0.7, 0.3, stop=n if "stop" in kind else 0)
+        splits = [_Split(_documents(n // 2, seed=s), _Dataset(f"d{s}")) for s in (1, 2)]
+    budget = plan_bytes(inner, pack, tokens, splits)
 
     def build() -> object:
-        planned: Any = inner if pack is None else packing.packed_mixing(
-            inner, pack, ("tokens", {"max_len": 8192, "dtype": "uint16"}), splits
-        )
+        planned = packing.packed_mixing(inner, pack, tokens, splits)
         plans = [planned.plan(splits, options, EpochStart(e, 0, 1)) for e in (0, 1)]
         for plan in plans:
             plan.catalog_plan()

@@ -250,7 +250,7 @@ def pack_documents(
     # The remainders, longest first (ties in the epoch's order): which document takes which
     # place depends on the order, where the places are depends on the lengths alone.
     items = np.flatnonzero(rest)
-    items = items[np.lexsort((items, -rest[items]))]
+    items = items[np.argsort(-rest[items], kind="stable")]
     if places is None:
         places = place(rest[items], pack.method, pack.seq_len)
     assert places.size == items.size, "places of these documents' lengths"

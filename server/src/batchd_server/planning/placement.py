@@ -44,7 +44,7 @@ def place(descending: Int64Array, method: str, seq_len: int) -> Int64Array:
     """The row of each of these remainders (longest first) by ``method``, placed anew."""
     if method == "first_fit":
         return _first_fit(descending, seq_len)
-    return np.asarray(_best_fit(descending.tolist(), seq_len), np.int64)
+    return _best_fit(descending, seq_len)
 
 
 class PlacementCache:
@@ -103,33 +103,41 @@ PLACEMENT_CACHE: Final = PlacementCache()
 """The server's one cache: every session's packed sources look here."""
 
 
-def _best_fit(lengths: list[int], capacity: int) -> list[int]:
+_CHUNK: Final = 1 << 14
+"""Items ``_best_fit`` converts between numpy and Python at a time: each conversion holds
+the interpreter (a million at once, some 50 ms), its loop lets other threads in between."""
+
+
+def _best_fit(descending: Int64Array, capacity: int) -> Int64Array:
     """Each item's row: the fullest open row it fits, else a new one (rows numbered as
     opened). Rows are kept in buckets by room left, and the distinct rooms in a sorted list
     (at most ``capacity`` of them), so an item costs a bisect, not a scan of the rows."""
     rooms: list[int] = []
     buckets: dict[int, list[int]] = {}
-    out: list[int] = []
+    out = np.empty(descending.size, np.int64)
     opened = 0
-    for length in lengths:
-        i = bisect.bisect_left(rooms, length)
-        if i < len(rooms):
-            room = rooms[i]
-            bucket = buckets[room]
-            row = bucket.pop()
-            if not bucket:
-                del rooms[i]
-                del buckets[room]
-        else:
-            room, row = capacity, opened
-            opened += 1
-        out.append(row)
-        left = room - length
-        if left:
-            if left not in buckets:
-                buckets[left] = []
-                bisect.insort(rooms, left)
-            buckets[left].append(row)
+    for first in range(0, descending.size, _CHUNK):
+        chunk: list[int] = []
+        for length in descending[first : first + _CHUNK].tolist():
+            i = bisect.bisect_left(rooms, length)
+            if i < len(rooms):
+                room = rooms[i]
+                bucket = buckets[room]
+                row = bucket.pop()
+                if not bucket:
+                    del rooms[i]
+                    del buckets[room]
+            else:
+                room, row = capacity, opened
+                opened += 1
+            chunk.append(row)
+            left = room - length
+            if left:
+                if left not in buckets:
+                    buckets[left] = []
+                    bisect.insort(rooms, left)
+                buckets[left].append(row)
+        out[first : first + len(chunk)] = chunk
     return out
 
 
