@@ -4,7 +4,7 @@ allocates anything (``sessions/manager.py`` charges it).
 
 The estimate is what building one epoch's plan takes at its peak, beside the plans a session
 keeps (two: the epoch it streams and the next), measured with tracemalloc at a million
-samples (``tests/server/planning/test_plan_budget.py`` checks that it stays above):
+samples (``tests/server/planning/test_plan_bounds.py`` checks that it stays above):
 
 - a plan of samples (a split, any sampling mode, or a mix): the epoch's global order, the
   rank's positions, and their temporaries, at most :data:`PLAN_ENTRY_BYTES` per sample of

@@ -167,7 +167,21 @@ def _first_fit(descending: Int64Array, capacity: int) -> Int64Array:
             break
         size, items = int(descending[a]), b - a
         placed = 0
-        blocks = np.flatnonzero(block_room[: -(-opened // _BLOCK)] >= size)[:items]
+        if items == 1:
+            # One item (sizes all distinct, as under a large seq_len): the first block with
+            # room, its first row with room, in a few steps of their own.
+            with_room = block_room[: -(-opened // _BLOCK)] >= size
+            block = int(with_room.argmax()) if with_room.size else 0
+            if with_room.size and with_room[block]:
+                base = block * _BLOCK
+                row = base + int((room[base : base + _BLOCK] >= size).argmax())
+                out[a] = row
+                room[row] -= size
+                block_room[block] = room[base : base + _BLOCK].max()
+                continue
+            blocks = np.empty(0, np.int64)  # no row has room: a new one
+        else:
+            blocks = np.flatnonzero(block_room[: -(-opened // _BLOCK)] >= size)[:items]
         if blocks.size:
             rows = (blocks[:, None] * _BLOCK + np.arange(_BLOCK)).reshape(-1)
             rows = rows[room[rows] >= size]
