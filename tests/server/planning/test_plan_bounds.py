@@ -79,9 +79,9 @@ def _documents(n: int, seed: int = 0) -> np.ndarray:
 # -- mixes -------------------------------------------------------------------------------------
 
 
-def test_a_stop_far_beyond_the_sources_is_refused_with_the_largest_stop_that_fits() -> None:
+def test_a_stop_far_beyond_the_sources_is_refused_with_a_stop_that_fits() -> None:
     """stop=2**36 over a 10-row source would permute it billions of times: refused, naming
-    the passes, the source and the largest stop within MAX_MIX_PASSES, which plans."""
+    the passes, the source and about the largest stop within MAX_MIX_PASSES, which plans."""
     mix = _mix(0.5, 0.5, stop=1 << 36)
     with pytest.raises(InvalidArgument, match=r"source 0 alone, of 10 rows") as refused:
         mix.counts([10, 1000])
@@ -91,7 +91,7 @@ def test_a_stop_far_beyond_the_sources_is_refused_with_the_largest_stop_that_fit
     counts = mix_counts([10, 1000], mix.units, largest)
     assert sum(-(-c // n) for c, n in zip(counts, (10, 1000), strict=True)) <= MAX_MIX_PASSES
     with pytest.raises(InvalidArgument, match="use stop_samples <="):
-        mix_counts([10, 1000], mix.units, largest + 40)
+        mix_counts([10, 1000], mix.units, largest * 9 // 8)
 
 
 def test_weights_whose_sum_overflows_are_refused_as_invalid_arguments() -> None:

@@ -330,17 +330,21 @@ def _check_passes(
     if passes <= MAX_MIX_PASSES:
         return
     most = max(range(len(sizes)), key=lambda s: -(-counts[s] // sizes[s]))
-    # The largest stop within the bound, for the message: passes grow with the stop.
-    low, high = 0, stop_samples
-    while low < high:
-        mid = (low + high + 1) // 2
-        fits = sum(-(-_first_rank_at_least(s, mid, units) // n) for s, n in enumerate(sizes))
-        low, high = (mid, high) if fits <= MAX_MIX_PASSES else (low, mid - 1)
+
+    def passes_at(stop: int) -> int:
+        return sum(-(-_first_rank_at_least(s, stop, units) // n) for s, n in enumerate(sizes))
+
+    # A stop that fits, for the message: the passes grow about in proportion to the stop,
+    # so a proportional one nearly fits; a few smaller steps find one that does.
+    low = max(1, stop_samples * MAX_MIX_PASSES // passes)
+    while low > 1 and passes_at(low) > MAX_MIX_PASSES:
+        low = low * 15 // 16
     raise InvalidArgument(
         f"stop_samples={stop_samples} would pass over the sources' rows {passes} times in one "
         f"epoch (source {most} alone, of {sizes[most]} rows, {-(-counts[most] // sizes[most])} "
         f"times), more than the {MAX_MIX_PASSES} a mix may make; use stop_samples <= {low} "
-        "for these sources and weights, give the small sources less weight, or leave them out"
+        "(about the most these sources and weights allow), give the small sources less "
+        "weight, or leave them out"
     )
 
 
