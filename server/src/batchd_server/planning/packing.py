@@ -307,8 +307,9 @@ def _pieces(lengths: Sequence[Int64Array], seq_len: int, method: str) -> tuple[i
     for n in lengths:
         whole = int(np.sum(-(-n // seq_len)))
         if method == "concat":
-            rows += -(-int(n.sum()) // seq_len)
-            pieces += int(np.count_nonzero(n)) + rows
+            cut = -(-int(n.sum()) // seq_len)
+            rows += cut
+            pieces += int(np.count_nonzero(n)) + cut
         else:
             pieces += whole
             rows += whole
