@@ -209,6 +209,18 @@ def test_too_many_pieces_are_refused_naming_the_smallest_seq_len_that_fits(
     assert PackedMixing(one, PackOptions(seq_len=10), [split], [(2, 4096)]).source_rows == (1000,)
 
 
+@pytest.mark.parametrize("method", ["best_fit", "concat"])
+def test_the_pieces_of_several_sources_are_the_sum_of_each_ones(method: str) -> None:
+    """What a packed mix is charged and bounded by adds up its sources' pieces."""
+    a, b = _documents(3000, seed=5), _documents(2000, seed=6)
+    pack = PackOptions(seq_len=512, method=method)
+    each = [packing.pack_pieces([n], pack) for n in (a, b)]
+    assert packing.pack_pieces([a, b], pack) == tuple(map(sum, zip(*each, strict=True)))
+    for n, (pieces, _) in zip((a, b), each, strict=True):
+        rows = packing.pack_documents(np.arange(n.size, dtype=np.int64), n, pack)
+        assert rows.positions.size <= pieces
+
+
 def _first_fit_one_by_one(lengths: list[int], capacity: int) -> list[int]:
     """First-fit decreasing as it was computed before: a max-tree walked per document."""
     size = 1
