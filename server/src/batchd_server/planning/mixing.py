@@ -55,6 +55,7 @@ import numpy as np
 from batchd._wire.mix import finite_sum, valid_weight
 from batchd._wire.schedule import WeightSchedule
 from batchd_server.errors import FailedPrecondition, InvalidArgument
+from batchd_server.planning.pacing import Pace
 from batchd_server.planning.sampling import (
     MIX_PASS_TAG,
     EpochPlan,
@@ -495,7 +496,9 @@ def _first_rank_at_least(s: int, target: int, units: Sequence[int]) -> int:
 def _rows(s: int, count: int, n: int, seed: int, epoch: int, shuffle: bool) -> Int64Array:
     """Source ``s``'s rows for its items 0..count-1: its passes over its ``n`` rows."""
     passes = []
+    pace = Pace()
     for q in range(-(-count // n)):
+        pace()
         take = min(n, count - q * n)
         if shuffle:
             sequence = np.random.SeedSequence([seed, epoch, MIX_PASS_TAG, s, q])

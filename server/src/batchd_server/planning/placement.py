@@ -21,6 +21,7 @@ from typing import Final
 import numpy as np
 
 from batchd_server.metrics.planning import PLACEMENTS
+from batchd_server.planning.pacing import Pace
 from batchd_server.planning.sampling import Int64Array
 
 __all__ = ["PLACEMENT_CACHE", "PLACEMENT_CACHE_BYTES", "PlacementCache", "place", "place_lengths"]
@@ -103,9 +104,9 @@ PLACEMENT_CACHE: Final = PlacementCache()
 """The server's one cache: every session's packed sources look here."""
 
 
-_CHUNK: Final = 1 << 14
-"""Items ``_best_fit`` converts between numpy and Python at a time: each conversion holds
-the interpreter (a million at once, some 50 ms), its loop lets other threads in between."""
+_CHUNK: Final = 1 << 10
+"""Items ``_best_fit`` converts between numpy and Python, and places, between two looks at
+its ``Pace``: a conversion holds the interpreter (a million at once, some 50 ms)."""
 
 
 def _best_fit(descending: Int64Array, capacity: int) -> Int64Array:
@@ -116,7 +117,9 @@ def _best_fit(descending: Int64Array, capacity: int) -> Int64Array:
     buckets: dict[int, list[int]] = {}
     out = np.empty(descending.size, np.int64)
     opened = 0
+    pace = Pace()
     for first in range(0, descending.size, _CHUNK):
+        pace()
         chunk: list[int] = []
         for length in descending[first : first + _CHUNK].tolist():
             i = bisect.bisect_left(rooms, length)
@@ -162,9 +165,11 @@ def _first_fit(descending: Int64Array, capacity: int) -> Int64Array:
     block_room = np.zeros(-(-room.size // _BLOCK), np.int64)
     opened = 0
     ends = np.flatnonzero(np.diff(descending)) + 1
+    pace = Pace()
     for a, b in zip([0, *ends.tolist()], [*ends.tolist(), n], strict=True):
         if a >= n:
             break
+        pace()
         size, items = int(descending[a]), b - a
         placed = 0
         if items == 1:

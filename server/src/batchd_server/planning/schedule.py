@@ -45,6 +45,7 @@ import numpy as np
 from batchd._wire.epoch import rest_of_epoch
 from batchd._wire.schedule import WeightSchedule
 from batchd_server.errors import InvalidArgument
+from batchd_server.planning.pacing import Pace
 from batchd_server.planning.sampling import Int64Array, SamplerOptions
 
 __all__ = ["MAX_SCHEDULED_BATCHES", "MAX_SCHEDULED_WORK", "batch_counts", "scheduled_order"]
@@ -83,7 +84,9 @@ def batch_counts(
     constant = schedule.interpolate == "step"
     window = -1
     units: tuple[int, ...] = ()
+    pace = Pace()
     for b in range(batches):
+        pace()
         g = min(global_batch, length - b * global_batch)
         step = first_step + b
         at = bisect.bisect_right(schedule.steps, step)

@@ -21,6 +21,7 @@ from batchd_server.logs import session_log_id
 from batchd_server.metrics.admission import REFUSED, SESSIONS
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.planning.budget import plan_bytes
+from batchd_server.planning.pacing import collector_paused
 from batchd_server.service_settings import SessionSettings
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.ring import SessionRing
@@ -319,16 +320,18 @@ class SessionManager:
         session_ring = SessionRing(session_id, ring, layout, slot_bytes, token)
         dispatch = self.shares.dispatch(session_ring, options, snapshot_token(options, entries))
         try:
-            session = Session(
-                session_id=session_id,
-                options=options,
-                sources=entries,
-                ring=session_ring,
-                dispatch=dispatch,
-                record_errors=self._record_errors,
-                roots=roots,
-                read=self._read.for_session(decode_cache=options.decode_cache),
-            )
+            # Its sources packed and its first epoch planned (NOTE in planning/pacing.py).
+            with collector_paused():
+                session = Session(
+                    session_id=session_id,
+                    options=options,
+                    sources=entries,
+                    ring=session_ring,
+                    dispatch=dispatch,
+                    record_errors=self._record_errors,
+                    roots=roots,
+                    read=self._read.for_session(decode_cache=options.decode_cache),
+                )
             if session.num_batches == 0:
                 raise FailedPrecondition(
                     f"drop_last=True leaves no batch: {session.num_rows} samples over "

@@ -17,6 +17,7 @@ from typing import Final, NamedTuple
 
 from batchd_server.errors import InvalidArgument
 from batchd_server.metrics.planning import PLAN_SECONDS
+from batchd_server.planning.pacing import collector_paused
 from batchd_server.planning.sampling import EpochPlan, EpochStart, SamplerOptions
 from batchd_server.workers.task import BatchResult
 
@@ -44,7 +45,7 @@ class EpochPlans:
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:
-            with PLAN_SECONDS.time():
+            with PLAN_SECONDS.time(), collector_paused():
                 plan = self._make(key)
             with self._lock:
                 while len(self._plans) >= _MAX_PLANS:
