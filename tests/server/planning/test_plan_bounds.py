@@ -7,6 +7,7 @@ plan budget charged to a client is above what its plans take."""
 from __future__ import annotations
 
 import bisect
+import gc
 import sys
 import tracemalloc
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from batchd_server.planning.mixing import (
     plan_mix_epoch,
 )
 from batchd_server.planning.one_split import OneSplit
+from batchd_server.planning.pacing import collector_paused
 from batchd_server.planning.packing import PackedMixing, PackOptions, placements
 from batchd_server.planning.placement import PLACEMENT_CACHE
 from batchd_server.planning.sampling import EpochStart, SamplerOptions
@@ -388,3 +390,22 @@ def test_the_plan_budget_is_above_what_a_session_s_plans_take(kind: str) -> None
 
     PLACEMENT_CACHE.clear()
     assert _peak_bytes(build) <= budget
+
+
+def test_the_collector_waits_while_any_plan_is_built_and_runs_again_after() -> None:
+    """Nested (two opens planning at once): off until the last is built, then back on; a
+    collector someone turned off stays off."""
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
