@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from batchd._pipelines import Chat, Text, Tokens, check_choice, check_int
 from batchd._proto.batchd.v1 import loader_pb2
-from batchd._wire.pack import MAX_SEQ_LEN, PACK_METHODS
+from batchd._wire.pack import MAX_SEQ_LEN, MIN_SEQ_LEN, PACK_METHODS
 from batchd.errors import InvalidArgument
 
 __all__ = ["Pack", "check_pack"]
@@ -31,7 +31,7 @@ class Pack:
     """Pack a :class:`batchd.Tokens` pipeline's documents into rows of ``seq_len`` tokens.
 
     Args:
-        seq_len: Tokens per row, 1 to 1048576.
+        seq_len: Tokens per row, 8 to 1048576.
         method: ``"best_fit"`` (default) or ``"first_fit"``: a document stays in one row (one
             longer than ``seq_len`` is cut into ``seq_len`` pieces whose ``position_ids``
             continue), the documents placed longest first into the fullest (best) or first
@@ -55,7 +55,8 @@ class Pack:
     method: str = "best_fit"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "seq_len", check_int("Pack seq_len", self.seq_len, 1, MAX_SEQ_LEN))
+        seq_len = check_int("Pack seq_len", self.seq_len, MIN_SEQ_LEN, MAX_SEQ_LEN)
+        object.__setattr__(self, "seq_len", seq_len)
         check_choice("Pack method", self.method, PACK_METHODS)
 
     def _to_proto(self) -> loader_pb2.Pack:

@@ -20,7 +20,7 @@ from typing import Any, TypeAlias
 
 from batchd._pipelines import PipelineSpec, pipeline_or_default
 from batchd._proto.batchd.v1 import loader_pb2
-from batchd._wire.mix import MAX_MIX_SOURCES, MAX_STOP, valid_weight
+from batchd._wire.mix import MAX_MIX_SOURCES, MAX_STOP, finite_sum, valid_weight
 from batchd._wire.schedule import WeightSchedule
 from batchd.errors import InvalidArgument
 
@@ -155,6 +155,11 @@ class Mix:
                 )
             sources.append(source)
             names.append(key if isinstance(key, str) else source.name)
+        if not finite_sum(w for _, w in pairs):
+            raise InvalidArgument(
+                f"Mix weights {[w for _, w in pairs]!r} add up to more than the largest float; "
+                "scale them down (only their ratios matter), e.g. to shares that sum to 1"
+            )
         if stop != "first" and (
             isinstance(stop, bool) or not isinstance(stop, int) or not 1 <= stop <= MAX_STOP
         ):

@@ -26,6 +26,7 @@ from batchd_server.settings import (
     seconds,
     setting,
     setting_of,
+    size,
     split_host_port,
     switch,
     within,
@@ -239,6 +240,15 @@ class SessionSettings:
         flag="--client-max-sessions",
         default=64,
         help="open sessions one client may hold",
+    )
+
+    client_plan_quota_bytes: int = size(
+        flag="--client-plan-quota",
+        default=8 << 30,
+        check=at_least(1 << 20, size=True),
+        help="memory the epoch plans of one client's sessions may take together, estimated "
+        "before an open builds any (64 bytes per sample of an epoch, 320 per packed piece); "
+        "an open past it is RESOURCE_EXHAUSTED",
     )
 
     lease_timeout_s: float = seconds(

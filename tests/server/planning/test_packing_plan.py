@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchd._wire.pack import MIN_SEQ_LEN
 from batchd.errors import InvalidArgument
 from batchd_server.planning.mixing import MixOptions, MixSourceOptions
 from batchd_server.planning.one_split import OneSplit
@@ -81,7 +82,7 @@ def _cover(rows: PackedRows, lengths: np.ndarray, row_ids: Any = None) -> np.nda
 
 @given(
     lengths=st.lists(st.integers(0, 300), min_size=1, max_size=80),
-    seq_len=st.integers(1, 128),
+    seq_len=st.integers(MIN_SEQ_LEN, 128),
     method=st.sampled_from(METHODS),
     seed=st.integers(0, 1000),
 )
@@ -109,7 +110,7 @@ def test_every_token_of_every_document_is_in_exactly_one_row(
 
 @given(
     lengths=st.lists(st.integers(0, 500), min_size=1, max_size=60),
-    seq_len=st.integers(1, 200),
+    seq_len=st.integers(MIN_SEQ_LEN, 200),
     method=st.sampled_from(METHODS),
 )
 @PROPERTY
@@ -129,7 +130,7 @@ def test_the_row_count_does_not_depend_on_the_order(
 
 @given(
     lengths=st.lists(st.integers(0, 500), min_size=1, max_size=60),
-    seq_len=st.integers(1, 200),
+    seq_len=st.integers(MIN_SEQ_LEN, 200),
     method=st.sampled_from(METHODS),
     seed=st.integers(0, 100),
 )

@@ -280,5 +280,5 @@ def test_an_absurd_order_world_size_is_refused_not_planned() -> None:
 def test_an_epoch_of_too_many_global_batches_is_refused_with_the_remedy() -> None:
     """stop=2**23 in global batches of 1: refused, naming the batch size and stop."""
     mix = _mix(BASE, TWO_CHANGES, stop=1 << 23)
-    with pytest.raises(InvalidArgument, match="use a larger batch_size or a smaller stop"):
+    with pytest.raises(InvalidArgument, match="use a larger batch_size, a smaller stop"):
         plan_mix_epoch(SIZES, mix, SamplerOptions(batch_size=1, seed=0), 0)

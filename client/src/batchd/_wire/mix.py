@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["MAX_MIX_SOURCES", "MAX_STOP", "valid_weight"]
+__all__ = ["MAX_MIX_SOURCES", "MAX_STOP", "finite_sum", "valid_weight"]
 
 MAX_MIX_SOURCES: Final = 64
 MAX_STOP: Final = 1 << 36
@@ -21,3 +22,13 @@ def valid_weight(weight: object) -> bool:
         and math.isfinite(weight)
         and weight > 0
     )
+
+
+def finite_sum(weights: Iterable[float]) -> bool:
+    """Whether ``weights`` (each finite) add up to a finite float: two weights near the
+    largest float do not, and the shares of such a mix cannot be computed. The client checks
+    it when a ``Mix`` (or a schedule point) is built, the server again for any request."""
+    try:
+        return math.isfinite(math.fsum(weights))
+    except OverflowError:
+        return False

@@ -31,6 +31,7 @@ from fractions import Fraction
 from typing import Final
 
 from batchd._wire.epoch import rest_of_epoch
+from batchd._wire.mix import finite_sum
 from batchd.errors import InvalidArgument
 
 __all__ = [
@@ -168,6 +169,11 @@ class WeightSchedule:
                 raise InvalidArgument(
                     f"the mix schedule's point at step {step} has weight {bad[0]!r}; weights "
                     "must be finite numbers >= 0"
+                )
+            if not finite_sum(weights):
+                raise InvalidArgument(
+                    f"the mix schedule's point at step {step} has weights that add up to more "
+                    "than the largest float; scale them down (only their ratios matter)"
                 )
             if not any(w > 0 for w in weights):
                 raise InvalidArgument(

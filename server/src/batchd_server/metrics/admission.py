@@ -28,7 +28,7 @@ REFUSED = Counter(
     "batchd_refused",
     "Calls and session opens refused with RESOURCE_EXHAUSTED, by the limit they hit "
     "(max_concurrent_rpcs, client_max_calls, max_sessions, client_max_sessions, "
-    "client_shm_quota; open_calls_per_peer and open_calls for health probes).",
+    "client_shm_quota, client_plan_quota; open_calls_per_peer and open_calls for health probes).",
     ["limit"],
     registry=REGISTRY,
 )

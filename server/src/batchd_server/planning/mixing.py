@@ -52,9 +52,10 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 
-from batchd._wire.mix import valid_weight
+from batchd._wire.mix import finite_sum, valid_weight
 from batchd._wire.schedule import WeightSchedule
 from batchd_server.errors import FailedPrecondition, InvalidArgument
+from batchd_server.planning.pacing import Pace
 from batchd_server.planning.sampling import (
     MIX_PASS_TAG,
     EpochPlan,
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_EPOCH_SAMPLES",
+    "MAX_MIX_PASSES",
     "MAX_MIX_SOURCES",
     "SHARE_RESOLUTION",
     "MixOptions",
@@ -91,6 +93,10 @@ SHARE_RESOLUTION: Final = 1 << 24
 MAX_MIX_SOURCES: Final = 64
 MAX_EPOCH_SAMPLES: Final = 1 << 36
 """An epoch of a mix at most; keeps ``(2j + 1) * W`` within int64."""
+MAX_MIX_PASSES: Final = 1 << 16
+"""Passes over their rows that the sources of a mix make in one epoch, all together, at
+most: each pass is a new order of a source's rows, drawn one by one (NOTE [ Mixed order ]).
+A stop beyond that is far beyond the sources' sizes, which no training needs."""
 _TOKEN_PREFIX: Final = "m1."
 
 
@@ -215,6 +221,11 @@ class MixOptions:
         if stop > MAX_EPOCH_SAMPLES:
             raise InvalidArgument(f"stop_samples={stop} must be at most {MAX_EPOCH_SAMPLES}")
         weights = tuple(s.weight for s in self.sources)
+        if not finite_sum(weights):
+            raise InvalidArgument(
+                f"the mix's weights {weights} add up to more than the largest float; scale "
+                "them down (only their ratios matter), e.g. to shares that sum to 1"
+            )
         if self.schedule is not None and self.schedule.base != weights:
             raise InvalidArgument(
                 f"the mix schedule's base weights {self.schedule.base} are not the sources' "
@@ -293,7 +304,9 @@ def mix_counts(sizes: Sequence[int], units: Sequence[int], stop_samples: int) ->
             "of that split, or leave it out of the mix"
         )
     if stop_samples:
-        return tuple(_first_rank_at_least(s, stop_samples, units) for s in range(len(sizes)))
+        counts = tuple(_first_rank_at_least(s, stop_samples, units) for s in range(len(sizes)))
+        _check_passes(sizes, units, counts, stop_samples)
+        return counts
     # The first source to run out: the smallest due time of a source's item n_s (a row
     # past its end), ties to the lowest index as in the order itself.
     first = min(range(len(sizes)), key=lambda s: Fraction(2 * sizes[s] + 1, units[s]))
@@ -307,6 +320,33 @@ def mix_counts(sizes: Sequence[int], units: Sequence[int], stop_samples: int) ->
             f"{MAX_EPOCH_SAMPLES}; set stop_samples"
         )
     return counts
+
+
+def _check_passes(
+    sizes: Sequence[int], units: Sequence[int], counts: Sequence[int], stop_samples: int
+) -> None:
+    """Refuse an epoch whose sources pass over their rows more than ``MAX_MIX_PASSES`` times
+    in all (a ``stop_samples`` far beyond their sizes)."""
+    passes = sum(-(-count // n) for count, n in zip(counts, sizes, strict=True))
+    if passes <= MAX_MIX_PASSES:
+        return
+    most = max(range(len(sizes)), key=lambda s: -(-counts[s] // sizes[s]))
+
+    def passes_at(stop: int) -> int:
+        return sum(-(-_first_rank_at_least(s, stop, units) // n) for s, n in enumerate(sizes))
+
+    # A stop that fits, for the message: the passes grow about in proportion to the stop,
+    # so a proportional one nearly fits; a few smaller steps find one that does.
+    low = max(1, stop_samples * MAX_MIX_PASSES // passes)
+    while low > 1 and passes_at(low) > MAX_MIX_PASSES:
+        low = low * 15 // 16
+    raise InvalidArgument(
+        f"stop_samples={stop_samples} would pass over the sources' rows {passes} times in one "
+        f"epoch (source {most} alone, of {sizes[most]} rows, {-(-counts[most] // sizes[most])} "
+        f"times), more than the {MAX_MIX_PASSES} a mix may make; use stop_samples <= {low} "
+        "(about the most these sources and weights allow), give the small sources less "
+        "weight, or leave them out"
+    )
 
 
 def mixed_order(
@@ -456,7 +496,9 @@ def _first_rank_at_least(s: int, target: int, units: Sequence[int]) -> int:
 def _rows(s: int, count: int, n: int, seed: int, epoch: int, shuffle: bool) -> Int64Array:
     """Source ``s``'s rows for its items 0..count-1: its passes over its ``n`` rows."""
     passes = []
+    pace = Pace()
     for q in range(-(-count // n)):
+        pace()
         take = min(n, count - q * n)
         if shuffle:
             sequence = np.random.SeedSequence([seed, epoch, MIX_PASS_TAG, s, q])

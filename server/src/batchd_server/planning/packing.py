@@ -36,14 +36,13 @@ serves shuffled rows and an unshuffled one serves the documents roughly in id or
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import numpy as np
 
-from batchd._wire.pack import MAX_SEQ_LEN, PACK_METHODS
+from batchd._wire.pack import MAX_SEQ_LEN, MIN_SEQ_LEN, PACK_METHODS
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.pipelines.tokens import TokensPipeline
@@ -55,6 +54,7 @@ from batchd_server.planning.mixing import (
     plan_mix_epoch,
     source_starts,
 )
+from batchd_server.planning.placement import place, place_lengths
 from batchd_server.planning.sampling import (
     EpochPlan,
     EpochStart,
@@ -69,19 +69,31 @@ if TYPE_CHECKING:
     from batchd_server.catalog.types import SplitArrays
 
 __all__ = [
+    "MAX_PACK_PIECES",
     "PACK_TAG",
+    "LengthRule",
     "PackOptions",
     "PackedMixing",
     "PackedPlan",
     "PackedRows",
     "document_lengths",
     "pack_documents",
+    "pack_pieces",
     "packed_mixing",
     "placements",
+    "source_lengths",
+    "source_tokens",
 ]
 
+LengthRule: TypeAlias = "tuple[int, int] | Callable[[SplitArrays], Int64Array]"
+"""How a source's documents' lengths are found: (token size in bytes, max_len) of a Tokens
+pipeline's records, or a function of the split (a Text pipeline's ``packing_lengths``, from
+the counts its tokenizer recorded at ingest)."""
 PACK_TAG: Final = 5
 """A packed mix's per-source document orders (a random stream's purpose tag; see sampling)."""
+MAX_PACK_PIECES: Final = 1 << 26
+"""Pieces (a document, or a ``seq_len`` piece of one) a session's sources may pack into, in
+all: each costs the plan some 100 bytes per epoch kept, and its placement a step."""
 PIECE_COLUMNS: Final = 4
 """A task's piece: (row in the batch, document position, first token, tokens), int64."""
 
@@ -95,7 +107,7 @@ class PackOptions:
     """
 
     seq_len: int
-    """Tokens per row, 1 to ``MAX_SEQ_LEN``."""
+    """Tokens per row, ``MIN_SEQ_LEN`` to ``MAX_SEQ_LEN``."""
     method: str = "best_fit"
     """One of ``PACK_METHODS``."""
 
@@ -103,8 +115,11 @@ class PackOptions:
         seq_len = self.seq_len
         if isinstance(seq_len, bool) or not isinstance(seq_len, int):
             raise InvalidArgument(f"pack seq_len={seq_len!r} must be an integer")
-        if not 1 <= seq_len <= MAX_SEQ_LEN:
-            raise InvalidArgument(f"pack seq_len={seq_len} must be from 1 to {MAX_SEQ_LEN}")
+        if not MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
+            raise InvalidArgument(
+                f"pack seq_len={seq_len} must be from {MIN_SEQ_LEN} to {MAX_SEQ_LEN} (a row "
+                f"of fewer than {MIN_SEQ_LEN} tokens is no training sequence)"
+            )
         if self.method not in PACK_METHODS:
             raise InvalidArgument(
                 f"pack method={self.method!r} is unknown; use one of {', '.join(PACK_METHODS)}"
@@ -241,9 +256,9 @@ def pack_documents(
     # The remainders, longest first (ties in the epoch's order): which document takes which
     # place depends on the order, where the places are depends on the lengths alone.
     items = np.flatnonzero(rest)
-    items = items[np.lexsort((items, -rest[items]))]
+    items = items[np.argsort(-rest[items], kind="stable")]
     if places is None:
-        places = _places(rest[items], pack)
+        places = place(rest[items], pack.method, pack.seq_len)
     assert places.size == items.size, "places of these documents' lengths"
     item_rows = places
     opened = int(item_rows.max()) + 1 if item_rows.size else 0
@@ -256,16 +271,55 @@ def pack_documents(
 
 def placements(lengths: Int64Array, pack: PackOptions) -> Int64Array | None:
     """The row of each remainder, longest first, for documents of these ``lengths``: what
-    every order of them shares (None for ``concat``, which places nothing)."""
+    every order of them shares (None for ``concat``, which places nothing). Kept in
+    ``placement.PLACEMENT_CACHE``, for every session that packs the same lengths."""
     if pack.method == "concat":
         return None
-    rest = lengths[lengths > 0] % pack.seq_len
-    return _places(-np.sort(-rest[rest > 0]), pack)
+    return place_lengths(lengths, pack.method, pack.seq_len)
 
 
-def _places(descending: Int64Array, pack: PackOptions) -> Int64Array:
-    place = _best_fit if pack.method == "best_fit" else _first_fit
-    return np.asarray(place(descending.tolist(), pack.seq_len), np.int64)
+def pack_pieces(lengths: Sequence[Int64Array], pack: PackOptions) -> tuple[int, int]:
+    """Pieces and rows (at most) that packing documents of these ``lengths`` (one array per
+    source) makes: ``concat`` cuts a piece at every row's start besides every document's.
+
+    Raises:
+        InvalidArgument: more than ``MAX_PACK_PIECES`` pieces; the message names the
+            smallest ``seq_len`` that packs these documents within the bound.
+    """
+    pieces, rows = _pieces(lengths, pack.seq_len, pack.method)
+    if pieces <= MAX_PACK_PIECES:
+        return pieces, rows
+    low, high = pack.seq_len, MAX_SEQ_LEN + 1
+    while low < high:
+        mid = (low + high) // 2
+        if _pieces(lengths, mid, pack.method)[0] <= MAX_PACK_PIECES:
+            high = mid
+        else:
+            low = mid + 1
+    documents = sum(int(np.count_nonzero(n)) for n in lengths)
+    remedy = (
+        f"use seq_len >= {low}"
+        if low <= MAX_SEQ_LEN
+        else "pack fewer documents per session (a split of them, or fewer mix sources)"
+    )
+    raise InvalidArgument(
+        f"pack seq_len={pack.seq_len} cuts these {documents} documents into {pieces} pieces, "
+        f"more than the {MAX_PACK_PIECES} a session may pack; {remedy}"
+    )
+
+
+def _pieces(lengths: Sequence[Int64Array], seq_len: int, method: str) -> tuple[int, int]:
+    pieces = rows = 0
+    for n in lengths:
+        whole = int(np.sum(-(-n // seq_len)))
+        if method == "concat":
+            cut = -(-int(n.sum()) // seq_len)
+            rows += cut
+            pieces += int(np.count_nonzero(n)) + cut
+        else:
+            pieces += whole
+            rows += whole
+    return pieces, rows
 
 
 def _ordered_rows(
@@ -296,7 +350,11 @@ def _concat(order: Int64Array, sizes: Int64Array, seq_len: int) -> PackedRows:
     total = int(ends[-1]) if ends.size else 0
     doc_starts = ends - sizes
     rows = -(-total // seq_len)
-    cuts = np.union1d(doc_starts, np.arange(rows, dtype=np.int64) * seq_len)
+    # Both are sorted: a merge by one sort, then the repeats (a document that starts a row)
+    # dropped; np.union1d would hash them, holding the GIL for seconds at a million.
+    cuts = np.concatenate([doc_starts, np.arange(rows, dtype=np.int64) * seq_len])
+    cuts.sort()
+    cuts = cuts[np.concatenate([[True], cuts[1:] != cuts[:-1]])] if cuts.size else cuts
     cuts = cuts[cuts < total]
     lengths = np.diff(np.append(cuts, total))
     doc = np.searchsorted(doc_starts, cuts, side="right") - 1
@@ -304,60 +362,6 @@ def _concat(order: Int64Array, sizes: Int64Array, seq_len: int) -> PackedRows:
     offsets = np.zeros(rows + 1, np.int64)
     np.cumsum(np.bincount(row, minlength=rows), out=offsets[1:])
     return PackedRows(offsets, order[doc], cuts - doc_starts[doc], lengths.astype(np.int64))
-
-
-def _best_fit(lengths: list[int], capacity: int) -> list[int]:
-    """Each item's row: the fullest open row it fits, else a new one (rows numbered as
-    opened). Rows are kept in buckets by room left, and the distinct rooms in a sorted list
-    (at most ``capacity`` of them), so an item costs a bisect, not a scan of the rows."""
-    rooms: list[int] = []
-    buckets: dict[int, list[int]] = {}
-    out: list[int] = []
-    opened = 0
-    for length in lengths:
-        i = bisect.bisect_left(rooms, length)
-        if i < len(rooms):
-            room = rooms[i]
-            bucket = buckets[room]
-            row = bucket.pop()
-            if not bucket:
-                del rooms[i]
-                del buckets[room]
-        else:
-            room, row = capacity, opened
-            opened += 1
-        out.append(row)
-        left = room - length
-        if left:
-            if left not in buckets:
-                buckets[left] = []
-                bisect.insort(rooms, left)
-            buckets[left].append(row)
-    return out
-
-
-def _first_fit(lengths: list[int], capacity: int) -> list[int]:
-    """Each item's row: the first opened row it fits, else a new one. A max-tree over the
-    rows that could ever open (one per item at most), unopened ones full: the leftmost leaf
-    with room is the answer, a new row being simply the first unopened leaf."""
-    size = 1
-    while size < max(len(lengths), 1):
-        size *= 2
-    tree = [capacity] * (2 * size)
-    out: list[int] = []
-    for length in lengths:
-        node = 1
-        while node < size:
-            node *= 2
-            if tree[node] < length:
-                node += 1
-        out.append(node - size)
-        tree[node] -= length
-        node //= 2
-        while node:
-            tree[node] = max(tree[2 * node], tree[2 * node + 1])
-            node //= 2
-    return out
 
 
 @dataclass(eq=False)
@@ -373,13 +377,13 @@ class PackedMixing:
             what gives its documents' lengths (a Text pipeline's ``packing_lengths``).
 
     Raises:
-        InvalidArgument: a document without a length.
+        InvalidArgument: a document without a length, or too many pieces (``pack_pieces``).
     """
 
     inner: Mixing
     pack: PackOptions
     splits: Sequence[SplitArrays]
-    tokens: Sequence[tuple[int, int] | Callable[[SplitArrays], Int64Array]]
+    tokens: Sequence[LengthRule]
     _lengths: list[Int64Array] = field(init=False)
     _places: list[Int64Array | None] = field(init=False)
     _rows: dict[tuple[int, int, bool], list[PackedRows]] = field(init=False, default_factory=dict)
@@ -387,9 +391,10 @@ class PackedMixing:
     def __post_init__(self) -> None:
         assert len(self.splits) == len(self.tokens) == len(self.inner.sources)
         self._lengths = [
-            rule(split) if callable(rule) else document_lengths(split, *rule)
+            source_lengths(split, rule)
             for split, rule in zip(self.splits, self.tokens, strict=True)
         ]
+        pack_pieces(self._lengths, self.pack)
         # Where the lengths go, and so the rows, are the same every epoch (NOTE [ Packed
         # rows ]): placed once, each epoch only assigns its documents to the places.
         self._places = [placements(n, self.pack) for n in self._lengths]
@@ -511,7 +516,22 @@ def packed_mixing(
     """
     if pack is None:
         return mixing
-    tokens: list[tuple[int, int] | Callable[[SplitArrays], Int64Array]] = []
+    return PackedMixing(mixing, pack, splits, source_tokens(mixing, pipeline))
+
+
+def source_lengths(split: SplitArrays, rule: LengthRule) -> Int64Array:
+    """The lengths of ``split``'s documents by ``rule``."""
+    return rule(split) if callable(rule) else document_lengths(split, *rule)
+
+
+def source_tokens(mixing: Mixing, pipeline: tuple[str, dict[str, Any]]) -> list[LengthRule]:
+    """Each source's :data:`LengthRule`, from its Tokens (or Text) pipeline (or the
+    session's ``pipeline``).
+
+    Raises:
+        InvalidArgument: a source's pipeline is not a Tokens pipeline.
+    """
+    tokens: list[LengthRule] = []
     for source in mixing.sources:
         kind, options = (
             (source.pipeline_kind, source.pipeline_options) if source.pipeline_kind else pipeline
@@ -526,4 +546,4 @@ def packed_mixing(
         # Text is counted by its tokenizer at ingest (pipelines/text.py), tokens by their bytes.
         counted = getattr(built, "packing_lengths", None)
         tokens.append(counted or (built.dtype.itemsize, built.max_len))
-    return PackedMixing(mixing, pack, splits, tokens)
+    return tokens

@@ -36,6 +36,7 @@ Each source's items are its next entries in its own order (its passes), batch af
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -44,13 +45,17 @@ import numpy as np
 from batchd._wire.epoch import rest_of_epoch
 from batchd._wire.schedule import WeightSchedule
 from batchd_server.errors import InvalidArgument
+from batchd_server.planning.pacing import Pace
 from batchd_server.planning.sampling import Int64Array, SamplerOptions
 
-__all__ = ["MAX_SCHEDULED_BATCHES", "batch_counts", "scheduled_order"]
+__all__ = ["MAX_SCHEDULED_BATCHES", "MAX_SCHEDULED_WORK", "batch_counts", "scheduled_order"]
 
 MAX_SCHEDULED_BATCHES: Final = 1 << 22
-"""Global batches of one epoch of a scheduled mix at most: each costs a few Python steps
-(about 20 s for this many), and a session plans its epochs as it starts them."""
+"""Global batches of one epoch of a scheduled mix at most."""
+MAX_SCHEDULED_WORK: Final = 1 << 24
+"""``global batches * (sources + 2)`` of one epoch of a scheduled mix at most: each global
+batch's composition costs a few Python steps per source (about 1.5 µs each, so some 25 s
+for this many on one core), and a session plans its epochs as it starts them."""
 
 _MAX_WORLD_SIZE: Final = 1 << 16
 _MAX_GLOBAL_BATCH: Final = 1 << 31
@@ -75,41 +80,51 @@ def batch_counts(
     batches = -(-length // global_batch)
     counts = np.zeros((batches, sources), np.int64)
     credits = [0] * sources
-    last: tuple[int, tuple[int, ...]] | None = None
+    # Under "step" interpolation the units change only where a point's window begins.
+    constant = schedule.interpolate == "step"
+    window = -1
+    units: tuple[int, ...] = ()
+    pace = Pace()
     for b in range(batches):
+        pace()
         g = min(global_batch, length - b * global_batch)
         step = first_step + b
-        if last is None or schedule.interpolate == "linear" or last[0] != _window(schedule, step):
-            last = (_window(schedule, step), schedule.units_at(step, resolution))
-        counts[b] = _allocate(credits, last[1], g, resolution)
+        at = bisect.bisect_right(schedule.steps, step)
+        if not constant or at != window:
+            window, units = at, schedule.units_at(step, resolution)
+        counts[b] = _allocate(credits, units, g, resolution)
     return counts
 
 
-def _window(schedule: WeightSchedule, step: int) -> int:
-    """Points at or before ``step``: under "step" interpolation, the weights' window."""
-    return bisect.bisect_right(schedule.steps, step)
-
-
 def _allocate(credits: list[int], units: Sequence[int], g: int, resolution: int) -> list[int]:
-    """One batch's ``g`` entries by credit; ``credits`` is carried (updated in place)."""
+    """One batch's ``g`` entries by credit; ``credits`` is carried (updated in place).
+
+    Each source weighed > 0 takes the whole samples its credit holds; then, one sample at a
+    time, the source with the largest credit left (ties to the lowest index) takes one more
+    while the batch is short, and the one with the smallest (ties to the highest index) and
+    a sample gives one back while it is over. A heap keyed as that choice is makes each step
+    a pop and a push, where a scan of every source would be one each."""
     eligible = [s for s, u in enumerate(units) if u > 0]
-    for s in eligible:
-        credits[s] += g * units[s]
     take = [0] * len(units)
     for s in eligible:
+        credits[s] += g * units[s]
         take[s] = max(0, credits[s] // resolution)
     total = sum(take)
-    while total < g:
-        s = max(eligible, key=lambda i: (credits[i] - take[i] * resolution, -i))
-        take[s] += 1
-        total += 1
-    while total > g:
-        s = min(
-            (i for i in eligible if take[i] > 0),
-            key=lambda i: (credits[i] - take[i] * resolution, -i),
-        )
-        take[s] -= 1
-        total -= 1
+    if total < g:
+        short = [(take[s] * resolution - credits[s], s) for s in eligible]
+        heapq.heapify(short)
+        for _ in range(g - total):
+            key, s = heapq.heappop(short)
+            take[s] += 1
+            heapq.heappush(short, (key + resolution, s))
+    elif total > g:
+        over = [(credits[s] - take[s] * resolution, -s) for s in eligible if take[s] > 0]
+        heapq.heapify(over)
+        for _ in range(total - g):
+            key, negative = heapq.heappop(over)
+            take[-negative] -= 1
+            if take[-negative] > 0:
+                heapq.heappush(over, (key + resolution, negative))
     for s in eligible:
         credits[s] -= take[s] * resolution
     return take
@@ -141,11 +156,16 @@ def scheduled_order(
     per_epoch = rest_of_epoch(
         length, 0, batch_size=options.batch_size, world_size=world, drop_last=options.drop_last
     )[1]
-    if -(-length // global_batch) > MAX_SCHEDULED_BATCHES:
+    batches = -(-length // global_batch)
+    work = batches * (len(sizes) + 2)
+    if batches > MAX_SCHEDULED_BATCHES or work > MAX_SCHEDULED_WORK:
+        most = min(MAX_SCHEDULED_BATCHES, MAX_SCHEDULED_WORK // (len(sizes) + 2))
         raise InvalidArgument(
             f"an epoch of this scheduled mix has {length} samples in global batches of "
-            f"{global_batch}: more than {MAX_SCHEDULED_BATCHES} global batches, which the "
-            "server plans one by one; use a larger batch_size or a smaller stop"
+            f"{global_batch}: {batches} global batches of {len(sizes)} sources, more than "
+            f"the {most} the server plans one by one for so many sources; use a larger "
+            f"batch_size, a smaller stop (at most {most * global_batch} samples), or fewer "
+            "sources"
         )
     counts = batch_counts(
         schedule,
@@ -155,7 +175,6 @@ def scheduled_order(
         resolution=resolution,
     )
     order = np.empty(length, np.int64)
-    batches = counts.shape[0]
     start = 0
     for s, n in enumerate(sizes):
         per_batch = counts[:, s]

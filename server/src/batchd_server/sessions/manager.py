@@ -7,19 +7,21 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 from batchd._wire.ring import slot_offset
-from batchd_server.catalog_cache import CatalogCache
+from batchd_server.catalog_cache import CatalogCache, CatalogEntry
 from batchd_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from batchd_server.limits import MAX_SLOT_BYTES
 from batchd_server.logs import session_log_id
 from batchd_server.metrics.admission import REFUSED, SESSIONS
 from batchd_server.pipelines.registry import build_pipeline
+from batchd_server.planning.budget import plan_bytes
+from batchd_server.planning.pacing import collector_paused
 from batchd_server.service_settings import SessionSettings
 from batchd_server.sessions.options import SessionOptions, ring_slots, slot_layout
 from batchd_server.sessions.ring import SessionRing
@@ -52,20 +54,31 @@ writing into their rings (an expired session has no stream, so normally none).""
 
 @dataclass
 class _Usage:
-    """One client's share: its sessions (open or opening) and their rings' bytes."""
+    """One client's share: its sessions (open or opening), their rings' bytes and their
+    plans' bytes (``planning.budget``)."""
 
     sessions: int = 0
     ring_bytes: int = 0
+    plan_bytes: int = 0
 
     def add(self, ring_bytes: int) -> None:
         self.sessions += 1
         self.ring_bytes += ring_bytes
 
-    def remove(self, ring_bytes: int) -> bool:
+    def remove(self, ring_bytes: int, plan_bytes: int) -> bool:
         """Take one session off; True when none is left."""
         self.sessions -= 1
         self.ring_bytes -= ring_bytes
+        self.plan_bytes -= plan_bytes
         return self.sessions <= 0
+
+
+class _Owner(NamedTuple):
+    """Who opened a session, and what it holds of their quotas."""
+
+    client: str
+    ring_bytes: int
+    plan_bytes: int
 
 
 class SessionManager:
@@ -95,10 +108,11 @@ class SessionManager:
         self._max_sessions = limits.max_sessions
         self._client_max_sessions = min(limits.client_max_sessions, limits.max_sessions)
         self._client_shm_quota = client_shm_quota_bytes or registry.budget_bytes
+        self._client_plan_quota = limits.client_plan_quota_bytes
         self._usage: dict[str, _Usage] = {}
-        """Per client: its sessions (open or opening) and their ring bytes."""
-        self._owners: dict[str, tuple[str, int]] = {}
-        """Session id -> (client, ring bytes) of every open session."""
+        """Per client: its sessions (open or opening), their ring bytes and plan bytes."""
+        self._owners: dict[str, _Owner] = {}
+        """Session id -> its client and what it holds of their quotas, for every open one."""
         self._record_errors = record_errors
         self._sessions: dict[str, Session] = {}
         self._opening = 0
@@ -151,7 +165,7 @@ class SessionManager:
         except BaseException:
             with self._lock:
                 self._opening -= 1
-                self._drop_usage(client, ring_bytes)
+                self._drop_usage(_Owner(client, ring_bytes, 0))
             raise
 
     def _check_limits(self, client: str, ring_bytes: int) -> None:
@@ -214,17 +228,54 @@ class SessionManager:
             "lower prefetch or batch_size, or raise the quota"
         )
 
-    def _drop_usage(self, client: str, ring_bytes: int) -> None:
-        """Give back one session's share of ``client``'s quota (caller holds the lock)."""
-        usage = self._usage.get(client)
-        if usage is not None and usage.remove(ring_bytes):
-            del self._usage[client]
+    def _drop_usage(self, owner: _Owner) -> None:
+        """Give back one session's share of its client's quotas (caller holds the lock)."""
+        usage = self._usage.get(owner.client)
+        if usage is not None and usage.remove(owner.ring_bytes, owner.plan_bytes):
+            del self._usage[owner.client]
 
     def usage(self, client: str) -> tuple[int, int]:
         """``client``'s sessions (open or opening) and the ring bytes they hold."""
         with self._lock:
             usage = self._usage.get(client, _Usage())
             return usage.sessions, usage.ring_bytes
+
+    def plan_usage(self, client: str) -> int:
+        """The plan bytes ``client``'s sessions (open or opening) are charged."""
+        with self._lock:
+            return self._usage.get(client, _Usage()).plan_bytes
+
+    def _charge_plan(
+        self, client: str, options: SessionOptions, entries: Sequence[CatalogEntry]
+    ) -> int:
+        """Charge the plans of a session of ``options`` over ``entries`` to ``client``'s plan
+        quota, before any is built; the bytes charged.
+
+        Raises:
+            ResourceExhausted: past the quota (nothing is charged).
+            InvalidArgument, FailedPrecondition: the sources cannot be planned.
+        """
+        needed = plan_bytes(
+            options.mixing,
+            options.pack,
+            (options.pipeline_kind, options.pipeline_options),
+            [entry.arrays for entry in entries],
+        )
+        with self._lock:
+            usage = self._usage[client]  # the open counts: it is there
+            if usage.plan_bytes + needed > self._client_plan_quota:
+                REFUSED.labels("client_plan_quota").inc()
+                raise ResourceExhausted(
+                    f"client {client!r} holds {format_bytes(usage.plan_bytes)} of epoch plans "
+                    f"in its other sessions and this one's would take "
+                    f"{format_bytes(needed)} more, over its quota of "
+                    f"{format_bytes(self._client_plan_quota)} (--client-plan-quota, "
+                    "BATCHD_CLIENT_PLAN_QUOTA); close loaders this process no longer uses, "
+                    "set a smaller Mix stop, a larger Pack seq_len, or open a smaller split, "
+                    "or raise the quota"
+                )
+            usage.plan_bytes += needed
+        return needed
 
     def _open(
         self,
@@ -236,6 +287,30 @@ class SessionManager:
     ) -> Session:
         ring_bytes = slot_offset(slots, slot_bytes)
         entries = acquire_sources(self._catalog, options)
+        try:
+            planned = self._charge_plan(client, options, entries)
+        except BaseException:
+            release_sources(self._catalog, entries)
+            raise
+        try:
+            return self._open_charged(
+                options, _Owner(client, ring_bytes, planned), entries, layout, slot_bytes, slots
+            )
+        except BaseException:
+            with self._lock:
+                self._usage[client].plan_bytes -= planned
+            raise
+
+    def _open_charged(
+        self,
+        options: SessionOptions,
+        owner: _Owner,
+        entries: tuple[CatalogEntry, ...],
+        layout: tuple[SlotField, ...],
+        slot_bytes: int,
+        slots: int,
+    ) -> Session:
+        client, ring_bytes = owner.client, owner.ring_bytes
         try:
             roots = tuple(
                 self._checked_root(e.arrays.dataset.name, e.arrays.dataset.root) for e in entries
@@ -254,16 +329,18 @@ class SessionManager:
         session_ring = SessionRing(session_id, ring, layout, slot_bytes, token, client)
         dispatch = self.shares.dispatch(session_ring, options, snapshot_token(options, entries))
         try:
-            session = Session(
-                session_id=session_id,
-                options=options,
-                sources=entries,
-                ring=session_ring,
-                dispatch=dispatch,
-                record_errors=self._record_errors,
-                roots=roots,
-                read=self._read.for_session(decode_cache=options.decode_cache),
-            )
+            # Its sources packed and its first epoch planned (NOTE in planning/pacing.py).
+            with collector_paused():
+                session = Session(
+                    session_id=session_id,
+                    options=options,
+                    sources=entries,
+                    ring=session_ring,
+                    dispatch=dispatch,
+                    record_errors=self._record_errors,
+                    roots=roots,
+                    read=self._read.for_session(decode_cache=options.decode_cache),
+                )
             if session.num_batches == 0:
                 raise FailedPrecondition(
                     f"drop_last=True leaves no batch: {session.num_rows} samples over "
@@ -279,7 +356,7 @@ class SessionManager:
             # max-sessions check refuse an open the limit allows.
             self._opening -= 1
             self._sessions[session_id] = session
-            self._owners[session_id] = (client, ring_bytes)
+            self._owners[session_id] = owner
             SESSIONS.set(len(self._sessions))
         logger.info(
             "session %s opened for %s: %s, %d batches of %d on rank %d/%d, ring %s",
@@ -361,7 +438,7 @@ class SessionManager:
     def _owned_by(self, session_id: str, client: str | None) -> bool:
         """Whether ``client`` (None: the server itself) may use the session (caller holds the
         lock); a refusal is logged, for the operator, never told to the caller."""
-        owner = self._owners[session_id][0]
+        owner = self._owners[session_id].client
         if client is None or client == owner:
             return True
         logger.warning(
@@ -395,7 +472,7 @@ class SessionManager:
         lock)."""
         del self._sessions[session.id]
         SESSIONS.set(len(self._sessions))
-        self._drop_usage(*self._owners.pop(session.id))
+        self._drop_usage(self._owners.pop(session.id))
 
     def _finish(self, sessions: list[Session], *, timeout_s: float, reason: str | None) -> None:
         """Close ``sessions`` (already taken) together: all their streams end at once, then

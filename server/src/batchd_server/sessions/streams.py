@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 from batchd_server.errors import InvalidArgument
+from batchd_server.metrics.planning import PLAN_SECONDS
+from batchd_server.planning.pacing import collector_paused
 from batchd_server.planning.sampling import EpochPlan, EpochStart, SamplerOptions
 from batchd_server.workers.task import BatchResult
 
@@ -43,7 +45,8 @@ class EpochPlans:
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:
-            plan = self._make(key)
+            with PLAN_SECONDS.time(), collector_paused():
+                plan = self._make(key)
             with self._lock:
                 while len(self._plans) >= _MAX_PLANS:
                     self._plans.pop(next(iter(self._plans)))
