@@ -1,6 +1,6 @@
-"""The source tree keeps its own rules: no import cycle among batchd's modules, and no
-hand-written file over 600 lines (a file that long holds more than one job). Which
-package may import what is ``test_layout.py``'s."""
+"""The source tree keeps its own rules: no import cycle among batchd's modules, no
+hand-written file over 600 lines (a file that long holds more than one job), no two test
+files of one name. Which package may import what is ``test_layout.py``'s."""
 
 from __future__ import annotations
 
@@ -110,3 +110,15 @@ def test_no_hand_written_python_file_is_over_600_lines() -> None:
     assert not over, f"split these along their concepts (limit {MAX_LINES}): " + ", ".join(
         f"{name} ({n} lines)" for n, name in reversed(over)
     )
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    """Test directories are not packages, so pytest imports each test file by its name alone
+    (``rootdir``-relative ``prepend`` mode): two files of one name in different directories
+    cannot both be collected, and the suite fails to start where both are chosen."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(os.path.relpath(path, REPO))
+    assert len(names) > 100
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not shared, f"rename one of each (say what it tests): {shared}"
