@@ -32,6 +32,7 @@ PINNED: dict[str, tuple[str | None, str, Any]] = {
     "client_max_sessions": ("--client-max-sessions", "BATCHD_CLIENT_MAX_SESSIONS", 64),
     "client_shm_quota_bytes": ("--client-shm-quota", "BATCHD_CLIENT_SHM_QUOTA", None),
     "client_plan_quota_bytes": ("--client-plan-quota", "BATCHD_CLIENT_PLAN_QUOTA", 8 << 30),
+    "share_loan_timeout_s": ("--share-loan-timeout-s", "BATCHD_SHARE_LOAN_TIMEOUT_S", 300.0),
     "shm_dir": ("--shm-dir", "BATCHD_SHM_DIR", Path("/dev/shm")),
     "min_free_shm_bytes": ("--min-free-shm", "BATCHD_MIN_FREE_SHM", 56 << 20),
     "grace_s": ("--grace-s", "BATCHD_GRACE_S", 20.0),
