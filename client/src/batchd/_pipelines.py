@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from batchd._wire.specs import (
     ON_ERROR_CHOICES,
 )
 from batchd.errors import InvalidArgument
+
+if TYPE_CHECKING:  # _media builds on this module's checks
+    from batchd._media import Audio, Video
 
 __all__ = [
     "ON_ERROR_POLICIES",
@@ -442,18 +445,20 @@ class Custom:
         )
 
 
-PipelineSpec: TypeAlias = Image | Array | Tokens | Text | Chat | Custom
+PipelineSpec: TypeAlias = "Image | Array | Tokens | Text | Chat | Custom | Video | Audio"
 """Any pipeline spec a :class:`batchd.Loader` accepts."""
 
 
 def pipeline_or_default(pipeline: object) -> PipelineSpec:
     """``pipeline``, or ``Image()`` for None; InvalidArgument for anything that is not a spec."""
+    from batchd._media import Audio, Video
+
     if pipeline is None:
         return Image()
-    if not isinstance(pipeline, Image | Array | Tokens | Text | Chat | Custom):
+    if not isinstance(pipeline, Image | Array | Tokens | Text | Chat | Custom | Video | Audio):
         raise InvalidArgument(
             f"pipeline={pipeline!r} is not a pipeline spec; pass batchd.Image(...), "
-            "batchd.Array(...), batchd.Tokens(...), batchd.Text(...), batchd.Chat(...) or "
-            "batchd.Custom(...)"
+            "batchd.Array(...), batchd.Tokens(...), batchd.Text(...), batchd.Chat(...), "
+            "batchd.Video(...), batchd.Audio(...) or batchd.Custom(...)"
         )
     return pipeline
