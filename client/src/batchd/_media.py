@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from batchd._pipelines import check_choice, check_int
+from batchd._checks import check_choice, check_int
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._wire.specs import (
     AUDIO_CROPS,

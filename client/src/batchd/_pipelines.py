@@ -15,12 +15,14 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 
+from batchd._checks import check_choice, check_int
+from batchd._media import Audio, Video
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._wire.specs import (
     IMAGE_DECODERS,
@@ -32,9 +34,6 @@ from batchd._wire.specs import (
     ON_ERROR_CHOICES,
 )
 from batchd.errors import InvalidArgument
-
-if TYPE_CHECKING:  # _media builds on this module's checks
-    from batchd._media import Audio, Video
 
 __all__ = [
     "ON_ERROR_POLICIES",
@@ -68,14 +67,6 @@ ON_ERROR_POLICIES: Final[Mapping[str, loader_pb2.OnError]] = {
 _TOKEN_DTYPES: Final = {"int32": (-(1 << 31), (1 << 31) - 1), "uint16": (0, (1 << 16) - 1)}
 # bool, signed, unsigned, float, complex: what a fixed-shape array field can hold.
 _ARRAY_DTYPE_KINDS: Final = "biufc"
-
-
-def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    """``value`` if it is one of ``choices``, else InvalidArgument listing them."""
-    if not isinstance(value, str) or value not in choices:
-        listed = ", ".join(repr(c) for c in choices)
-        raise InvalidArgument(f"{name}={value!r} is not valid; choose one of {listed}")
-    return value
 
 
 def sampling_to_proto(sampling: str) -> loader_pb2.Sampling:
@@ -133,16 +124,6 @@ def resolve_rank(
             "0 <= rank < world_size"
         )
     return rank, world_size
-
-
-def check_int(name: str, value: object, low: int, high: int) -> int:
-    """``value`` as an int if it is an integer in ``[low, high]``, else InvalidArgument."""
-    # bool is an int to Python, never what a user means by a count.
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise InvalidArgument(f"{name}={value!r} must be an integer between {low} and {high}")
-    if not low <= int(value) <= high:
-        raise InvalidArgument(f"{name}={value} must be between {low} and {high}")
-    return int(value)
 
 
 def _range(name: str, value: object, *, upper: float) -> tuple[float, float]:
@@ -445,14 +426,12 @@ class Custom:
         )
 
 
-PipelineSpec: TypeAlias = "Image | Array | Tokens | Text | Chat | Custom | Video | Audio"
+PipelineSpec: TypeAlias = Image | Array | Tokens | Text | Chat | Custom | Video | Audio
 """Any pipeline spec a :class:`batchd.Loader` accepts."""
 
 
 def pipeline_or_default(pipeline: object) -> PipelineSpec:
     """``pipeline``, or ``Image()`` for None; InvalidArgument for anything that is not a spec."""
-    from batchd._media import Audio, Video
-
     if pipeline is None:
         return Image()
     if not isinstance(pipeline, Image | Array | Tokens | Text | Chat | Custom | Video | Audio):
