@@ -42,7 +42,7 @@ from batchd._wire.specs import (
 )
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
-from batchd_server.pipelines.media import decode_error, open_media, stream_of
+from batchd_server.pipelines.media import decode_error, open_media, stream_of, unexpected
 
 __all__ = ["CROPS", "DTYPES", "AudioPipeline", "probe_seconds"]
 
@@ -141,6 +141,10 @@ class AudioPipeline(Pipeline):
                     position = self._take(resampler.resample(None), position, start, end, out)
             except Exception as e:
                 raise decode_error(e, sample, f"samples {start}..{end}") from e
+        except BadSample:
+            raise
+        except Exception as e:  # hostile bytes: see media.unexpected
+            raise unexpected(e, sample) from e
         finally:
             container.close()
         if position == 0:

@@ -33,7 +33,7 @@ from batchd_server.pipelines.base import BadSample, SampleInfo
 if TYPE_CHECKING:
     import av.container
 
-__all__ = ["MAX_FRAME_PIXELS", "open_media", "stream_of"]
+__all__ = ["MAX_FRAME_PIXELS", "decode_error", "open_media", "stream_of", "unexpected"]
 
 MAX_FRAME_PIXELS: Final = 8192 * 8192
 """Larger frames are ``too_large``: one such frame is 100 MB decoded."""
@@ -72,9 +72,17 @@ def stream_of(container: av.container.InputContainer, kind: str, sample: SampleI
         have = ", ".join(s.type for s in container.streams) or "no streams"
         raise BadSample("corrupt", f"{sample.path}: no {kind} stream (it has {have})")
     stream: Any = streams[0]
+    if stream.codec_context is None:
+        raise BadSample("corrupt", f"{sample.path}: its {kind} stream has no decoder FFmpeg knows")
     # One decode thread: the server runs one worker process per core already.
     stream.codec_context.thread_count = 1
     return stream
+
+
+def unexpected(e: Exception, sample: SampleInfo) -> BadSample:
+    """Anything else PyAV raised on hostile bytes (an attribute a damaged header left unset,
+    a value out of range): the file is not media this pipeline can decode."""
+    return BadSample("corrupt", f"{sample.path}: damaged media ({type(e).__name__}: {e})")
 
 
 def decode_error(e: Exception, sample: SampleInfo, what: str) -> BadSample:
