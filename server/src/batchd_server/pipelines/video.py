@@ -236,6 +236,12 @@ class VideoPipeline(Pipeline):
                         )
                     continue
                 hit = (wanted <= index) & ~filled
+                if hit.any() and frame.width * frame.height > MAX_FRAME_PIXELS:
+                    raise BadSample(
+                        "too_large",
+                        f"{sample.path}: frame {index} is {frame.width}x{frame.height}, over "
+                        f"{MAX_FRAME_PIXELS} pixels",
+                    )
                 if hit.any():
                     out[hit] = self._resized(frame)
                     filled |= hit
