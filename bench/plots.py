@@ -343,12 +343,29 @@ def plot_h2d_paths(found: list[Table]) -> Any:
     return fig
 
 
+def plot_multimodal(found: list[Table]) -> Any:
+    """Samples/s and trainer CPU per batch of batchd and the DataLoader, one row per section."""
+    panels = [t for t in found if t.columns[0] == "config"]
+    fig, axes = _figure(len(panels), 2, 12, 1.2 * len(panels) + 1.6)
+    for row, table in zip(axes, panels, strict=True):
+        labels = table.labels()
+        colours = [_colour(label) for label in labels]
+        _bars(row[0], labels, table.values("samples/s"), colours)
+        row[0].set_title(
+            textwrap.fill(table.heading, 60) + "\nsamples/s (higher is better)", fontsize=9
+        )
+        _bars(row[1], labels, table.values("train-process CPU"), colours)
+        row[1].set_title("trainer CPU ms per batch (lower is better)", fontsize=9)
+    return fig
+
+
 PLOTTERS: dict[str, Callable[[list[Table]], Any]] = {
     "autoscale": plot_autoscale,
     "decode_cache": plot_decode_cache,
     "h2d_paths": plot_h2d_paths,
     "image_floor": plot_image_floor,
     "loader_vs_dataloader": plot_loader_vs_dataloader,
+    "multimodal": plot_multimodal,
     "object_store": plot_object_store,
     "packing": plot_packing,
     "peers": plot_peers,

@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     from batchd._catalog import Catalog, DatasetInfo, SplitInfo
     from batchd._dataset import DataLoader, IterableDataset
     from batchd._loader import Loader
+    from batchd._media import Audio, Video
     from batchd._packing import Pack
     from batchd._pipelines import Array, Chat, Custom, Image, Text, Tokens
     from batchd._sources import Mix, Source
 
 __all__ = [
     "Array",
+    "Audio",
     "Catalog",
     "Chat",
     "Custom",
@@ -39,12 +41,14 @@ __all__ = [
     "SplitInfo",
     "Text",
     "Tokens",
+    "Video",
     "__version__",
     "errors",
 ]
 
 _LAZY: dict[str, str] = {
     "Array": "batchd._pipelines",
+    "Audio": "batchd._media",
     "Catalog": "batchd._catalog",
     "Chat": "batchd._pipelines",
     "Custom": "batchd._pipelines",
@@ -59,6 +63,7 @@ _LAZY: dict[str, str] = {
     "SplitInfo": "batchd._catalog",
     "Text": "batchd._pipelines",
     "Tokens": "batchd._pipelines",
+    "Video": "batchd._media",
 }
 
 

@@ -15,12 +15,14 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import numpy as np
 
+from batchd._checks import check_choice, check_int
+from batchd._media import Audio, Video
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._wire.specs import (
     IMAGE_DECODERS,
@@ -65,14 +67,6 @@ ON_ERROR_POLICIES: Final[Mapping[str, loader_pb2.OnError]] = {
 _TOKEN_DTYPES: Final = {"int32": (-(1 << 31), (1 << 31) - 1), "uint16": (0, (1 << 16) - 1)}
 # bool, signed, unsigned, float, complex: what a fixed-shape array field can hold.
 _ARRAY_DTYPE_KINDS: Final = "biufc"
-
-
-def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    """``value`` if it is one of ``choices``, else InvalidArgument listing them."""
-    if not isinstance(value, str) or value not in choices:
-        listed = ", ".join(repr(c) for c in choices)
-        raise InvalidArgument(f"{name}={value!r} is not valid; choose one of {listed}")
-    return value
 
 
 def sampling_to_proto(sampling: str) -> loader_pb2.Sampling:
@@ -130,16 +124,6 @@ def resolve_rank(
             "0 <= rank < world_size"
         )
     return rank, world_size
-
-
-def check_int(name: str, value: object, low: int, high: int) -> int:
-    """``value`` as an int if it is an integer in ``[low, high]``, else InvalidArgument."""
-    # bool is an int to Python, never what a user means by a count.
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise InvalidArgument(f"{name}={value!r} must be an integer between {low} and {high}")
-    if not low <= int(value) <= high:
-        raise InvalidArgument(f"{name}={value} must be between {low} and {high}")
-    return int(value)
 
 
 def _range(name: str, value: object, *, upper: float) -> tuple[float, float]:
@@ -442,7 +426,7 @@ class Custom:
         )
 
 
-PipelineSpec: TypeAlias = Image | Array | Tokens | Text | Chat | Custom
+PipelineSpec: TypeAlias = Image | Array | Tokens | Text | Chat | Custom | Video | Audio
 """Any pipeline spec a :class:`batchd.Loader` accepts."""
 
 
@@ -450,10 +434,10 @@ def pipeline_or_default(pipeline: object) -> PipelineSpec:
     """``pipeline``, or ``Image()`` for None; InvalidArgument for anything that is not a spec."""
     if pipeline is None:
         return Image()
-    if not isinstance(pipeline, Image | Array | Tokens | Text | Chat | Custom):
+    if not isinstance(pipeline, Image | Array | Tokens | Text | Chat | Custom | Video | Audio):
         raise InvalidArgument(
             f"pipeline={pipeline!r} is not a pipeline spec; pass batchd.Image(...), "
-            "batchd.Array(...), batchd.Tokens(...), batchd.Text(...), batchd.Chat(...) or "
-            "batchd.Custom(...)"
+            "batchd.Array(...), batchd.Tokens(...), batchd.Text(...), batchd.Chat(...), "
+            "batchd.Video(...), batchd.Audio(...) or batchd.Custom(...)"
         )
     return pipeline

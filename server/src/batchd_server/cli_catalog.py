@@ -115,6 +115,22 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         "the whole tree is this split: ROOT/<class>/<image>",
     )
 
+    for media, what in (("video", "videos"), ("audio", "audio files")):
+        p = kind(
+            f"{media}folder",
+            f"{what} under ROOT/<split>/<class>/ (or ROOT/<class>/ with --split), each probed "
+            "for its duration",
+            f"the {media} tree's top directory, or s3://BUCKET/PREFIX",
+            "the whole tree is this split: ROOT/<class>/<file>",
+        )
+        p.add_argument(
+            "--workers",
+            type=_positive_int,
+            metavar="N",
+            help="processes probing files (default: the CPUs this process may use)",
+        )
+        p.set_defaults(progress_of="files")
+
     p = kind(
         "manifest",
         "rows of a JSONL (.jsonl/.ndjson) or CSV manifest",

@@ -10,14 +10,23 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "AUDIO_CROPS",
+    "AUDIO_DEFAULT_MAX_SECONDS",
+    "AUDIO_DTYPES",
     "IMAGE_DECODERS",
     "IMAGE_DEFAULT_RATIO",
     "IMAGE_DEFAULT_SCALE",
     "IMAGE_DEFAULT_SIZE",
+    "MAX_AUDIO_SECONDS",
     "MAX_IMAGE_SIZE",
+    "MAX_SAMPLE_RATE",
     "MAX_TOKENS",
+    "MAX_VIDEO_CLIPS",
+    "MAX_VIDEO_FPS",
+    "MAX_VIDEO_FRAMES",
     "ON_ERROR_CHOICES",
     "TRANSPORTS",
+    "VIDEO_CLIPS",
 ]
 
 MAX_IMAGE_SIZE: Final = 16384
@@ -30,6 +39,21 @@ IMAGE_DEFAULT_RATIO: Final = (3 / 4, 4 / 3)
 IMAGE_DECODERS: Final = ("auto", "pillow")
 MAX_TOKENS: Final = 1 << 20
 """Largest ``max_len`` of :class:`Tokens`."""
+
+VIDEO_CLIPS: Final = ("random", "uniform", "center")
+"""Where :class:`Video`'s clips start: drawn, evenly spread, or in the middle."""
+MAX_VIDEO_FRAMES: Final = 1024
+"""Most frames of one clip."""
+MAX_VIDEO_CLIPS: Final = 64
+"""Most clips of one video per sample."""
+MAX_VIDEO_FPS: Final = 1000.0
+AUDIO_CROPS: Final = ("random", "start")
+AUDIO_DTYPES: Final = ("float32", "int16")
+MAX_SAMPLE_RATE: Final = 384_000
+MAX_AUDIO_SECONDS: Final = 3600.0
+"""Longest audio row (``seconds`` or ``max_seconds``) of :class:`Audio`."""
+AUDIO_DEFAULT_MAX_SECONDS: Final = 30.0
+"""The row's room when :class:`Audio` keeps whole clips (``seconds=None``)."""
 
 ON_ERROR_CHOICES: Final = ("skip", "raise", "replace")
 """What may happen to a bad sample."""

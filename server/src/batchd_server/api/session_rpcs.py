@@ -82,6 +82,17 @@ def _pipeline(spec: pb.Pipeline) -> tuple[str, dict[str, Any]]:
         if text.chat:
             return "chat", {**options, "template": text.template or None}
         return "text", {**options, "add_bos": text.add_bos, "add_eos": text.add_eos}
+    if kind == "video":
+        video = spec.video
+        options = {"frames": video.frames or 16, "size": video.size or 224, "fps": video.fps}
+        options.update(clip=video.clip or "random", clips_per_video=video.clips_per_video or 1)
+        return "video", options
+    if kind == "audio":
+        audio = spec.audio
+        options = {"sample_rate": audio.sample_rate or 16000, "seconds": audio.seconds or None}
+        options.update(mono=not audio.stereo, crop=audio.crop or "random")
+        options.update(dtype=audio.dtype or "float32", max_seconds=audio.max_seconds or 30.0)
+        return "audio", options
     if kind == "custom":
         try:
             custom_options = json.loads(spec.custom.options_json or "{}")
@@ -91,9 +102,9 @@ def _pipeline(spec: pb.Pipeline) -> tuple[str, dict[str, Any]]:
             raise InvalidArgument("custom pipeline options must be a JSON object")
         return "custom", {"name": spec.custom.name, "options": custom_options}
     raise InvalidArgument(
-        "OpenSession needs a pipeline: image, array, tokens, text or custom "
+        "OpenSession needs a pipeline: image, array, tokens, text, video, audio or custom "
         "(batchd.Image(), batchd.Array(...), batchd.Tokens(...), batchd.Text(...), "
-        "batchd.Chat(...), batchd.Custom(...))"
+        "batchd.Chat(...), batchd.Video(...), batchd.Audio(...), batchd.Custom(...))"
     )
 
 

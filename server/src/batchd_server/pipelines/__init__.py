@@ -8,6 +8,7 @@ sample, treating :class:`BadSample` as the only error a sample can cause.
 from __future__ import annotations
 
 from batchd_server.pipelines.array import ArrayPipeline
+from batchd_server.pipelines.audio import AudioPipeline
 from batchd_server.pipelines.base import BadSample, FieldSpec, Pipeline, SampleInfo, sample_rng
 from batchd_server.pipelines.chat import ChatPipeline
 from batchd_server.pipelines.image import ImagePipeline
@@ -19,11 +20,13 @@ from batchd_server.pipelines.registry import (
 )
 from batchd_server.pipelines.text import TextPipeline
 from batchd_server.pipelines.tokens import TokensPipeline
+from batchd_server.pipelines.video import VideoPipeline
 
 __all__ = [
     "BUILTIN",
     "ENTRY_POINT_GROUP",
     "ArrayPipeline",
+    "AudioPipeline",
     "BadSample",
     "ChatPipeline",
     "FieldSpec",
@@ -32,6 +35,7 @@ __all__ = [
     "SampleInfo",
     "TextPipeline",
     "TokensPipeline",
+    "VideoPipeline",
     "build_pipeline",
     "registered_decoders",
     "sample_rng",

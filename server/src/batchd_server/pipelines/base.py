@@ -91,6 +91,8 @@ class BadSample(Exception):
         "decoder",  # a custom decoder raised something else
         "transient",  # an I/O error that is usually passing (EIO, ESTALE...), on every retry
         "timeout",  # reading or decoding it hung past the task deadline, twice
+        "truncated",  # media whose stream ends before the frames or samples it must give
+        "empty",  # media with no frames or no audio samples at all
     )
 
     def __init__(self, kind: str, message: str) -> None:

@@ -22,12 +22,14 @@ from typing import Any, Final
 
 from batchd_server.errors import InvalidArgument
 from batchd_server.pipelines.array import ArrayPipeline
+from batchd_server.pipelines.audio import AudioPipeline
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
 from batchd_server.pipelines.chat import ChatPipeline
 from batchd_server.pipelines.image import ImagePipeline
 from batchd_server.pipelines.text import TextPipeline
 from batchd_server.pipelines.tokens import TokensPipeline
 from batchd_server.pipelines.types import Bytes, Offsets
+from batchd_server.pipelines.video import VideoPipeline
 
 __all__ = ["BUILTIN", "CUSTOM", "ENTRY_POINT_GROUP", "build_pipeline", "registered_decoders"]
 
@@ -37,6 +39,8 @@ BUILTIN: Final[Mapping[str, Callable[..., Pipeline]]] = {
     "tokens": TokensPipeline,
     "text": TextPipeline,
     "chat": ChatPipeline,
+    "video": VideoPipeline,
+    "audio": AudioPipeline,
 }
 CUSTOM: Final = "custom"
 ENTRY_POINT_GROUP: Final = "batchd.decoders"
@@ -53,7 +57,8 @@ def build_pipeline(kind: str, options: Mapping[str, Any]) -> Pipeline:
     """The pipeline a session's spec describes.
 
     Args:
-        kind: ``"image"``, ``"array"``, ``"tokens"``, ``"text"``, ``"chat"`` (``options``
+        kind: ``"image"``, ``"array"``, ``"tokens"``, ``"text"``, ``"chat"``, ``"video"``,
+            ``"audio"`` (``options``
             are the constructor's keyword arguments) or ``"custom"`` (``options["name"]``
             is the registered decoder, ``options.get("options", {})`` its keyword arguments).
         options: As above.

@@ -16,7 +16,7 @@ from batchd_server.catalog.object_roots import ObjectListing, iter_object_rows, 
 from batchd_server.errors import DataError
 from batchd_server.storage.options import DEFAULT_RETRY_S
 
-__all__ = ["IMAGE_SUFFIXES", "ingest_imagefolder"]
+__all__ = ["IMAGE_SUFFIXES", "ingest_imagefolder", "local_files"]
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 
@@ -32,16 +32,43 @@ def _subdirs(path: Path, verifier: Verifier) -> list[str]:
     return sorted(names)
 
 
-def _images(path: Path, verifier: Verifier) -> list[tuple[str, int]]:
+def _images(
+    path: Path, verifier: Verifier, suffixes: frozenset[str] = IMAGE_SUFFIXES
+) -> list[tuple[str, int]]:
     found = []
     for entry in os.scandir(path):
         name = entry.name
-        if os.path.splitext(name)[1].lower() not in IMAGE_SUFFIXES or not entry.is_file():
+        if os.path.splitext(name)[1].lower() not in suffixes or not entry.is_file():
             continue
         if entry.is_symlink() and not verifier.inside(os.path.realpath(entry.path)):
             raise DataError(f"{entry.path} resolves outside --root {verifier.root} (a symlink)")
         found.append((name, entry.stat().st_size))
     found.sort()
+    return found
+
+
+def local_files(
+    verifier: Verifier, split: str | None, suffixes: frozenset[str]
+) -> list[tuple[str, str, str, int]]:
+    """(split, class, path relative to the root, size) of the files with ``suffixes`` in a
+    class-per-directory tree under ``verifier.root`` (``<split>/<class>/<file>``, or
+    ``<class>/<file>`` with ``split``), sorted by split, class and name.
+
+    Raises:
+        DataError: a split directory name too long, or a symlink out of the root.
+    """
+    local = Path(verifier.root)
+    splits = [split] if split is not None else _subdirs(local, verifier)
+    found = []
+    for s in splits:
+        if len(s) > SPLIT_MAX_CHARS:
+            raise DataError(f"split directory {s!r} is longer than {SPLIT_MAX_CHARS} characters")
+        base = local if split is not None else local / s
+        for c in _subdirs(base, verifier):
+            prefix = os.path.relpath(base / c, local) + "/"
+            found += [
+                (s, c, prefix + name, size) for name, size in _images(base / c, verifier, suffixes)
+            ]
     return found
 
 
@@ -89,24 +116,12 @@ def ingest_imagefolder(
                 classes=sorted({c for _, c, _, _ in images}),
             ),
         )
-    verifier = Verifier(local, stored_root)
-    splits = [split] if split is not None else _subdirs(local, verifier)
-    folders: list[tuple[str, str, Path]] = []  # (split, class, directory)
-    for s in splits:
-        if len(s) > SPLIT_MAX_CHARS:
-            raise DataError(f"split directory {s!r} is longer than {SPLIT_MAX_CHARS} characters")
-        base = local if split is not None else local / s
-        folders += [(s, c, base / c) for c in _subdirs(base, verifier)]
+    files = local_files(Verifier(local, stored_root), split, IMAGE_SUFFIXES)
 
     def rows() -> Iterator[Row]:
-        line = 0
-        for s, c, folder in folders:
-            prefix = os.path.relpath(folder, local) + "/"
-            for name, size in _images(folder, verifier):
-                line += 1
-                rel = prefix + name
-                # The label column holds the class name until load maps it to its index.
-                yield (line, rel, rel, None, None, c, s, None, 1.0, None, True, size)
+        for line, (s, c, rel, size) in enumerate(files, 1):
+            # The label column holds the class name until load maps it to its index.
+            yield (line, rel, rel, None, None, c, s, None, 1.0, None, True, size)
 
     return load(
         engine,
@@ -115,6 +130,6 @@ def ingest_imagefolder(
             root=stored_root,
             rows=rows(),
             empty=_no_images(stored_root, split),
-            classes=sorted({c for _, c, _ in folders}),
+            classes=sorted({c for _, c, _, _ in files}),
         ),
     )

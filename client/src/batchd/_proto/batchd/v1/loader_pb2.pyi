@@ -176,19 +176,53 @@ class CustomPipeline(_message.Message):
     options_json: str
     def __init__(self, name: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
 
+class VideoPipeline(_message.Message):
+    __slots__ = ("frames", "size", "fps", "clip", "clips_per_video")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    CLIPS_PER_VIDEO_FIELD_NUMBER: _ClassVar[int]
+    frames: int
+    size: int
+    fps: float
+    clip: str
+    clips_per_video: int
+    def __init__(self, frames: _Optional[int] = ..., size: _Optional[int] = ..., fps: _Optional[float] = ..., clip: _Optional[str] = ..., clips_per_video: _Optional[int] = ...) -> None: ...
+
+class AudioPipeline(_message.Message):
+    __slots__ = ("sample_rate", "seconds", "stereo", "crop", "dtype", "max_seconds")
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEREO_FIELD_NUMBER: _ClassVar[int]
+    CROP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sample_rate: int
+    seconds: float
+    stereo: bool
+    crop: str
+    dtype: str
+    max_seconds: float
+    def __init__(self, sample_rate: _Optional[int] = ..., seconds: _Optional[float] = ..., stereo: _Optional[bool] = ..., crop: _Optional[str] = ..., dtype: _Optional[str] = ..., max_seconds: _Optional[float] = ...) -> None: ...
+
 class Pipeline(_message.Message):
-    __slots__ = ("image", "array", "tokens", "custom", "text")
+    __slots__ = ("image", "array", "tokens", "custom", "text", "video", "audio")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     ARRAY_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     image: ImagePipeline
     array: ArrayPipeline
     tokens: TokensPipeline
     custom: CustomPipeline
     text: TextPipeline
-    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ..., text: _Optional[_Union[TextPipeline, _Mapping]] = ...) -> None: ...
+    video: VideoPipeline
+    audio: AudioPipeline
+    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ..., text: _Optional[_Union[TextPipeline, _Mapping]] = ..., video: _Optional[_Union[VideoPipeline, _Mapping]] = ..., audio: _Optional[_Union[AudioPipeline, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix", "no_decode_cache", "pack", "share")
