@@ -79,7 +79,7 @@ class ObjectChanged(Exception):
 class PinsVersions(Protocol):
     """A fetcher that can say an object's version (its ETag, else its version id) and read
     only that version: the node cache fills every block of an object from the version it
-    recorded, whichever process fills it (NOTE [ Object versions ] in ``blocks.py``). A
+    recorded, whichever process fills it (NOTE [ Object versions ] in ``block_format.py``). A
     ``version`` of None asks for whatever version the store has."""
 
     def head(self, url: str) -> tuple[int, str | None]:

@@ -1,7 +1,19 @@
 """The format of a node-cache block file (NOTE [ Cache files ] in ``blocks.py``): a 40-byte
 header (magic, the block's first byte in the object, the content's length, the chunk size, a
 check of the chunk table, the object's version: :func:`version_tag`), a table of one XXH3-64
-digest per 16 KiB chunk, then the content; and the checks a reader makes of them."""
+digest per 16 KiB chunk, then the content; and the checks a reader makes of them.
+
+NOTE [ Object versions ]
+The cache holds one version of an object: the one its record names (its ETag, else its
+version id, as the store said when the object was first cached). Every block is written with
+the version it was fetched as in its header, and every fill of a missing block asks the store
+for the recorded version (``If-Match``), whichever process fills it. A reader reads blocks
+for the version it knows; a block of another version is a miss, fetched again and replaced,
+never served with blocks of another (the check is in the header each read reads anyway).
+When the store says the object changed, the reader forgets the object (``BlockStore.forget``:
+its blocks and record, under the ledger's lock), records the new version, and reads what was
+asked again, all of it of the new version (``cache.CachingFetcher``).
+"""
 
 from __future__ import annotations
 

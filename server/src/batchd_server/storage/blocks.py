@@ -11,7 +11,8 @@ covers bytes ``[i * block_bytes, (i + 1) * block_bytes)``. Each cached block is 
     <cache-dir>/fetching                   empty: its bytes are the fetch locks' stripes
 
 A block file is a 40-byte header (magic, the block's first byte in the object, the content's
-length, the chunk size, a check of the chunk table, the object's version), the chunk table
+length, the chunk size, a check of the chunk table, the object's version: NOTE [ Object
+versions ] in ``block_format.py``), the chunk table
 (an XXH3-64 digest of each 16 KiB chunk) and the content (``block_format.py``). A block may
 hold a prefix of its range only (the end of the object, or of what was asked for when the
 object's size is unknown); a read that needs more is a miss. A reader checks the header, the
@@ -21,17 +22,6 @@ server's user (a directory or a FIFO in its place) is removed and the block fetc
 it cannot be removed (a read-only disk), the block is fetched at every read, with a warning.
 Per-chunk digests keep a hit cheap: a few records of a block cost a read of their chunks, not
 of 4 MiB.
-
-NOTE [ Object versions ]
-The cache holds one version of an object: the one its record names (its ETag, else its
-version id, as the store said when the object was first cached). Every block is written with
-the version it was fetched as in its header, and every fill of a missing block asks the store
-for the recorded version (``If-Match``), whichever process fills it. A reader reads blocks
-for the version it knows; a block of another version is a miss, fetched again and replaced,
-never served with blocks of another (the check is in the header each read reads anyway).
-When the store says the object changed, the reader forgets the object (:meth:`forget`: its
-blocks and record, under the ledger's lock), records the new version, and reads what was
-asked again, all of it of the new version (``cache.CachingFetcher``).
 
 Writers (every worker process and the cache manager's prefetch threads) write a block to a
 ``.tmp-*`` file (at once, or piece by piece as a fetch receives it: ``BlockWriter``) and
@@ -59,8 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
-import hashlib
 import json
 import logging
 import os
@@ -69,7 +57,6 @@ import shutil
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -85,6 +72,7 @@ from batchd_server.storage.block_format import (
     table_check,
     whole_matches,
 )
+from batchd_server.storage.block_keys import BlockKey, ObjectMeta, object_hash
 from batchd_server.storage.block_listing import (
     RECORD_BYTES,
     RECORD_SUFFIX,
@@ -116,44 +104,6 @@ logger = logging.getLogger(__name__)
 BLOCK_BYTES: Final = 4 << 20
 """A block's bytes at most: large enough that one GET of a block costs little more than
 its latency, small enough that a sample's block is not mostly other samples."""
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def object_hash(url: str) -> str:
-    """The 40 hex digits naming ``url``'s files (NOTE [ Cache files ]); remembered, since a
-    warm epoch of one object per image asks for each of them once per read."""
-    return hashlib.sha256(url.encode("utf-8")).hexdigest()[:40]
-
-
-@dataclass(frozen=True, order=True)
-class BlockKey:
-    """Block ``index`` of the object whose URL hashes to ``object``."""
-
-    object: str
-    index: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.object}.{self.index}"
-
-    @classmethod
-    def parse(cls, name: str) -> BlockKey | None:
-        """The key of a block file's name; None for a name that is not one."""
-        head, _, tail = name.partition(".")
-        if len(head) != 40 or not tail.isdigit():
-            return None
-        return cls(head, int(tail))
-
-
-@dataclass(frozen=True)
-class ObjectMeta:
-    """What the store said about an object when its first block was cached."""
-
-    url: str
-    size: int
-    """Bytes."""
-    version: str | None = None
-    """Its ETag, else its version id (None: the store says none); NOTE [ Object versions ]."""
 
 
 class BlockStore:
@@ -277,7 +227,7 @@ class BlockStore:
         regular file of the server's user, or unreadable: an I/O error); a bad file is then
         removed and :attr:`on_corrupt` called. A :class:`BlockRead` without parts if it
         holds fewer bytes than a span's end, or is of another version of the object than
-        ``version`` (``version_tag``: NOTE [ Object versions ])."""
+        ``version`` (``version_tag``)."""
         path = self.file(key)
         why = "corrupt or truncated"
         try:
@@ -539,10 +489,8 @@ class BlockStore:
                 return None
             raw = os.pread(fd, RECORD_BYTES + 1, 0)
             record = json.loads(raw)
-            version = record.get("version")
-            meta = ObjectMeta(
-                str(record["url"]), int(record["size"]), None if version is None else str(version)
-            )
+            version = None if record.get("version") is None else str(record["version"])
+            meta = ObjectMeta(str(record["url"]), int(record["size"]), version)
         except (OSError, ValueError, KeyError, TypeError):
             return None
         finally:
@@ -555,9 +503,8 @@ class BlockStore:
         not kept, and the size is asked of the store again when next needed."""
         h = object_hash(meta.url)
         path = self._record(h)
-        data = json.dumps({"url": meta.url, "size": meta.size, "version": meta.version}).encode(
-            "utf-8"
-        )
+        text = json.dumps({"url": meta.url, "size": meta.size, "version": meta.version})
+        data = text.encode("utf-8")
         if len(data) > RECORD_BYTES:
             return
         tmp = self._tmp_name(h, 0)

@@ -18,7 +18,7 @@ is asked for exactly; with no size
 known, a block is fetched up to the last byte asked of it, and a later read that needs more
 of it fetches it again. A range past the recorded size is ``unreadable``.
 
-The cache holds one version of an object (NOTE [ Object versions ] in ``blocks.py``): the
+The cache holds one version of an object (NOTE [ Object versions ] in ``block_format.py``): the
 one recorded with its size, whose every block is filled by asking the store for it, in any
 process. When the store says the object changed (rewritten in place under the same key), the
 object's blocks and record are dropped, its new version recorded, and what was asked read
@@ -311,7 +311,7 @@ class CachingFetcher:
         """For every block that ``ranges`` touch, the parts of it they need; and how many
         blocks were fetched. All of one version of the object: when the store says it
         changed, its cached blocks are dropped and all of them read again from the new one
-        (NOTE [ Object versions ] in ``blocks.py``).
+        (NOTE [ Object versions ] in ``block_format.py``).
 
         Raises:
             BadSample: as :meth:`fetch`, or ``unreadable`` when the object changed again
