@@ -10,6 +10,7 @@ own idea of the object's version), as a worker and the cache manager's prefetch 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,3 +192,20 @@ def test_the_cache_plans_the_urls_the_reader_reads() -> None:
     assert "s3://b/p/abs.tar" not in source.urls
     assert source.last[0] < source.first[0], "a refused path was planned"
     assert source.last[1] >= source.first[1]
+
+
+def test_a_record_without_a_version_is_asked_again(
+    s3: ThrowawayS3, url: str, tmp_path: Path
+) -> None:
+    """An earlier batchd's record (size only) pins no version: it reads as no record, so the
+    object's size and version are asked of the store and recorded anew."""
+    store = small_store(tmp_path / "cache")
+    h = object_hash(url)
+    record = tmp_path / "cache" / "blocks" / h[:2] / f"{h}.json"
+    record.write_text(json.dumps({"url": url, "size": len(OLD)}))
+    assert store.meta(url) is None
+    fetcher = caching(store)
+    assert bytes(fetcher.fetch(url, [(0, BLOCK)])[0]) == OLD[:BLOCK]
+    meta = store.meta(url)
+    assert meta is not None and meta.version is not None
+    store.close()

@@ -479,7 +479,7 @@ class BlockStore:
 
     def meta(self, url: str) -> ObjectMeta | None:
         """What was recorded of ``url`` (None: nothing, or a record that does not parse or
-        cannot be read)."""
+        cannot be read, or an earlier batchd's, without a version: it is asked again)."""
         try:
             fd = open_file(self._record(object_hash(url)), os.O_RDONLY)
         except OSError:
@@ -489,7 +489,8 @@ class BlockStore:
                 return None
             raw = os.pread(fd, RECORD_BYTES + 1, 0)
             record = json.loads(raw)
-            version = None if record.get("version") is None else str(record["version"])
+            version = record["version"]
+            version = None if version is None else str(version)
             meta = ObjectMeta(str(record["url"]), int(record["size"]), version)
         except (OSError, ValueError, KeyError, TypeError):
             return None
