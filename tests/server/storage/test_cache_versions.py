@@ -23,7 +23,7 @@ from s3server import ThrowawayS3, store_env, throwaway_s3
 from batchd_server.cache_policy.plan_blocks import SourceBlocks
 from batchd_server.catalog.types import SampleColumns
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.blocks import BlockKey, BlockStore, object_hash
+from batchd_server.storage.blocks import RECORD_BYTES, BlockKey, BlockStore, object_hash
 from batchd_server.storage.cache import CacheStats, CachingFetcher, object_url
 from batchd_server.storage.s3 import S3Fetcher
 from tests.cache_support import BLOCK, small_store
@@ -208,4 +208,22 @@ def test_a_record_without_a_version_is_asked_again(
     assert bytes(fetcher.fetch(url, [(0, BLOCK)])[0]) == OLD[:BLOCK]
     meta = store.meta(url)
     assert meta is not None and meta.version is not None
+    store.close()
+
+
+def test_blocks_the_cache_has_no_room_for_are_of_the_cached_version_too(
+    s3: ThrowawayS3, url: str, tmp_path: Path
+) -> None:
+    """A cache with room for one block (and the record): the blocks it cannot keep are
+    fetched as spans (not streamed into files), of the recorded version too."""
+    probe = small_store(tmp_path / "probe")
+    store = small_store(tmp_path / "cache", capacity=RECORD_BYTES + probe.file_bytes(BLOCK) + 100)
+    probe.close()
+    fetcher = caching(store)
+    assert bytes(fetcher.fetch(url, [(0, 10)])[0]) == OLD[:10]
+    assert cached_blocks(store, url) == [0]
+    rewrite(s3, url, NEW)
+    assert bytes(fetcher.fetch(url, [(5, 3 * BLOCK)])[0]) == NEW[5 : 5 + 3 * BLOCK]
+    assert fetcher.stats.take().unkept > 0, "no block went the unkept way"
+    ledger_is_exact(store)
     store.close()
