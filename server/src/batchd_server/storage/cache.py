@@ -11,16 +11,16 @@ what leaves the cache: the cache manager in the server's main process does, from
 of the live sessions (``cache_policy/manager.py``), and prefetches through a fetcher of
 this class too.
 
-An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
-``size`` if it has one: a HEAD; a whole-object read, :meth:`CachingFetcher.fetch_whole`,
-needs none: its one GET answers the size, which is then recorded) so that the last block
-is asked for exactly; with no size
-known, a block is fetched up to the last byte asked of it, and a later read that needs more
-of it fetches it again. A range past the recorded size is ``unreadable``.
+An object's size is looked up once (its record beside its blocks, else the inner fetcher's
+``head``, with the version, or ``size``: a HEAD; a whole-object read,
+:meth:`CachingFetcher.fetch_whole`, needs none: its one GET answers the size, which is then
+recorded) so that the last block is asked for exactly; with no size known, a block is
+fetched up to the last byte asked of it, and a later read that needs more of it fetches it
+again. A range past the recorded size is ``unreadable``.
 
-The cache holds one version of an object (NOTE [ Object versions ] in ``block_format.py``): the
-one recorded with its size, whose every block is filled by asking the store for it, in any
-process. When the store says the object changed (rewritten in place under the same key), the
+The cache holds one version of an object (NOTE [ Object versions ] in ``block_format.py``):
+the one recorded with its size, whose every block is filled by asking the store for it, in
+any process. When the store says the object changed (rewritten in place under the same key), the
 object's blocks and record are dropped, its new version recorded, and what was asked read
 again, all of it from the new version, with a warning; when it changes again during that
 read, the read fails as an ``unreadable`` sample.
