@@ -51,8 +51,14 @@ class Counting(S3Fetcher):
         return super().fetch(url, ranges)
 
     def stream(self, url: str, offset: int, length: int) -> Iterator[memoryview]:
-        self.calls.append((url, [(offset, length)]))  # the node cache's misses come here
+        self.calls.append((url, [(offset, length)]))
         yield from super().stream(url, offset, length)
+
+    def stream_version(
+        self, url: str, offset: int, length: int, version: str | None
+    ) -> Iterator[memoryview]:
+        self.calls.append((url, [(offset, length)]))  # the node cache's misses come here
+        yield from super().stream_version(url, offset, length, version)
 
 
 def _batch() -> tuple[list[str], Any, Any, Any]:

@@ -52,6 +52,10 @@ class NoHead(S3Fetcher):
         self.heads += 1
         return super().size(url)
 
+    def head(self, url: str) -> tuple[int, str | None]:  # what the node cache asks
+        self.heads += 1
+        return super().head(url)
+
 
 def _cached(inner: S3Fetcher, cache: Path) -> CachingFetcher:
     return CachingFetcher(inner, BlockStore(cache, capacity_bytes=1 << 30), stats=CacheStats())

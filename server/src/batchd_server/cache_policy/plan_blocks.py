@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from batchd_server.catalog.types import SampleColumns
+from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.blocks import object_hash
 from batchd_server.storage.cache import object_url
 
@@ -69,7 +70,7 @@ class SourceBlocks:
         bounds = columns.path_offsets.tolist()
         paths = (raw[bounds[i] : bounds[i + 1]].tobytes() for i in range(n))
         objects = np.fromiter((index.setdefault(p, len(index)) for p in paths), np.int32, n)
-        urls = [object_url(root, p.decode("utf-8", "replace")) for p in index]
+        urls, unsafe = _urls(root, index)
         offsets = columns.byte_offsets.astype(np.int64, copy=True)
         lengths = columns.byte_lengths.astype(np.int64, copy=True)
         whole = offsets < 0
@@ -78,14 +79,32 @@ class SourceBlocks:
             if size_of is None:
                 lengths[whole] = -1
             else:
-                sizes = np.array([size_of(u) for u in urls], np.int64)
+                sizes = np.array([-1 if u is None else size_of(u) for u in urls], np.int64)
                 lengths[whole] = sizes[objects[whole]]
         # A row "to the end of the object" reads its first block at least.
         known = np.where(lengths < 0, 1, lengths)
         first = offsets // block_bytes
         last = np.where(known > 0, (offsets + known - 1) // block_bytes, first - 1)
-        hashes = [object_hash(u) for u in urls]
-        return cls(urls, hashes, hashes64(hashes), objects, first, last, offsets, lengths)
+        if unsafe:  # no reader reads them (``unsafe_path``): nothing of them is planned
+            none = np.isin(objects, unsafe)
+            last[none] = first[none] - 1
+        named = [f"{root}\x00{j}" if u is None else u for j, u in enumerate(urls)]
+        hashes = [object_hash(u) for u in named]
+        return cls(named, hashes, hashes64(hashes), objects, first, last, offsets, lengths)
+
+
+def _urls(root: str, index: dict[bytes, int]) -> tuple[list[str | None], list[int]]:
+    """Each catalog path's URL by the reader's rule (``storage/paths.py``), None for one the
+    reader refuses; and the indices of those."""
+    urls: list[str | None] = []
+    unsafe: list[int] = []
+    for j, path in enumerate(index):
+        try:
+            urls.append(object_url(root, path.decode("utf-8", "replace")))
+        except BadSample:
+            urls.append(None)
+            unsafe.append(j)
+    return urls, unsafe
 
 
 @dataclass(frozen=True)

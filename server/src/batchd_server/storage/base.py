@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["RangeFetcher", "StreamsRanges", "TooLarge", "WholeFetcher"]
+__all__ = [
+    "ObjectChanged",
+    "PinsVersions",
+    "RangeFetcher",
+    "StreamsRanges",
+    "TooLarge",
+    "WholeFetcher",
+]
 
 
 class TooLarge(Exception):
@@ -60,5 +67,57 @@ class StreamsRanges(Protocol):
 
         Raises:
             BadSample: as :meth:`RangeFetcher.fetch`.
+        """
+        ...
+
+
+class ObjectChanged(Exception):
+    """The object is not of the version asked for: it was rewritten in place."""
+
+
+@runtime_checkable
+class PinsVersions(Protocol):
+    """A fetcher that can say an object's version (its ETag, else its version id) and read
+    only that version: the node cache fills every block of an object from the version it
+    recorded, whichever process fills it (NOTE [ Object versions ] in ``block_format.py``). A
+    ``version`` of None asks for whatever version the store has."""
+
+    def head(self, url: str) -> tuple[int, str | None]:
+        """The object's size and version (a HEAD).
+
+        Raises:
+            BadSample: as :meth:`RangeFetcher.fetch`.
+        """
+        ...
+
+    def fetch_version(
+        self, url: str, ranges: Sequence[tuple[int, int]], version: str | None
+    ) -> list[bytes | memoryview]:
+        """As :meth:`RangeFetcher.fetch`, every range of ``version``.
+
+        Raises:
+            ObjectChanged: the object is not of ``version`` (or its ranges came from several).
+            BadSample: as :meth:`RangeFetcher.fetch`.
+        """
+        ...
+
+    def stream_version(
+        self, url: str, offset: int, length: int, version: str | None
+    ) -> Iterator[bytes | memoryview]:
+        """As :meth:`StreamsRanges.stream`, of ``version``.
+
+        Raises:
+            ObjectChanged: the object is not of ``version``.
+            BadSample: as :meth:`RangeFetcher.fetch`.
+        """
+        ...
+
+    def fetch_whole_version(
+        self, url: str, max_bytes: int
+    ) -> tuple[str | None, bytes | memoryview]:
+        """As :meth:`WholeFetcher.fetch_whole`, and the version it read.
+
+        Raises:
+            TooLarge, BadSample: as :meth:`WholeFetcher.fetch_whole`.
         """
         ...

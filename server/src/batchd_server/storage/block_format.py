@@ -1,7 +1,19 @@
-"""The format of a node-cache block file (NOTE [ Cache files ] in ``blocks.py``): a 32-byte
+"""The format of a node-cache block file (NOTE [ Cache files ] in ``blocks.py``): a 40-byte
 header (magic, the block's first byte in the object, the content's length, the chunk size, a
-check of the chunk table), a table of one XXH3-64 digest per 16 KiB chunk, then the content;
-and the checks a reader makes of them."""
+check of the chunk table, the object's version: :func:`version_tag`), a table of one XXH3-64
+digest per 16 KiB chunk, then the content; and the checks a reader makes of them.
+
+NOTE [ Object versions ]
+The cache holds one version of an object: the one its record names (its ETag, else its
+version id, as the store said when the object was first cached). Every block is written with
+the version it was fetched as in its header, and every fill of a missing block asks the store
+for the recorded version (``If-Match``), whichever process fills it. A reader reads blocks
+for the version it knows; a block of another version is a miss, fetched again and replaced,
+never served with blocks of another (the check is in the header each read reads anyway).
+When the store says the object changed, the reader forgets the object (``BlockStore.forget``:
+its blocks and record, under the ledger's lock), records the new version, and reads what was
+asked again, all of it of the new version (``cache.CachingFetcher``).
+"""
 
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ __all__ = [
     "read_spans",
     "table_check",
     "unpack_table",
+    "version_tag",
     "whole_matches",
 ]
 
@@ -35,15 +48,22 @@ CHUNK_BYTES: Final = 16 << 10
 (and reads) those records' chunks, not 4 MiB. A batch of 64 random 128-byte records over
 64 cached blocks took about 3 ms with 16 KiB chunks, 6 ms with 64 KiB and 30 ms reading
 whole blocks (one run on the development machine, page cache warm; noisy)."""
-HEADER_BYTES: Final = 32
-HEADER: Final = struct.Struct("<8sQQII")
-MAGIC: Final = b"batchdB3"
-"""B3: XXH3-64 digests. (B2 files, with CRC-32s, are read as bad: fetched again.)"""
+HEADER_BYTES: Final = 40
+HEADER: Final = struct.Struct("<8sQQIIQ")
+MAGIC: Final = b"batchdB4"
+"""B4: the object's version in the header. (B3 files, without it, and B2 files, with CRC-32s,
+are read as bad: fetched again.)"""
 DIGEST_BYTES: Final = 8
 """Each chunk's digest in the table: XXH3-64, which checks a warm read's bytes at about 15
 GB/s on the development VM, where zlib's CRC-32 managed about 4 (in a warm epoch of a tar
 dataset the CRC-32 took 3.6% of the workers' CPU)."""
 digest: Final = xxhash.xxh3_64_intdigest
+
+
+def version_tag(version: str | None) -> int:
+    """What a block file's header keeps of its object's version (ETag, else version id):
+    64 bits of its digest; 0 for an object whose store says no version."""
+    return 0 if version is None else digest(version.encode("utf-8")) or 1
 
 
 def chunk_hasher() -> xxhash.xxh3_64:
@@ -97,10 +117,18 @@ class BlockRead:
 
 
 def read_spans(
-    fd: int, size: int, offset: int, block_bytes: int, chunk: int, spans: Sequence[tuple[int, int]]
+    fd: int,
+    size: int,
+    offset: int,
+    block_bytes: int,
+    chunk: int,
+    spans: Sequence[tuple[int, int]],
+    version: int = 0,
 ) -> BlockRead | None:
     """The chunks that hold the ``(lo, hi)`` spans of the block file ``fd`` (``size`` bytes,
-    the block's first byte ``offset`` in its object), checked; None for a bad file.
+    the block's first byte ``offset`` in its object), checked; None for a bad file. A block
+    of another version of the object than ``version`` (:func:`version_tag`) is read as one
+    without the spans (no parts): a miss, fetched again and replaced, never served.
 
     Raises:
         OSError: the file cannot be read.
@@ -108,7 +136,7 @@ def read_spans(
     head = os.pread(fd, HEADER_BYTES, 0)
     if len(head) < HEADER_BYTES:
         return None
-    magic, stored, length, stored_chunk, checked = HEADER.unpack(head)
+    magic, stored, length, stored_chunk, checked, stored_version = HEADER.unpack(head)
     if magic != MAGIC or stored != offset:
         return None
     if stored_chunk != chunk or length > block_bytes:
@@ -119,7 +147,7 @@ def read_spans(
     table = os.pread(fd, DIGEST_BYTES * n, HEADER_BYTES)
     if len(table) != DIGEST_BYTES * n or table_check(table) != checked:
         return None
-    if max(hi for _, hi in spans) > length:
+    if stored_version != version or max(hi for _, hi in spans) > length:
         return BlockRead(length, None)
     wanted = sorted({c for lo, hi in spans for c in range(lo // chunk, -(-hi // chunk))})
     runs: list[list[int]] = []
@@ -142,15 +170,24 @@ def read_spans(
     return BlockRead(length, parts)
 
 
-def whole_matches(head: bytes, data: bytes, offset: int, length: int, chunk: int) -> bool:
+def whole_matches(
+    head: bytes, data: bytes, offset: int, length: int, chunk: int, version: int = 0
+) -> bool:
     """Whether ``head`` (a block file's header and chunk table) and ``data`` (its content,
     read with one byte more than ``length``) are a block of exactly ``length`` bytes at
-    ``offset`` whose every chunk matches its digest."""
+    ``offset``, of the object's ``version`` (:func:`version_tag`), whose every chunk matches
+    its digest."""
     n = -(-length // chunk)
     if len(head) != HEADER_BYTES + DIGEST_BYTES * n or len(data) != length:
         return False
-    magic, stored, stored_length, stored_chunk, checked = HEADER.unpack_from(head)
-    if (magic, stored, stored_length, stored_chunk) != (MAGIC, offset, length, chunk):
+    magic, stored, stored_length, stored_chunk, checked, stored_version = HEADER.unpack_from(head)
+    if (magic, stored, stored_length, stored_chunk, stored_version) != (
+        MAGIC,
+        offset,
+        length,
+        chunk,
+        version,
+    ):
         return False
     table = memoryview(head)[HEADER_BYTES:]
     if table_check(table) != checked:

@@ -27,7 +27,9 @@ class _Store(Protocol):
 
     @property
     def chunk_bytes(self) -> int: ...
-    def _head(self, key: Any, length: int, digests: list[int]) -> tuple[bytes, bytes]: ...
+    def _head(
+        self, key: Any, length: int, digests: list[int], version: int = 0
+    ) -> tuple[bytes, bytes]: ...
     def _link(self, tmp: str, key: Any, nbytes: int, *, replace: bool) -> bool: ...
     def _give_back(self, nbytes: int, tmp: str | None, slot: int) -> None: ...
     def _refused(self, error: OSError, doing: str) -> None: ...
@@ -41,9 +43,16 @@ class BlockWriter:
     (one fetch writes it)."""
 
     def __init__(
-        self, store: _Store, key: _Key, length: int, nbytes: int, tmp: str, fd: int
+        self,
+        store: _Store,
+        key: _Key,
+        length: int,
+        nbytes: int,
+        tmp: str,
+        fd: int,
+        version: int = 0,
     ) -> None:
-        self._store, self.key, self.length = store, key, length
+        self._store, self.key, self.length, self.version = store, key, length, version
         self._nbytes, self._tmp, self._fd = nbytes, tmp, fd
         self._base = HEADER_BYTES + DIGEST_BYTES * -(-length // store.chunk_bytes)
         self._at = 0
@@ -73,7 +82,7 @@ class BlockWriter:
         :meth:`BlockStore.write`); whether it is now cached. The content must be whole."""
         assert self._at == self.length, f"{self._at} of the block's {self.length} bytes written"
         try:
-            head = self._store._head(self.key, self.length, self._digests)
+            head = self._store._head(self.key, self.length, self._digests, self.version)
             write_at(self._fd, b"".join(head), 0)
             os.close(self._fd)
             self._fd = -1

@@ -5,21 +5,23 @@ An object (named by its URL) is cut into aligned blocks of ``block_bytes``; bloc
 covers bytes ``[i * block_bytes, (i + 1) * block_bytes)``. Each cached block is one file::
 
     <cache-dir>/blocks/<h[:2]>/<h>.<i>     h = the first 40 hex digits of sha256(url)
-    <cache-dir>/blocks/<h[:2]>/<h>.json    {"url", "size"}: the object's size when first cached
+    <cache-dir>/blocks/<h[:2]>/<h>.json    {"url", "size", "version"}: the object as first cached
     <cache-dir>/blocks/<h[:2]>/.tmp-*      files being written
     <cache-dir>/usage                      the ledger (NOTE [ Ledger ] in ``cache_dir.py``)
     <cache-dir>/fetching                   empty: its bytes are the fetch locks' stripes
 
-A block file is a 32-byte header (magic, the block's first byte in the object, the content's
-length, the chunk size, a check of the chunk table), the chunk table (an XXH3-64 digest of
-each 16 KiB chunk) and the content (``block_format.py``). A block may hold a prefix of its
-range only (the end of the object, or of what was asked for when the object's size is
-unknown); a read that needs more is a miss. A reader checks the header, the file's size, the
-table's check and the digest of every chunk it reads: a file that is corrupt or truncated, of
-an earlier format, unreadable (an I/O error) or not a regular file of the server's user (a
-directory or a FIFO in its place) is removed and the block fetched again; if it cannot be
-removed (a read-only disk), the block is fetched at every read, with a warning. Per-chunk
-digests keep a hit cheap: a few records of a block cost a read of their chunks, not of 4 MiB.
+A block file is a 40-byte header (magic, the block's first byte in the object, the content's
+length, the chunk size, a check of the chunk table, the object's version: NOTE [ Object
+versions ] in ``block_format.py``), the chunk table
+(an XXH3-64 digest of each 16 KiB chunk) and the content (``block_format.py``). A block may
+hold a prefix of its range only (the end of the object, or of what was asked for when the
+object's size is unknown); a read that needs more is a miss. A reader checks the header, the
+file's size, the table's check and the digest of every chunk it reads: a file that is corrupt
+or truncated, of an earlier format, unreadable (an I/O error) or not a regular file of the
+server's user (a directory or a FIFO in its place) is removed and the block fetched again; if
+it cannot be removed (a read-only disk), the block is fetched at every read, with a warning.
+Per-chunk digests keep a hit cheap: a few records of a block cost a read of their chunks, not
+of 4 MiB.
 
 Writers (every worker process and the cache manager's prefetch threads) write a block to a
 ``.tmp-*`` file (at once, or piece by piece as a fetch receives it: ``BlockWriter``) and
@@ -47,8 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
-import hashlib
 import json
 import logging
 import os
@@ -57,7 +57,6 @@ import shutil
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -73,6 +72,7 @@ from batchd_server.storage.block_format import (
     table_check,
     whole_matches,
 )
+from batchd_server.storage.block_keys import BlockKey, ObjectMeta, object_hash
 from batchd_server.storage.block_listing import (
     RECORD_BYTES,
     RECORD_SUFFIX,
@@ -104,42 +104,6 @@ logger = logging.getLogger(__name__)
 BLOCK_BYTES: Final = 4 << 20
 """A block's bytes at most: large enough that one GET of a block costs little more than
 its latency, small enough that a sample's block is not mostly other samples."""
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def object_hash(url: str) -> str:
-    """The 40 hex digits naming ``url``'s files (NOTE [ Cache files ]); remembered, since a
-    warm epoch of one object per image asks for each of them once per read."""
-    return hashlib.sha256(url.encode("utf-8")).hexdigest()[:40]
-
-
-@dataclass(frozen=True, order=True)
-class BlockKey:
-    """Block ``index`` of the object whose URL hashes to ``object``."""
-
-    object: str
-    index: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.object}.{self.index}"
-
-    @classmethod
-    def parse(cls, name: str) -> BlockKey | None:
-        """The key of a block file's name; None for a name that is not one."""
-        head, _, tail = name.partition(".")
-        if len(head) != 40 or not tail.isdigit():
-            return None
-        return cls(head, int(tail))
-
-
-@dataclass(frozen=True)
-class ObjectMeta:
-    """What the store said about an object when its first block was cached."""
-
-    url: str
-    size: int
-    """Bytes."""
 
 
 class BlockStore:
@@ -255,12 +219,15 @@ class BlockStore:
         """What a block file of ``length`` content bytes takes (header, chunk table, content)."""
         return HEADER_BYTES + DIGEST_BYTES * -(-length // self.chunk_bytes) + length
 
-    def read(self, key: BlockKey, spans: Sequence[tuple[int, int]]) -> BlockRead | None:
+    def read(
+        self, key: BlockKey, spans: Sequence[tuple[int, int]], version: int = 0
+    ) -> BlockRead | None:
         """The chunks of the block that hold the ``(lo, hi)`` spans (from its first byte),
         checked: None if it is not cached, or its file is bad (corrupt, truncated, not a
         regular file of the server's user, or unreadable: an I/O error); a bad file is then
         removed and :attr:`on_corrupt` called. A :class:`BlockRead` without parts if it
-        holds fewer bytes than a span's end."""
+        holds fewer bytes than a span's end, or is of another version of the object than
+        ``version`` (``version_tag``)."""
         path = self.file(key)
         why = "corrupt or truncated"
         try:
@@ -282,6 +249,7 @@ class BlockStore:
                         self.block_bytes,
                         self.chunk_bytes,
                         spans,
+                        version,
                     )
             except OSError as e:
                 got, why = None, f"unreadable ({e.strerror or e})"
@@ -296,10 +264,11 @@ class BlockStore:
                 self.on_corrupt()
         return got
 
-    def read_whole(self, key: BlockKey, length: int) -> bytes | None:
-        """The block's whole content when it holds exactly ``length`` bytes (a small object
-        whose size is known), in two reads and checked; None otherwise (not cached, another
-        length, or bad: :meth:`read` then finds out which, and deletes a bad file).
+    def read_whole(self, key: BlockKey, length: int, version: int = 0) -> bytes | None:
+        """The block's whole content when it holds exactly ``length`` bytes of the object's
+        ``version`` (a small object whose size is known), in two reads and checked; None
+        otherwise (not cached, another length or version, or bad: :meth:`read` then finds out
+        which, and deletes a bad file).
 
         The fast path of a cached image: no ``fstat`` (a file that is not a regular one
         fails its ``pread``; one of another user cannot be in a directory only the server
@@ -322,14 +291,21 @@ class BlockStore:
         finally:
             os.close(fd)
         at = key.index * self.block_bytes
-        return data if whole_matches(head, data, at, length, chunk) else None
+        return data if whole_matches(head, data, at, length, chunk, version) else None
 
-    def write(self, key: BlockKey, content: bytes | memoryview, *, replace: bool = False) -> bool:
+    def write(
+        self,
+        key: BlockKey,
+        content: bytes | memoryview,
+        *,
+        replace: bool = False,
+        version: int = 0,
+    ) -> bool:
         """Keep ``content`` as the block (through :meth:`writer`, in one piece); whether it is
         now cached (False: no room, or the disk refused). ``replace``: an existing file (a
-        shorter prefix) gives way."""
+        shorter prefix, or of another version) gives way."""
         view = memoryview(content).cast("B")
-        writer = self.writer(key, len(view))
+        writer = self.writer(key, len(view), version)
         if writer is None:
             return False
         try:
@@ -340,9 +316,10 @@ class BlockStore:
             return False
         return writer.finish(replace=replace)
 
-    def writer(self, key: BlockKey, length: int) -> BlockWriter | None:
-        """A writer of the block's ``length`` bytes, given in pieces as they arrive
-        (:class:`BlockWriter`); None when the ledger has no room or the disk refused."""
+    def writer(self, key: BlockKey, length: int, version: int = 0) -> BlockWriter | None:
+        """A writer of the block's ``length`` bytes of the object's ``version``
+        (``version_tag``), given in pieces as they arrive (:class:`BlockWriter`); None when
+        the ledger has no room or the disk refused."""
         assert 0 <= length <= self.block_bytes, "a block's content fits a block"
         nbytes = self.file_bytes(length)
         slot = _slot(key.object)
@@ -362,7 +339,7 @@ class BlockStore:
                     os.unlink(tmp)
             self._refused(e, "start a block file")
             return None
-        return BlockWriter(self, key, length, nbytes, tmp, fd)
+        return BlockWriter(self, key, length, nbytes, tmp, fd, version)
 
     def _tmp_name(self, h: str, nbytes: int) -> str:
         """A new file to write in the directory of ``h``'s blocks, named with the bytes
@@ -370,11 +347,14 @@ class BlockStore:
         token = secrets.token_hex(8)
         return f"{self._blocks}/{h[:2]}/{TMP_PREFIX}{os.getpid()}-{token}-{nbytes}"
 
-    def _head(self, key: BlockKey, length: int, digests: list[int]) -> tuple[bytes, bytes]:
+    def _head(
+        self, key: BlockKey, length: int, digests: list[int], version: int = 0
+    ) -> tuple[bytes, bytes]:
         """A block file's header and chunk table."""
         table = pack_table(digests)
         offset = key.index * self.block_bytes
-        header = HEADER.pack(MAGIC, offset, length, self.chunk_bytes, table_check(table))
+        check = table_check(table)
+        header = HEADER.pack(MAGIC, offset, length, self.chunk_bytes, check, version)
         return header, table
 
     def _link(self, tmp: str, key: BlockKey, nbytes: int, *, replace: bool) -> bool:
@@ -499,7 +479,7 @@ class BlockStore:
 
     def meta(self, url: str) -> ObjectMeta | None:
         """What was recorded of ``url`` (None: nothing, or a record that does not parse or
-        cannot be read)."""
+        cannot be read, or an earlier batchd's, without a version: it is asked again)."""
         try:
             fd = open_file(self._record(object_hash(url)), os.O_RDONLY)
         except OSError:
@@ -509,7 +489,9 @@ class BlockStore:
                 return None
             raw = os.pread(fd, RECORD_BYTES + 1, 0)
             record = json.loads(raw)
-            meta = ObjectMeta(str(record["url"]), int(record["size"]))
+            version = record["version"]
+            version = None if version is None else str(version)
+            meta = ObjectMeta(str(record["url"]), int(record["size"]), version)
         except (OSError, ValueError, KeyError, TypeError):
             return None
         finally:
@@ -522,7 +504,8 @@ class BlockStore:
         not kept, and the size is asked of the store again when next needed."""
         h = object_hash(meta.url)
         path = self._record(h)
-        data = json.dumps({"url": meta.url, "size": meta.size}).encode("utf-8")
+        text = json.dumps({"url": meta.url, "size": meta.size, "version": meta.version})
+        data = text.encode("utf-8")
         if len(data) > RECORD_BYTES:
             return
         tmp = self._tmp_name(h, 0)

@@ -11,15 +11,19 @@ what leaves the cache: the cache manager in the server's main process does, from
 of the live sessions (``cache_policy/manager.py``), and prefetches through a fetcher of
 this class too.
 
-An object's size is looked up once (its record under ``objects/``, else the inner fetcher's
-``size`` if it has one: a HEAD; a whole-object read, :meth:`CachingFetcher.fetch_whole`,
-needs none: its one GET answers the size, which is then recorded) so that the last block
-is asked for exactly; with no size
-known, a block is fetched up to the last byte asked of it, and a later read that needs more
-of it fetches it again. Objects are taken to be immutable while cached: a catalog's byte
-offsets are a snapshot of them anyway, and a range past the recorded size is ``unreadable``.
-An object rewritten in place under the same key must be forgotten (``BlockStore.forget``,
-or a new cache directory): see the node cache's page in the docs.
+An object's size is looked up once (its record beside its blocks, else the inner fetcher's
+``head``, with the version, or ``size``: a HEAD; a whole-object read,
+:meth:`CachingFetcher.fetch_whole`, needs none: its one GET answers the size, which is then
+recorded) so that the last block is asked for exactly; with no size known, a block is
+fetched up to the last byte asked of it, and a later read that needs more of it fetches it
+again. A range past the recorded size is ``unreadable``.
+
+The cache holds one version of an object (NOTE [ Object versions ] in ``block_format.py``):
+the one recorded with its size, whose every block is filled by asking the store for it, in
+any process. When the store says the object changed (rewritten in place under the same key), the
+object's blocks and record are dropped, its new version recorded, and what was asked read
+again, all of it from the new version, with a warning; when it changes again during that
+read, the read fails as an ``unreadable`` sample.
 
 What a process read through its fetchers (hits, misses, bytes, the latency of each request
 to the store) is counted in :data:`STATS`; a worker sends its counts back with each result
@@ -37,8 +41,16 @@ from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.base import RangeFetcher, StreamsRanges, TooLarge, WholeFetcher
-from batchd_server.storage.block_filling import Filling
+from batchd_server.storage.base import (
+    ObjectChanged,
+    PinsVersions,
+    RangeFetcher,
+    StreamsRanges,
+    TooLarge,
+    WholeFetcher,
+)
+from batchd_server.storage.block_filling import fetch_unkept, fill_run, short_answer
+from batchd_server.storage.block_format import version_tag
 from batchd_server.storage.blocks import (
     BLOCK_BYTES,
     BlockKey,
@@ -48,6 +60,7 @@ from batchd_server.storage.blocks import (
     object_hash,
 )
 from batchd_server.storage.cache_stats import STATS, CacheStats, NodeCacheCounts
+from batchd_server.storage.paths import sample_url
 
 __all__ = [
     "STATS",
@@ -75,8 +88,13 @@ class SizesObjects(Protocol):
 
 
 def object_url(root: str, path: str) -> str:
-    """The URL of a catalog path under a dataset root (``s3://bucket/prefix`` + ``a/b.tar``)."""
-    return f"{root.rstrip('/')}/{path.lstrip('/')}"
+    """The URL of a catalog path under a dataset root (``s3://bucket/prefix`` + ``a/b.tar``),
+    by the one rule the reader and ingest use (``storage/paths.py``).
+
+    Raises:
+        BadSample: ``unsafe_path``: a path no reader reads (absolute, ``..``, ...).
+    """
+    return sample_url(root, path)
 
 
 class CachingFetcher:
@@ -102,9 +120,11 @@ class CachingFetcher:
         self._whole = inner if isinstance(inner, WholeFetcher) else None
         self._sizer = inner if isinstance(inner, SizesObjects) else None
         self._streams = inner if isinstance(inner, StreamsRanges) else None
+        self._pins = inner if isinstance(inner, PinsVersions) else None
         self.store = store
         self.stats = STATS if stats is None else stats
-        self._sizes: dict[str, int] = {}
+        self._known: dict[str, tuple[ObjectMeta, int]] = {}
+        """URL -> its record as this process knows it, and its version's ``version_tag``."""
         store.on_corrupt = lambda: self.stats.add(corrupt=1)
 
     def fetch(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
@@ -140,7 +160,9 @@ class CachingFetcher:
         if not size:
             return b""
         if size <= self.store.block_bytes:
-            data = self.store.read_whole(BlockKey(object_hash(url), 0), size)
+            known = self._known.get(url)
+            version = 0 if known is None else known[1]
+            data = self.store.read_whole(BlockKey(object_hash(url), 0), size, version)
             if data is not None:
                 self.stats.add(hits=1, hit_bytes=size)
                 return data
@@ -204,7 +226,10 @@ class CachingFetcher:
     ) -> bytes | memoryview:
         """A whole object not known here: one GET, then its record and its blocks."""
         started = time.perf_counter()
-        data = inner.fetch_whole(url, max_bytes)
+        if self._pins is not None:
+            tag, data = self._pins.fetch_whole_version(url, max_bytes)
+        else:
+            tag, data = None, inner.fetch_whole(url, max_bytes)
         self.stats.latency(time.perf_counter() - started)
         if len(data) > max_bytes:  # a client that does not bound its read: nothing is kept
             raise TooLarge(url, len(data))
@@ -215,29 +240,36 @@ class CachingFetcher:
             fetched_bytes=len(data),
             prefetched_bytes=len(data) if prefetch else 0,
         )
-        self.store.record(ObjectMeta(url, len(data)))
-        self._remember(url, len(data))
+        meta = ObjectMeta(url, len(data), tag)
+        self.store.record(meta)
+        version = self._remember(meta)[1]
         h = object_hash(url)
         view = memoryview(data)
         for i in range(count):
-            self.store.write(BlockKey(h, i), view[i * b : (i + 1) * b])
+            self.store.write(BlockKey(h, i), view[i * b : (i + 1) * b], version=version)
         return data
 
     def _recorded_size(self, url: str) -> int | None:
         """``url``'s size as this process or the cache's record knows it (no request);
         None when neither does."""
-        size = self._sizes.get(url)
-        if size is None:
+        known = self._recorded(url)
+        return None if known is None else known[0].size
+
+    def _recorded(self, url: str) -> tuple[ObjectMeta, int] | None:
+        """``url``'s record (and its version's tag) as this process or the cache knows it
+        (no request); None when neither does."""
+        known = self._known.get(url)
+        if known is None:
             meta = self.store.meta(url)
             if meta is not None:
-                size = self._remember(url, meta.size)
-        return size
+                known = self._remember(meta)
+        return known
 
-    def _remember(self, url: str, size: int) -> int:
-        if len(self._sizes) >= _MAX_SIZES:
-            self._sizes.clear()
-        self._sizes[url] = size
-        return size
+    def _remember(self, meta: ObjectMeta) -> tuple[ObjectMeta, int]:
+        if len(self._known) >= _MAX_SIZES:
+            self._known.clear()
+        known = self._known[meta.url] = (meta, version_tag(meta.version))
+        return known
 
     def size(self, url: str) -> int:
         """``url``'s size in bytes: as recorded when it was first cached (no request, so a
@@ -256,21 +288,87 @@ class CachingFetcher:
 
     def known_size(self, url: str) -> int:
         """As :meth:`size`, but -1 when the inner fetcher cannot tell sizes."""
-        size = self._recorded_size(url)
-        if size is not None:
-            return size
-        if self._sizer is None:
-            return -1
-        meta = ObjectMeta(url, self._sizer.size(url))
+        return self._object(url)[0].size
+
+    def _object(self, url: str) -> tuple[ObjectMeta, int]:
+        """``url``'s record (size -1 when the inner fetcher cannot tell sizes), asked of the
+        store (and recorded) when neither this process nor the cache knows it."""
+        known = self._recorded(url)
+        if known is not None:
+            return known
+        if self._pins is not None:
+            meta = ObjectMeta(url, *self._pins.head(url))
+        elif self._sizer is not None:
+            meta = ObjectMeta(url, self._sizer.size(url))
+        else:
+            return ObjectMeta(url, -1), 0
         self.store.record(meta)
-        return self._remember(url, meta.size)
+        return self._remember(meta)
 
     def _blocks(
         self, url: str, ranges: Sequence[tuple[int, int]], *, prefetch: bool
     ) -> tuple[dict[int, BlockRead], int]:
         """For every block that ``ranges`` touch, the parts of it they need; and how many
-        blocks were fetched."""
-        size = self.known_size(url)
+        blocks were fetched. All of one version of the object: when the store says it
+        changed, its cached blocks are dropped and all of them read again from the new one
+        (NOTE [ Object versions ] in ``block_format.py``).
+
+        Raises:
+            BadSample: as :meth:`fetch`, or ``unreadable`` when the object changed again
+                while it was read anew.
+        """
+        known = self._object(url)
+        try:
+            return self._version_blocks(url, known, ranges, prefetch=prefetch)
+        except ObjectChanged:
+            pass
+        renewed = self._renew(url, known[0])
+        try:
+            return self._version_blocks(url, renewed, ranges, prefetch=prefetch)
+        except ObjectChanged:
+            raise BadSample(
+                "unreadable",
+                f"{url}: the object changed while it was read (rewritten in place); its "
+                "samples are read again at the next epoch. Objects a session reads should "
+                "not be rewritten: write a new key, and ingest a new version of the dataset",
+            ) from None
+
+    def _renew(self, url: str, old: ObjectMeta) -> tuple[ObjectMeta, int]:
+        """The object's record once the store said it is no longer of ``old``'s version:
+        the one another process recorded since, else (its blocks and record dropped) the
+        store's answer, recorded."""
+        self._known.pop(url, None)
+        found = self.store.meta(url)
+        if found is not None and found.version != old.version:
+            known = self._remember(found)
+        else:
+            self.store.forget(url)
+            known = self._object(url)
+        logger.warning(
+            "%s changed in place (its version was %s, is now %s): the node cache dropped "
+            "its blocks, and it is read whole from the new version; re-ingest the dataset "
+            "if its byte ranges moved",
+            url,
+            old.version or "not known",
+            known[0].version or "not known",
+        )
+        return known
+
+    def _version_blocks(
+        self,
+        url: str,
+        known: tuple[ObjectMeta, int],
+        ranges: Sequence[tuple[int, int]],
+        *,
+        prefetch: bool,
+    ) -> tuple[dict[int, BlockRead], int]:
+        """:meth:`_blocks` of the version ``known`` names.
+
+        Raises:
+            ObjectChanged: the store has another version.
+        """
+        meta, version = known
+        size = meta.size
         b = self.store.block_bytes
         need: dict[int, list[tuple[int, int]]] = {}
         """Block -> the spans of it the ranges need, from its first byte."""
@@ -293,7 +391,7 @@ class CachingFetcher:
         have: dict[int, BlockRead] = {}
         short: set[int] = set()
         for i in sorted(need):
-            found = self.store.read(BlockKey(h, i), need[i])
+            found = self.store.read(BlockKey(h, i), need[i], version)
             if found is None:
                 continue
             if found.parts is not None:
@@ -312,16 +410,16 @@ class CachingFetcher:
         with self.store.fetch_locks.hold(list(keys.values()), wait=not prefetch) as mine:
             for i in missing:  # whoever held a lock before may have cached its blocks
                 if keys[i] in mine:
-                    found = self.store.read(keys[i], need[i])
+                    found = self.store.read(keys[i], need[i], version)
                     if found is not None and found.parts is not None:
                         have[i] = found
                         short.discard(i)
             fetch = [i for i in missing if i not in have and keys[i] in mine]
             self._count(have, len(fetch), prefetch=prefetch)
             if fetch:
-                have.update(self._fetch_missing(url, size, need, fetch, short, prefetch=prefetch))
+                have.update(self._fetch_missing(known, need, fetch, short, prefetch=prefetch))
                 if size >= 0 and self.store.meta(url) is None:  # evicted with earlier blocks
-                    self.store.record(ObjectMeta(url, size))
+                    self.store.record(meta)
         return have, len(fetch)
 
     def _count(self, hits: dict[int, BlockRead], misses: int, *, prefetch: bool) -> None:
@@ -332,8 +430,7 @@ class CachingFetcher:
 
     def _fetch_missing(
         self,
-        url: str,
-        size: int,
+        known: tuple[ObjectMeta, int],
         need: dict[int, list[tuple[int, int]]],
         missing: list[int],
         short: set[int],
@@ -341,24 +438,28 @@ class CachingFetcher:
         prefetch: bool,
     ) -> dict[int, BlockRead]:
         """Fetch ``missing`` blocks, one range per run of neighbours, and keep them; those
-        the cache has no room for, only in the spans asked (:meth:`_fetch_unkept`)."""
-        b = self.store.block_bytes
+        the cache has no room for, only in the spans asked (``block_filling.fetch_unkept``)."""
+        meta, b = known[0], self.store.block_bytes
+        size = meta.size
         room, keep = self.store.room(), 0
         for i in missing:  # a block's file: what of it is fetched (all of it, if size known)
             room -= self.store.file_bytes(b if size < 0 else min(b, size - i * b))
             if room < 0:
                 break
             keep += 1
-        kept = missing[:keep]
-        got = {} if prefetch else self._fetch_unkept(url, need, missing[keep:])
+        kept, unkept = missing[:keep], missing[keep:]
+        got: dict[int, BlockRead] = {}
+        if unkept and not prefetch:  # a prefetch fetches none: nothing of them could be kept
+            got = fetch_unkept(
+                lambda spans: self._get(meta, spans), self.stats, meta.url, b, need, unkept
+            )
         if kept:
-            got.update(self._fetch_kept(url, size, need, kept, short, prefetch=prefetch))
+            got.update(self._fetch_kept(known, need, kept, short, prefetch=prefetch))
         return got
 
     def _fetch_kept(
         self,
-        url: str,
-        size: int,
+        known: tuple[ObjectMeta, int],
         need: dict[int, list[tuple[int, int]]],
         missing: list[int],
         short: set[int],
@@ -366,6 +467,7 @@ class CachingFetcher:
         prefetch: bool,
     ) -> dict[int, BlockRead]:
         """Fetch ``missing`` blocks whole, one range per run of neighbours, and keep them."""
+        (meta, version), url, size = known, known[0].url, known[0].size
         b = self.store.block_bytes
         runs: list[list[int]] = []
         for i in missing:
@@ -379,9 +481,9 @@ class CachingFetcher:
 
         spans = [(run[0] * b, want_end(run[-1]) - run[0] * b) for run in runs]
         if self._streams is not None:
-            return self._stream_missing(self._streams, url, runs, spans, need, short, prefetch)
+            return self._stream_missing(self._streams, known, runs, spans, need, short, prefetch)
         started = time.perf_counter()
-        datas = self.inner.fetch(url, spans)
+        datas = self._get(meta, spans)
         self.stats.latency(time.perf_counter() - started)
         fetched = sum(len(d) for d in datas)
         self.stats.add(fetched_bytes=fetched, prefetched_bytes=fetched if prefetch else 0)
@@ -389,53 +491,25 @@ class CachingFetcher:
         h = object_hash(url)
         for run, (start, length), data in zip(runs, spans, datas, strict=True):
             if len(data) != length:
-                raise _short(url, len(data), length, start)
+                raise short_answer(url, len(data), length, start)
             view = memoryview(data)
             for i in run:
                 # A view, not a copy: the block's file and the reader take it from here.
                 content = view[i * b - start : min((i + 1) * b, start + length) - start]
                 got[i] = BlockRead(len(content), [(0, content)])
-                self.store.write(BlockKey(h, i), content, replace=i in short)
+                self.store.write(BlockKey(h, i), content, replace=i in short, version=version)
         return got
 
-    def _fetch_unkept(
-        self, url: str, need: dict[int, list[tuple[int, int]]], missing: list[int]
-    ) -> dict[int, BlockRead]:
-        """The asked spans of ``missing`` blocks, in one request, none kept: the cache has no
-        room for the blocks (a working set larger than it), and fetching a whole block per
-        record would multiply the bytes asked of the store by the block's size. (A prefetch
-        fetches none of them: nothing it fetched could be kept.)"""
-        if not missing:
-            return {}
-        b = self.store.block_bytes
-        merged: dict[int, list[list[int]]] = {}
-        for i in missing:
-            runs = merged[i] = []
-            for lo, hi in sorted(need[i]):
-                if runs and lo <= runs[-1][1]:
-                    runs[-1][1] = max(runs[-1][1], hi)
-                else:
-                    runs.append([lo, hi])
-        spans = [(i * b + lo, hi - lo) for i in missing for lo, hi in merged[i]]
-        started = time.perf_counter()
-        datas = iter(self.inner.fetch(url, spans))
-        self.stats.latency(time.perf_counter() - started)
-        self.stats.add(unkept=len(missing), fetched_bytes=sum(n for _, n in spans))
-        got: dict[int, BlockRead] = {}
-        for i in missing:
-            parts: list[tuple[int, bytes | memoryview]] = []
-            for lo, hi in merged[i]:
-                data = next(datas)
-                if len(data) != hi - lo:
-                    raise _short(url, len(data), hi - lo, i * b + lo)
-                parts.append((lo, data))
-            got[i] = BlockRead(merged[i][-1][1], parts)
-        return got
+    def _get(self, meta: ObjectMeta, spans: list[tuple[int, int]]) -> list[bytes | memoryview]:
+        """The spans of the object, of the version ``meta`` names where the store can say."""
+        if self._pins is not None:
+            return self._pins.fetch_version(meta.url, spans, meta.version)
+        return self.inner.fetch(meta.url, spans)
 
     def _stream_missing(
         self,
         inner: StreamsRanges,
-        url: str,
+        known: tuple[ObjectMeta, int],
         runs: list[list[int]],
         spans: list[tuple[int, int]],
         need: dict[int, list[tuple[int, int]]],
@@ -446,39 +520,28 @@ class CachingFetcher:
         to their blocks' files as they arrive (:class:`BlockWriter`), and a reader keeps
         copies of the spans it asked for. No buffer is taken per block: a fresh 4 MiB buffer,
         its pages touched for the first time, cost more CPU than the transfer did."""
-        h = object_hash(url)
+        (meta, version), url = known, known[0].url
         got: dict[int, BlockRead] = {}
         for run, (start, length) in zip(runs, spans, strict=True):
-            block = Filling(self.store, h, run[0], start, length, need, prefetch)
-            received = 0
-            started = time.perf_counter()
-            try:
-                for piece in inner.stream(url, start, length):
-                    view = memoryview(piece).cast("B")
-                    received += len(view)
-                    if received > length:
-                        raise BadSample(
-                            "unreadable",
-                            f"{url}: the store answered more than the {length} bytes asked at "
-                            f"{start}",
-                        )
-                    while len(view):
-                        view = block.add(view)
-                        if block.full:
-                            got[block.index] = block.finish(replace=block.index in short)
-                            if block.index < run[-1]:
-                                block = Filling(
-                                    self.store, h, block.index + 1, start, length, need, prefetch
-                                )
-            except BaseException:
-                block.abort()
-                raise
-            finally:
-                self.stats.latency(time.perf_counter() - started)
-                self.stats.add(fetched_bytes=received, prefetched_bytes=received if prefetch else 0)
-            if received != length:
-                block.abort()
-                raise _short(url, received, length, start)
+            pieces = (  # a generator: nothing is asked before the first piece is
+                inner.stream(url, start, length)
+                if self._pins is None
+                else self._pins.stream_version(url, start, length, meta.version)
+            )
+            got.update(
+                fill_run(
+                    self.store,
+                    self.stats,
+                    pieces,
+                    url,
+                    run,
+                    (start, length),
+                    need,
+                    short,
+                    prefetch=prefetch,
+                    version=version,
+                )
+            )
         return got
 
     def _cut(self, blocks: dict[int, BlockRead], offset: int, length: int) -> bytes | memoryview:
@@ -490,14 +553,6 @@ class CachingFetcher:
             lo, hi = max(offset, i * b) - i * b, min(offset + length, (i + 1) * b) - i * b
             parts.append(blocks[i].cut(lo, hi))
         return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _short(url: str, received: int, length: int, start: int) -> BadSample:
-    return BadSample(
-        "unreadable",
-        f"{url}: the store answered {received} bytes for the {length} at {start}; the object "
-        "may have changed or been truncated",
-    )
 
 
 _STORES: dict[tuple[int, Path, int, int], BlockStore] = {}

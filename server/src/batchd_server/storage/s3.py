@@ -51,9 +51,9 @@ from obstore.exceptions import PermissionDeniedError, PreconditionError, Unauthe
 from obstore.store import S3Store
 
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage.base import TooLarge
+from batchd_server.storage.base import ObjectChanged, TooLarge
 from batchd_server.storage.options import DEFAULT_RETRY_S
-from batchd_server.storage.s3_gets import Versions, get_ranges, tag_of
+from batchd_server.storage.s3_gets import Changed, Versions, get_ranges, get_version, tag_of
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -391,6 +391,61 @@ class S3Fetcher:
         except Exception as e:
             raise classify(url, e) from None
 
+    def fetch_version(self, url: str, ranges: Any, version: str | None) -> list[bytes | memoryview]:
+        """As :meth:`fetch`, every range of ``version`` (the node cache's fills: NOTE [ Object
+        versions ] in ``blocks.py``); no refetch of another version here.
+
+        Raises:
+            ObjectChanged: the object is not of ``version``, or its ranges came from several.
+            BadSample: as :func:`classify`.
+        """
+        bucket, key = split_url(url)
+        asked = [(int(o), int(n)) for o, n in ranges]
+        try:
+            return list(
+                get_version(store_for(bucket, retry_s=self.retry_s), key, asked, version)[1]
+            )
+        except Changed:
+            raise ObjectChanged(url) from None
+        except Exception as e:
+            raise classify(url, e) from None
+
+    def stream_version(
+        self, url: str, offset: int, length: int, version: str | None
+    ) -> Iterator[memoryview]:
+        """As :meth:`stream`, of ``version`` (``If-Match``; any version when None).
+
+        Raises:
+            ObjectChanged: the object is not of ``version``.
+            BadSample: as :meth:`fetch`.
+        """
+        bucket, key = split_url(url)
+        store = store_for(bucket, retry_s=self.retry_s)
+        options: Any = {"range": (offset, offset + length)}
+        if version is not None:
+            options["if_match"] = version
+        try:
+            result = obstore.get(store, key, options=options)
+            for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
+                yield memoryview(piece)
+        except PreconditionError:
+            raise ObjectChanged(url) from None
+        except Exception as e:
+            raise classify(url, e) from None
+
+    def head(self, url: str) -> tuple[int, str | None]:
+        """The object's size and version (a HEAD).
+
+        Raises:
+            BadSample: as :meth:`fetch`.
+        """
+        bucket, key = split_url(url)
+        try:
+            meta = obstore.head(store_for(bucket, retry_s=self.retry_s), key)
+            return int(meta["size"]), tag_of(meta)
+        except Exception as e:
+            raise classify(url, e) from None
+
     def fetch_whole(self, url: str, max_bytes: int) -> memoryview:
         """The whole object, in one GET: its size comes with the answer's headers, so no HEAD
         goes first, and an object over ``max_bytes`` is refused before its body is read.
@@ -399,6 +454,10 @@ class S3Fetcher:
             TooLarge: the object has more than ``max_bytes``.
             BadSample: as :meth:`fetch`.
         """
+        return self.fetch_whole_version(url, max_bytes)[1]
+
+    def fetch_whole_version(self, url: str, max_bytes: int) -> tuple[str | None, memoryview]:
+        """As :meth:`fetch_whole`, and the version it read."""
         bucket, key = split_url(url)
         try:
             result = obstore.get(store_for(bucket, retry_s=self.retry_s), key)
@@ -406,7 +465,8 @@ class S3Fetcher:
             if size > max_bytes:
                 raise TooLarge(url, size)  # the body is dropped unread with the result
             data = memoryview(result.bytes())  # the client's buffer, not a copy of it
-            self.versions.record(url, tag_of(result.meta))
+            tag = tag_of(result.meta)
+            self.versions.record(url, tag)
         except TooLarge:
             raise
         except Exception as e:
@@ -417,7 +477,7 @@ class S3Fetcher:
                 f"{url}: the store answered {len(data)} bytes of an object of {size}; the "
                 "object may have changed while it was read",
             )
-        return data
+        return tag, data
 
     def size(self, url: str) -> int:
         """The object's size in bytes (a HEAD).

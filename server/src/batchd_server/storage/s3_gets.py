@@ -32,7 +32,7 @@ from obstore.store import S3Store
 
 from batchd_server.pipelines.base import BadSample
 
-__all__ = ["MAX_IN_FLIGHT", "Changed", "Versions", "get_ranges"]
+__all__ = ["MAX_IN_FLIGHT", "Changed", "Versions", "get_ranges", "get_version", "tag_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ async def _get_many(
         raise Changed() from None
 
 
-def _get_version(
+def get_version(
     store: S3Store, key: str, ranges: Sequence[tuple[int, int]], tag: str | None
 ) -> tuple[str | None, list[memoryview]]:
     """The ranges, all of version ``tag`` (any one version when None), and that version.
@@ -159,10 +159,10 @@ def get_ranges(
     """
     known = versions.get(url)
     try:
-        tag, data = _get_version(store, key, ranges, known)
+        tag, data = get_version(store, key, ranges, known)
     except Changed:
         try:
-            tag, data = _get_version(store, key, ranges, None)
+            tag, data = get_version(store, key, ranges, None)
         except Changed:
             raise BadSample(
                 "unreadable",
