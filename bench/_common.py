@@ -47,6 +47,7 @@ __all__ = [
     "own_cpu_s",
     "pids_cpu_s",
     "ratio",
+    "reaped_children_cpu_s",
     "results_table",
     "rss_bytes",
     "self_cpu_s",
@@ -113,6 +114,15 @@ def pids_cpu_s(pids: Iterable[int]) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total_ticks += int(fields[11]) + int(fields[12])  # utime, stime (stat 14, 15)
     return total_ticks / _CLOCK_TICKS_PER_S
+
+
+def reaped_children_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid``'s children that it has waited for (``cutime`` and
+    ``cstime`` of /proc/<pid>/stat); 0 when it is gone."""
+    with contextlib.suppress(OSError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[13]) + int(fields[14])) / _CLOCK_TICKS_PER_S  # stat 16, 17
+    return 0.0
 
 
 def rss_bytes() -> int:
@@ -412,9 +422,11 @@ class ServerProcess:
     log: list[str] = field(default_factory=list)
 
     def cpu_s(self) -> float:
-        """CPU seconds of the server and all its live descendants (the decode workers)."""
+        """CPU seconds of the server (every thread) and all its live descendants (the decode
+        workers), plus what its children that have exited and been waited for used (a
+        worker replaced mid-run still counts)."""
         pid = self.process.pid
-        return pids_cpu_s([pid, *descendants(pid)])
+        return pids_cpu_s([pid, *descendants(pid)]) + reaped_children_cpu_s(pid)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from _objstore_s3 import Store
 
 __all__ = [
     "Config",
+    "loader_cpu_table",
     "results_table",
     "rounds",
     "shutdown_dataloader",
@@ -130,6 +131,24 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def loader_ms_per_sample(cfg: Config) -> float:
+    """Median CPU milliseconds per sample of the processes that load for ``cfg`` (batchd's
+    server, its threads and its decode workers; a peer's DataLoader workers); NaN when not
+    measured."""
+    values = [
+        1e3 * r.loader_cpu_s / r.samples
+        for r in cfg.contender.runs
+        if r.loader_cpu_s is not None and r.samples
+    ]
+    return _median(values)
+
+
+def store_ms_per_sample(cfg: Config) -> float:
+    """Median CPU milliseconds per sample of the store and the delay proxy."""
+    samples = _median([r.samples for r in cfg.contender.runs])
+    return 1e3 * _median(cfg.store_cpu_s) / samples if samples else float("nan")
+
+
 def rate(cfg: Config) -> float:
     """Median samples/s; NaN when every epoch failed."""
     return cfg.contender.median("samples_per_s") if cfg.contender.runs else float("nan")
@@ -147,15 +166,14 @@ def results_table(configs: list[Config], local: Config) -> str:
     header = ["config", "samples/s median (min-max)", "vs local files", "vs Mosaic"]
     header += ["vs LitData", "vs LitData raw", "MB fetched/epoch", "requests/epoch"]
     header += ["train CPU ms/batch"]
-    header += ["loader CPU ms/batch", "store+proxy CPU ms/batch"]
+    header += ["loader CPU ms/sample", "store+proxy CPU ms/sample"]
     rows = []
     for cfg in configs:
         runs = cfg.contender.runs
         if not runs:
             rows.append([cfg.label, f"every epoch failed ({len(cfg.failures)})"] + [""] * 9)
             continue
-        batches = _median([r.batches for r in runs])
-        loader = [v for r in runs if (v := r.loader_cpu_ms_per_batch) is not None]
+        loader = [1e3 * r.loader_cpu_s / r.samples for r in runs if r.loader_cpu_s is not None]
         row = [f"**{cfg.label}**" if cfg is local else cfg.label]
         row += [spread([r.samples_per_s for r in runs]), f"{rate(cfg) / rate(local):.2f}x"]
         for family in ("Mosaic", "LitData", "LitData raw"):
@@ -168,8 +186,8 @@ def results_table(configs: list[Config], local: Config) -> str:
         row.append("-" if local_row else f"{_median(cfg.fetched_bytes) / 1e6:,.1f}")
         row.append("-" if local_row else f"{_median(cfg.requests):,.0f}")
         row.append(spread([r.train_cpu_ms_per_batch for r in runs], ".2f"))
-        row.append(spread(loader, ".1f") if loader else "-")
-        row.append(f"{1e3 * _median(cfg.store_cpu_s) / batches:.1f}")
+        row.append(spread(loader, ".2f") if loader else "-")
+        row.append("-" if local_row else f"{store_ms_per_sample(cfg):.2f}")
         rows.append(row)
     failed = [
         f"{c.label}: {len(c.failures)} epoch(s) failed, {c.failures[0]}"
@@ -182,6 +200,35 @@ def results_table(configs: list[Config], local: Config) -> str:
         + f"\n\nReference (bold): {local.label}."
         + (f"\n\nEpochs that failed (left out of the medians):{notes}" if failed else "")
     )
+
+
+def loader_cpu_table(configs: list[Config], local: Config) -> str:
+    """batchd's own CPU per sample (its server, the node cache's prefetch threads in it, and
+    its decode workers; not the store or the proxy) in every cold and warm epoch, against
+    local files: what reading from the store adds on the loader's node. A Parquet row is
+    also set against the Parquet export on the local disk, when that ran."""
+    parquet_local = next(
+        (c for c in configs if c.family == "batchd Parquet" and c.state == "local"), None
+    )
+    header = ["config", "loader CPU ms/sample", "vs local files", "vs same layout local"]
+    header += ["store+proxy CPU ms/sample"]
+    base = loader_ms_per_sample(local)
+    rows = []
+    for cfg in configs:
+        if not cfg.family.startswith("batchd") or not cfg.contender.runs:
+            continue
+        mine = loader_ms_per_sample(cfg)
+        same = parquet_local if cfg.family == "batchd Parquet" else None
+        rows.append(
+            [
+                f"**{cfg.label}**" if cfg is local else cfg.label,
+                f"{mine:.2f}",
+                f"{mine / base:.2f}x",
+                f"{mine / loader_ms_per_sample(same):.2f}x" if same and same is not cfg else "",
+                "-" if cfg.state == "local" else f"{store_ms_per_sample(cfg):.2f}",
+            ]
+        )
+    return markdown_table(header, rows)
 
 
 def targets(configs: list[Config], local: Config, latency: float) -> list[list[str]]:
@@ -253,6 +300,11 @@ def write_json(
                         "samples_per_s": r.samples_per_s,
                         "train_cpu_s": r.train_cpu_s,
                         "loader_cpu_s": r.loader_cpu_s,
+                        "loader_cpu_ms_per_sample": (
+                            None
+                            if r.loader_cpu_s is None or not r.samples
+                            else 1e3 * r.loader_cpu_s / r.samples
+                        ),
                         "fetched_bytes": b,
                         "requests": q,
                         "requests_by_type": t,

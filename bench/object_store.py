@@ -36,9 +36,14 @@ Configurations (one epoch each, timed whole from ``iter()``, the loop counts row
 
 Columns: samples/s; MB fetched from the store per epoch (response bytes the proxy passed,
 headers included); S3 requests per epoch (SeaweedFS's own counter); the training process's
-CPU per batch (getrusage, every thread); the loader processes' CPU per batch (batchd's server
-and workers, or the DataLoader's workers); the store's and proxy's CPU per batch (they share
-the cores with everything else). Beside each cold target the report gives this machine's
+CPU per batch (getrusage, every thread); the loader processes' CPU per sample (batchd's
+server, with the node cache's prefetch threads, and its decode workers, read from
+``/proc/<pid>/stat`` of the server and its descendants; or the DataLoader's workers); the
+store's and proxy's CPU per sample (they share the cores with everything else). A second
+table sets batchd's own CPU per sample in every cold and warm epoch against local files'
+(and a Parquet row against the Parquet export on the local disk): what fetching, keeping
+and reading the store's bytes costs the loader's node, apart from the store's own CPU.
+Beside each cold target the report gives this machine's
 ceiling for it: the store and the proxy share the two cores, so a cold epoch can be at most
 ``cores * local wall / (cores * local wall + store CPU)`` of local files even if fetching
 cost the loader nothing. Every configuration warms up once, then ``--reps`` rounds
@@ -89,6 +94,7 @@ from _objstore_peers import (
 )
 from _objstore_runs import (
     Config,
+    loader_cpu_table,
     results_table,
     rounds,
     shutdown_dataloader,
@@ -366,6 +372,12 @@ def main() -> None:
         f"{args.reps} timed epochs per config\n"
     )
     print(results_table(configs, local))
+    print(
+        "\n### The loader's own CPU per sample, cold and warm, against local files\n\n"
+        "batchd's server process (its threads: the node cache's prefetch among them) and its "
+        "decode workers, from /proc/<pid>/stat; not the store or the proxy (last column)\n"
+    )
+    print(loader_cpu_table(configs, local))
     rows: list[list[str]] = []
     for latency in args.latencies:
         rows += targets(configs, local, latency)
