@@ -145,7 +145,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p = kind(
         "parquet",
         "Parquet files: one row, one sample (its payload column decoded by the pipeline)",
-        "directory the files are under",
+        "directory (or s3://, gs:// or az://BUCKET/PREFIX) the files are under",
         None,
     )
     where = p.add_mutually_exclusive_group(required=True)
