@@ -30,6 +30,7 @@ __all__ = [
     "CLOUDS",
     "CONNECT_TIMEOUT_S",
     "REQUEST_TIMEOUT_S",
+    "BadStoreSettings",
     "cloud_of",
     "is_object_url",
     "split_url",
@@ -47,6 +48,11 @@ CLOUDS: Final[Mapping[str, Cloud]] = MappingProxyType(
 """A URL scheme (``s3`` of ``s3://bucket/key``) -> its store's rules."""
 
 logger = logging.getLogger(__name__)
+
+
+class BadStoreSettings(ValueError):
+    """The environment's settings for a store do not make a client (a malformed key, an
+    unknown option); the message says which store and what to check, never a value."""
 
 
 def _scheme(url: str) -> str:
@@ -122,6 +128,7 @@ def store_of(url: str, *, retry_s: float = DEFAULT_RETRY_S) -> tuple[Any, str]:
 
     Raises:
         ValueError: as :func:`split_url`.
+        BadStoreSettings: the environment's settings make no client.
     """
     cloud = cloud_of(url)
     bucket, key = split_url(url)
@@ -148,7 +155,14 @@ def store_of(url: str, *, retry_s: float = DEFAULT_RETRY_S) -> tuple[Any, str]:
                     "timeout": timedelta(seconds=REQUEST_TIMEOUT_S),
                 },
             }
-            store = cloud.make(bucket, env, options)
+            try:
+                store = cloud.make(bucket, env, options)
+            except Exception as e:
+                why = str(e).split("\n", 1)[0].strip() or type(e).__name__
+                raise BadStoreSettings(
+                    f"the server's settings for {cloud.scheme}:// stores make no client ({why}); "
+                    f"check them ({cloud.credentials_hint})"
+                ) from None
             _warn_plain_http(cloud.endpoint(env))
             _stores[cache_key] = store
         return store, key

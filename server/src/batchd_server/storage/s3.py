@@ -31,7 +31,13 @@ from obstore.exceptions import PermissionDeniedError, PreconditionError, Unauthe
 
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.base import TooLarge
-from batchd_server.storage.clouds import cloud_of, is_object_url, split_url, store_of
+from batchd_server.storage.clouds import (
+    BadStoreSettings,
+    cloud_of,
+    is_object_url,
+    split_url,
+    store_of,
+)
 from batchd_server.storage.options import DEFAULT_RETRY_S
 from batchd_server.storage.s3_gets import Versions, get_ranges, tag_of
 
@@ -79,8 +85,15 @@ def _is_not_found(error: BaseException) -> bool:
     return isinstance(error, FileNotFoundError)
 
 
+_DENIED_STATUS: Final = re.compile(r"\b(401 Unauthorized|403 Forbidden)\b")
+
+
 def _is_denied(error: BaseException) -> bool:
-    return isinstance(error, PermissionDeniedError | UnauthenticatedError)
+    # object_store maps a 401/403 of a GET or HEAD to these classes, but a listing's only to
+    # a generic error whose first line has the status.
+    if isinstance(error, PermissionDeniedError | UnauthenticatedError):
+        return True
+    return _DENIED_STATUS.search(first_line(error)) is not None
 
 
 def classify(url: str, error: Exception) -> BadSample:
@@ -134,6 +147,22 @@ def unreachable(url: str, error: Exception) -> StoreUnreachable:
     return failure
 
 
+def _client(url: str, retry_s: float) -> tuple[Any, str]:
+    """:func:`~batchd_server.storage.clouds.store_of`, its settings' failure a bad sample."""
+    try:
+        return store_of(url, retry_s=retry_s)
+    except BadStoreSettings as e:
+        raise BadSample("transient", f"{url}: {e}") from None
+
+
+def _lister(root: str, retry_s: float) -> tuple[Any, str]:
+    """:func:`~batchd_server.storage.clouds.store_of`, its settings' failure unreachable."""
+    try:
+        return store_of(root, retry_s=retry_s)
+    except BadStoreSettings as e:
+        raise StoreUnreachable(f"cannot reach {root}: {e}") from None
+
+
 class S3Fetcher:
     """The object store as a :class:`~batchd_server.storage.base.RangeFetcher`.
 
@@ -158,7 +187,7 @@ class S3Fetcher:
         asked = [(i, int(o), int(n)) for i, (o, n) in enumerate(ranges) if int(n) > 0]
         if not asked:
             return out
-        store, key = store_of(url, retry_s=self.retry_s)
+        store, key = _client(url, self.retry_s)
         try:
             got = get_ranges(store, key, url, [(o, n) for _, o, n in asked], self.versions)
         except BadSample:
@@ -180,14 +209,18 @@ class S3Fetcher:
         Raises:
             BadSample: as :meth:`fetch`, before or while the bytes come.
         """
-        store, key = store_of(url, retry_s=self.retry_s)
+        store, key = _client(url, self.retry_s)
         options: Any = {"range": (offset, offset + length)}
         known = self.versions.get(url)
         if known is not None:
             options["if_match"] = known
         try:
             result = obstore.get(store, key, options=options)
-            self.versions.record(url, tag_of(result.meta))
+            tag = tag_of(result.meta)
+            if known is not None and tag is not None and tag != known:
+                # The store ignored If-Match (see ``s3_gets._get_version``).
+                raise PreconditionError(f"the object's ETag is {tag}, not {known}")
+            self.versions.record(url, tag)
             for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
                 yield memoryview(piece)
         except Exception as e:
@@ -201,7 +234,7 @@ class S3Fetcher:
             TooLarge: the object has more than ``max_bytes``.
             BadSample: as :meth:`fetch`.
         """
-        store, key = store_of(url, retry_s=self.retry_s)
+        store, key = _client(url, self.retry_s)
         try:
             result = obstore.get(store, key)
             size = int(result.meta["size"])
@@ -227,7 +260,7 @@ class S3Fetcher:
         Raises:
             BadSample: as :meth:`fetch`.
         """
-        store, key = store_of(url, retry_s=self.retry_s)
+        store, key = _client(url, self.retry_s)
         try:
             return int(obstore.head(store, key)["size"])
         except Exception as e:
@@ -240,7 +273,7 @@ def list_objects(root: str, *, retry_s: float = DEFAULT_RETRY_S) -> Iterator[tup
     Raises:
         StoreUnreachable: the listing failed (after the retries).
     """
-    store, prefix = store_of(root, retry_s=retry_s)
+    store, prefix = _lister(root, retry_s)
     prefix = prefix.strip("/")
     cut = len(prefix) + 1 if prefix else 0
     try:
@@ -261,7 +294,7 @@ def check_reachable(root: str, *, retry_s: float = DEFAULT_RETRY_S) -> None:
     Raises:
         StoreUnreachable: it does not.
     """
-    store, prefix = store_of(root, retry_s=retry_s)
+    store, prefix = _lister(root, retry_s)
     try:
         stream = obstore.list(store, prefix=prefix.strip("/") or None, chunk_size=1)
         next(iter(stream), None)
