@@ -21,6 +21,7 @@ Without an emulator the tests that need it fail and say what to install.
 from __future__ import annotations
 
 import base64
+import contextlib
 import email.utils
 import hashlib
 import hmac
@@ -33,6 +34,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -314,6 +316,21 @@ class ThrowawayAzurite(_Process):
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
         obstore.put(self.store(bucket), key, data)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """This process's environment with ``values`` set (workers inherit it), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def make_server(scheme: str) -> CloudServer:

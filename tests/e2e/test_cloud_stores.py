@@ -9,7 +9,6 @@ also restarted mid-epoch, and stopped while the node cache serves an epoch it ho
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cloudservers import CloudServer, make_server
+from cloudservers import CloudServer, environment, make_server
 from parquet_data import records_parquet
 from sqlalchemy.engine import Engine
 from test_object_store import _write_shards
@@ -38,7 +37,7 @@ from chaos_harness import wait_until
 from resume import assert_resume_yields_the_rest
 from serving import RECORD_FLOATS, serve
 
-pytestmark = pytest.mark.slow(seconds=90)
+pytestmark = pytest.mark.slow(seconds=4)
 
 BUCKET = "data"
 RAW = batchd.Array((RECORD_FLOATS,), "float32", raw=True)
@@ -58,20 +57,6 @@ def _cli(url: str, env: dict[str, str], *args: str) -> subprocess.CompletedProce
     return done
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 @pytest.fixture(scope="module", params=["gs", "az"])
 def cloud(request: pytest.FixtureRequest) -> Iterator[CloudServer]:
     """One emulator per store for the module, pointed at by this process's environment
@@ -80,7 +65,7 @@ def cloud(request: pytest.FixtureRequest) -> Iterator[CloudServer]:
     try:
         server.start()
         server.create_bucket(BUCKET)
-        with _environment(server.env()):
+        with environment(server.env()):
             yield server
     finally:
         server.close()

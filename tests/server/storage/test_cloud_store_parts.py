@@ -15,7 +15,7 @@ from cloudservers import CloudServer, make_server
 from batchd_server.pipelines.base import BadSample
 from batchd_server.storage.s3 import S3Fetcher, StoreUnreachable, check_reachable, list_objects
 
-pytestmark = pytest.mark.slow(seconds=20)
+pytestmark = pytest.mark.slow(seconds=1)
 
 BUCKET = "parts"
 DATA = bytes(range(256)) * 64  # 16 KiB
