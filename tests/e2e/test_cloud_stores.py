@@ -262,3 +262,21 @@ def test_with_the_store_stopped_an_epoch_whose_bytes_are_cached_completes_identi
             cloud.start()
     _same_but_ids(local[0], remote[0])
     _same_but_ids(local[1], remote[1])
+
+
+def test_ingest_at_debug_and_the_catalog_never_hold_the_stores_secret(
+    cloud: CloudServer, catalog: str
+) -> None:
+    """An ingest from the store logged at DEBUG, and the catalog file afterwards, hold
+    neither the account key (Azurite's is random per run) nor the connection string; the
+    catalog holds the root URL. (The endpoint may be logged: the log is the operator's.)"""
+    done = _cli(
+        catalog, cloud.env(), "--log-level", "DEBUG", "ingest", "imagefolder", "--dataset",
+        "secretcheck", "--root", f"{cloud.scheme}://{BUCKET}/images",
+    )  # fmt: skip
+    text = done.stdout + done.stderr
+    data = Path(catalog.removeprefix("sqlite:///")).read_bytes()
+    assert f"{cloud.scheme}://{BUCKET}/images".encode() in data
+    if cloud.secret:  # fake-gcs-server takes unsigned requests: its env holds no secret
+        for value in (cloud.secret, *cloud.env().values()):
+            assert value not in text and value.encode() not in data
