@@ -8,6 +8,13 @@ cd "$repo"
 # The frameworks the examples run on come in on the same command line as test.txt's
 # torch==2.13.0, so pip cannot pick a CUDA torch for them.
 python -m pip install --quiet -r requirements/test.txt -r requirements/frameworks.txt
+# The az:// tests run against Azurite, Azure Blob Storage's emulator, from npm (git ignores
+# .cache/). Without npm the tests that need it fail and say how to install it.
+azurite_version=3.37.0
+if [ -z "${BATCHD_AZURITE:-}" ] && command -v npm >/dev/null \
+  && ! grep -qs "\"version\": \"$azurite_version\"" .cache/azurite/node_modules/azurite/package.json; then
+  npm install --silent --no-audit --no-fund --prefix .cache/azurite "azurite@$azurite_version" >&2
+fi
 echo "==> ruff" >&2
 ruff check .
 ruff format --check .

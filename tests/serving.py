@@ -33,11 +33,14 @@ def batchd_segments(instance: str = "") -> list[str]:
     return sorted(p.name for p in SHM.iterdir() if p.name.startswith(prefix))
 
 
+_NOT_THE_SERVERS = (b"resource_tracker", b"weed\x00server\x00", b"fake-gcs-server", b"azurite")
+
+
 def child_pids() -> set[int]:
     """Live children of this process (zombies excluded), except multiprocessing's resource
     tracker (the ``spawn`` start method starts that helper once per process and it exits
-    with its parent) and a test's own S3 store (``s3server.py``), which a test may restart
-    while a server runs."""
+    with its parent) and a test's own store (``s3server.py``, ``cloudservers.py``), which a
+    test may restart while a server runs."""
     me = os.getpid()
     found: set[int] = set()
     for task in Path(f"/proc/{me}/task").iterdir():
@@ -53,7 +56,7 @@ def child_pids() -> set[int]:
         except OSError:
             continue
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if state == "Z" or b"resource_tracker" in cmdline or b"weed\x00server\x00" in cmdline:
+        if state == "Z" or any(name in cmdline for name in _NOT_THE_SERVERS):
             continue
         alive.add(pid)
     return alive

@@ -111,7 +111,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     kind(
         "imagefolder",
         "images under ROOT/<split>/<class>/ (or ROOT/<class>/ with --split)",
-        "the image tree's top directory, or s3://BUCKET/PREFIX",
+        "the image tree's top directory, or s3://, gs:// or az://BUCKET/PREFIX",
         "the whole tree is this split: ROOT/<class>/<image>",
     )
 
@@ -134,7 +134,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p = kind(
         "manifest",
         "rows of a JSONL (.jsonl/.ndjson) or CSV manifest",
-        "directory (or s3://BUCKET/PREFIX) the manifest's paths are under",
+        "directory (or s3://, gs:// or az://BUCKET/PREFIX) the manifest's paths are under",
         "split of rows that have none",
     )
     p.add_argument(
@@ -149,7 +149,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p = kind(
         "tar",
         "WebDataset tar shards: samples as byte ranges inside them (nothing extracted)",
-        "directory (or s3://BUCKET/PREFIX) the shards are under",
+        "directory (or s3://, gs:// or az://BUCKET/PREFIX) the shards are under",
         "split of every sample (default: train/val/test in the name)",
     )
     p.add_argument(
@@ -161,7 +161,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p = kind(
         "parquet",
         "Parquet files: one row, one sample (its payload column decoded by the pipeline)",
-        "directory the files are under",
+        "directory (or s3://, gs:// or az://BUCKET/PREFIX) the files are under",
         None,
     )
     where = p.add_mutually_exclusive_group(required=True)
@@ -191,7 +191,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p = kind(
         "jsonl",
         "text or chat documents in JSONL files: one line, one document, read where it lies",
-        "directory (or s3://BUCKET/PREFIX) the files are under",
+        "directory (or s3://, gs:// or az://BUCKET/PREFIX) the files are under",
         None,
     )
     p.add_argument("--split", required=True, help="split of every document")

@@ -22,7 +22,7 @@ from batchd_server.catalog.ingest import ingest_manifest
 from batchd_server.catalog.object_roots import ObjectListing, object_shards
 from batchd_server.errors import DataError, FailedPrecondition
 from batchd_server.pipelines.base import BadSample
-from batchd_server.storage import s3 as s3_module
+from batchd_server.storage import clouds
 from batchd_server.storage.base import TooLarge
 from batchd_server.storage.fetch_pool import FETCH_THREADS, AheadBudget
 from batchd_server.storage.objects import ObjectFiles
@@ -232,10 +232,10 @@ def test_a_plain_http_endpoint_is_warned_about_once_per_process(
 ) -> None:
     """Two stores made on an http:// endpoint: one warning, naming it (the server's log is
     the operator's, so the endpoint may be there)."""
-    monkeypatch.setattr(s3_module, "_warned_http", set())
-    with caplog.at_level(logging.WARNING, "batchd_server.storage.s3"):
+    monkeypatch.setattr(clouds, "_warned_http", set())
+    with caplog.at_level(logging.WARNING, "batchd_server.storage.clouds"):
         for retry_s in (7.5, 7.25):
-            s3_module.store_for(BUCKET, retry_s=retry_s)
+            clouds.store_of(f"s3://{BUCKET}/x", retry_s=retry_s)
     warned = [r.getMessage() for r in caplog.records if "plain HTTP" in r.getMessage()]
     assert len(warned) == 1 and s3.endpoint in warned[0]
 

@@ -22,9 +22,10 @@ from batchd_server.catalog.ingest import ingest_tar
 from batchd_server.catalog.object_roots import ObjectListing, object_shards
 from batchd_server.errors import DataError
 from batchd_server.pipelines.base import BadSample
+from batchd_server.storage.aws import store_config
 from batchd_server.storage.objects import ObjectFiles
 from batchd_server.storage.ranges import Ranges
-from batchd_server.storage.s3 import S3Fetcher, list_objects, store_config
+from batchd_server.storage.s3 import S3Fetcher, list_objects
 
 pytestmark = pytest.mark.slow(seconds=30)
 

@@ -1,6 +1,7 @@
-"""Ingest from an object-store root (``s3://BUCKET/PREFIX``): listings and HEADs, no downloads.
+"""Ingest from an object-store root (``s3://``, ``gs://``, ``az://BUCKET/PREFIX``): listings
+and HEADs, no downloads.
 
-Every ingest command takes an ``s3://`` root as it takes a directory; this module is what
+Every ingest command takes an object-store root as it takes a directory; this module is what
 differs. One listing of the prefix (pages of 1000 keys) gives every object's size, and
 stands in for the file system:
 
@@ -59,7 +60,7 @@ def check_object_root(root: str) -> str:
     """``root`` as the catalog stores it (no trailing slash), once it parses.
 
     Raises:
-        DataError: not ``s3://BUCKET[/PREFIX]``.
+        DataError: not ``SCHEME://BUCKET[/PREFIX]`` of a store in ``storage/clouds.CLOUDS``.
     """
     try:
         split_url(root)

@@ -1,7 +1,7 @@
 """Where a worker's reader of sample bytes comes from: one table, keyed by the root's scheme.
 
 :data:`READERS` maps a root's scheme to how its reader is opened: ``""`` (a local directory)
-to a :class:`~batchd_server.storage.files.SampleFiles`, ``s3`` to an
+to a :class:`~batchd_server.storage.files.SampleFiles`, ``s3``, ``gs`` and ``az`` to an
 :class:`~batchd_server.storage.objects.ObjectFiles`, whose bytes come from
 :func:`make_fetcher`. A new store is one more row; nothing above asks "store or disk?"
 (it asks ``storage/schemes.is_local_root`` where a local root is checked against
@@ -66,9 +66,12 @@ def _object_store(root: str, max_sample_bytes: int, store: StoreOptions) -> Samp
     return ObjectFiles(root, fetcher, sizes.size, max_sample_bytes=max_sample_bytes)
 
 
-READERS: Final[Mapping[str, OpenReader]] = MappingProxyType({"": _local, "s3": _object_store})
-"""A root's scheme (``s3`` of ``s3://bucket/prefix``; ``""`` for a local path) -> how its
-reader is opened."""
+READERS: Final[Mapping[str, OpenReader]] = MappingProxyType(
+    {"": _local, "s3": _object_store, "gs": _object_store, "az": _object_store}
+)
+"""A root's scheme (``s3`` of ``s3://bucket/prefix``, ``gs``, ``az``; ``""`` for a local
+path) -> how its reader is opened. Every object store is read alike: which store a URL
+names, and how its client is made, is ``storage/clouds.py``."""
 
 
 def open_reader(

@@ -1,7 +1,8 @@
-"""A dataset root's scheme: ``s3`` of ``s3://bucket/prefix``, ``""`` of a local directory.
+"""A dataset root's scheme: ``s3`` of ``s3://bucket/prefix`` (``gs``, ``az``), ``""`` of a
+local directory.
 
 The one place that tells a store's root from a local one; which reader serves each scheme is
-``storage/open.READERS``.
+``storage/open.READERS``, and which store each scheme names is ``storage/clouds.CLOUDS``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class StorageSettings:
         flag="--object-store-list-cache-s",
         default=DEFAULT_LIST_CACHE_S,
         check=within(0, 3600),
-        help="a session open on an s3:// dataset lists its root to check that the store "
+        help="a session open on an object-store dataset lists its root to check that the store "
         "answers; trust that answer for this many seconds (the opens of one job's ranks cost "
         "one listing); 0: list at every open",
     )
@@ -72,7 +72,7 @@ class StorageSettings:
     cache_dir: Path | None = path(
         flag="--cache-dir",
         check=Check("an absolute path", _absolute),
-        help="keep the bytes read from s3:// datasets in this directory (a local disk or an "
+        help="keep the bytes read from object-store datasets in this directory (a local disk or an "
         "emptyDir), shared by every session and kept across restarts; unset: no cache",
         metavar="DIR",
         default_text="none",
