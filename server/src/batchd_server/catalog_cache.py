@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from batchd_server.catalog.members import load_members
 from batchd_server.catalog.reader import current_snapshot, load_split
 from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays
 from batchd_server.errors import ResourceExhausted
@@ -143,9 +144,10 @@ class CatalogCache:
             if entry is not None:
                 return entry
         purpose = f"the catalog rows of {dataset!r} split {split!r} ({len(arrays)} samples)"
-        segment = self._with_room(
-            lambda: pack_arrays(self._registry, arrays.columns(), purpose=purpose)
-        )
+        columns = arrays.columns()
+        if ref.members:  # WebDataset shards: every member's range, for sessions of fields
+            columns.update(load_members(self._engine, arrays))
+        segment = self._with_room(lambda: pack_arrays(self._registry, columns, purpose=purpose))
         with self._lock:
             entry = self._take(canonical)  # another token of the same rows, loaded meanwhile
             if entry is None:

@@ -91,6 +91,7 @@ class BadSample(Exception):
         "decoder",  # a custom decoder raised something else
         "transient",  # an I/O error that is usually passing (EIO, ESTALE...), on every retry
         "timeout",  # reading or decoding it hung past the task deadline, twice
+        "missing_field",  # a sample of several fields has none of a required one
     )
 
     def __init__(self, kind: str, message: str) -> None:

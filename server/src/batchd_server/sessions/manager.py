@@ -27,6 +27,7 @@ from batchd_server.sessions.session import Session
 from batchd_server.sessions.share_groups import ShareGroups, lent_slots
 from batchd_server.sessions.sources import (
     acquire_sources,
+    check_field_sources,
     check_source_pipelines,
     release_sources,
     snapshot_token,
@@ -237,6 +238,7 @@ class SessionManager:
         ring_bytes = slot_offset(slots, slot_bytes)
         entries = acquire_sources(self._catalog, options)
         try:
+            check_field_sources(options, entries)
             roots = tuple(
                 self._checked_root(e.arrays.dataset.name, e.arrays.dataset.root) for e in entries
             )

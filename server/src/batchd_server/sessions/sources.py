@@ -13,12 +13,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from batchd_server.catalog_cache import CatalogCache, CatalogEntry
-from batchd_server.errors import InvalidArgument
+from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.pipelines.base import Pipeline
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions
 
-__all__ = ["acquire_sources", "check_source_pipelines", "release_sources", "snapshot_token"]
+__all__ = [
+    "acquire_sources",
+    "check_field_sources",
+    "check_source_pipelines",
+    "release_sources",
+    "snapshot_token",
+]
 
 
 def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[CatalogEntry, ...]:
@@ -61,6 +67,26 @@ def snapshot_token(options: SessionOptions, entries: Sequence[CatalogEntry]) -> 
     return options.mixing.token(
         [(e.arrays.dataset.version, e.arrays.snapshot.token()) for e in entries]
     )
+
+
+def check_field_sources(options: SessionOptions, entries: Sequence[CatalogEntry]) -> None:
+    """Refuse a session of several fields on a source that cannot tell where each field is:
+    fields come from Parquet columns or from the tar members the tar ingest records.
+
+    Raises:
+        FailedPrecondition: which dataset, and how to ingest it so.
+    """
+    if options.pipeline_kind != "fields":
+        return
+    for entry in entries:
+        ref = entry.arrays.dataset
+        if not ref.parquet_payload and not ref.members:
+            raise FailedPrecondition(
+                f"dataset {ref.name!r} version {ref.version!r} has one field per sample; a "
+                "pipeline of several fields reads WebDataset shards (each field a member of a "
+                "key: ingest them with `batchd-server ingest tar`; re-ingest shards cataloged "
+                "before fields were recorded) or Parquet files (each field a column)"
+            )
 
 
 def check_source_pipelines(options: SessionOptions, pipeline: Pipeline) -> None:

@@ -177,18 +177,38 @@ class CustomPipeline(_message.Message):
     def __init__(self, name: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class Pipeline(_message.Message):
-    __slots__ = ("image", "array", "tokens", "custom", "text")
+    __slots__ = ("image", "array", "tokens", "custom", "text", "fields")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     ARRAY_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     image: ImagePipeline
     array: ArrayPipeline
     tokens: TokensPipeline
     custom: CustomPipeline
     text: TextPipeline
-    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ..., text: _Optional[_Union[TextPipeline, _Mapping]] = ...) -> None: ...
+    fields: FieldsPipeline
+    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ..., text: _Optional[_Union[TextPipeline, _Mapping]] = ..., fields: _Optional[_Union[FieldsPipeline, _Mapping]] = ...) -> None: ...
+
+class SampleField(_message.Message):
+    __slots__ = ("name", "source", "optional", "pipeline")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONAL_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    optional: bool
+    pipeline: Pipeline
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., optional: _Optional[bool] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
+
+class FieldsPipeline(_message.Message):
+    __slots__ = ("fields",)
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    fields: _containers.RepeatedCompositeFieldContainer[SampleField]
+    def __init__(self, fields: _Optional[_Iterable[_Union[SampleField, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix", "no_decode_cache", "pack", "share")
