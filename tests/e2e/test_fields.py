@@ -20,13 +20,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from prometheus_client import REGISTRY
 from sqlalchemy.engine import Engine
 from tokenizers import Tokenizer
 
 import batchd
 from batchd import errors
 from batchd_server.catalog.ingest import ingest_parquet, ingest_tar
+from batchd_server.metrics import REGISTRY
 
 from resume import assert_resume_yields_the_rest
 from serving import serve
@@ -238,9 +238,8 @@ def test_the_decode_cache_and_share_serve_samples_of_fields_unchanged(
         key_of = _keys(plain, tokenizer, "wds")
         with _loader(plain, tokenizer, "wds", decode_cache=False) as loader:
             reference = [_index(tokenizer, b, key_of) for b in loader]
-    with serve(
-        url, tmp_path / "cached", decode_cache_bytes=64 << 20,
-    ) as server:  # fmt: skip
+    (tmp_path / "cached").mkdir()
+    with serve(url, tmp_path / "cached", decode_cache_bytes=64 << 20) as server:
         for _ in range(2):  # the first fills the cache, the second reads it
             with _loader(server, tokenizer, "wds") as loader:
                 assert [_index(tokenizer, b, key_of) for b in loader] == reference
