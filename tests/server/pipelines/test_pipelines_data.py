@@ -298,8 +298,8 @@ def test_builtin_kinds_build_from_options() -> None:
 
 def test_unknown_kinds_and_options_are_invalid_arguments() -> None:
     """The message lists the kinds, or the options the kind takes."""
-    with pytest.raises(InvalidArgument, match="array, chat, custom, image, text, tokens"):
-        build_pipeline("video", {})
+    with pytest.raises(InvalidArgument, match="array, chat, custom, fields, image, text, tokens"):
+        build_pipeline("nonesuch", {})
     with pytest.raises(InvalidArgument, match=r"unknown options \['colour'\]"):
         build_pipeline("image", {"size": 8, "colour": "red"})
     with pytest.raises(InvalidArgument, match=r"missing options \['size'\]"):

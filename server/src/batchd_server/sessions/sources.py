@@ -49,7 +49,15 @@ def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[Catal
                         "mix, or none"
                     )
                 version = pinned_version
-            entries.append(cache.acquire(source.dataset, version, source.split, snapshot))
+            entries.append(
+                cache.acquire(
+                    source.dataset,
+                    version,
+                    source.split,
+                    snapshot,
+                    members=options.pipeline_kind == "fields",
+                )
+            )
     except BaseException:
         release_sources(cache, entries)
         raise
