@@ -62,9 +62,6 @@ class MemberRows(RangeRows):
                 "optional",
             )
 
-    def describe(self, position: int) -> str:
-        return f"{sample_path(self.columns, position)} (.{self.ext})"
-
     def read(self, position: int) -> memoryview:
         self._check(position)
         return super().read(position)
