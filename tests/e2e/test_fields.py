@@ -294,3 +294,32 @@ def test_samples_of_fields_on_an_object_store_load_as_on_a_local_root(
                 assert len(key_of) == len(remote_keys) == N
                 assert set(served) == set(range(N)) - {NO_CAPTION}
                 assert failed == [NO_CAPTION]
+
+
+@SQLITE
+def test_a_mix_of_shards_and_parquet_reads_each_field_from_its_own_source(
+    catalog: Engine, tmp_path: Path, tokenizer: Path
+) -> None:
+    """One session mixes the shards (fields from members) and the Parquet file (the same
+    fields from columns, the source's own pipeline): each row decodes from its source."""
+    url = catalog.url.render_as_string(hide_password=False)
+    with serve(url, tmp_path) as server:
+        wds, pq = _keys(server, tokenizer, "wds"), _keys(server, tokenizer, "pq")
+        sources = batchd.Mix(
+            [
+                (batchd.Source("wds"), 0.5),
+                (batchd.Source("pq", pipeline=_pipeline(tokenizer, "pq")), 0.5),
+            ]
+        )
+        with batchd.Loader(
+            server.address, sources=sources, pipeline=_pipeline(tokenizer, "wds"),
+            batch_size=6, device="cpu", max_error_fraction=0.2,
+        ) as loader:  # fmt: skip
+            rows = []
+            for batch in loader:
+                _index(tokenizer, batch, {**wds, **pq})  # each row's image and caption
+                rows += zip(batch["sample_id"].tolist(), batch["source"].tolist(), strict=True)
+    ids = [i for i, _ in rows]
+    assert len(ids) == len(set(ids)) > N
+    assert all((i in pq) == (s == 1) for i, s in rows)
+    assert {s for _, s in rows} == {0, 1}

@@ -9,6 +9,7 @@ split and snapshot) at its own snapshot; the session's snapshot token pins them 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -122,13 +123,25 @@ def check_source_pipelines(options: SessionOptions, pipeline: Pipeline) -> None:
                 "it out to use the session's"
             )
         works_on_batch = type(own).finish is not Pipeline.finish
-        if works_on_batch and (source.pipeline_kind, source.pipeline_options) != session_pipeline:
+        if works_on_batch and _decoding(source.pipeline_kind, source.pipeline_options) != (
+            _decoding(*session_pipeline)
+        ):
             raise InvalidArgument(
                 f"mix source {source.name!r} has a {source.pipeline_kind} pipeline of its own, "
                 "but that pipeline finishes the whole batch (padding, a custom decoder's "
                 "collation), which one pipeline does for all sources; give every source the "
                 "session's pipeline"
             )
+
+
+def _decoding(kind: str, options: dict[str, Any]) -> tuple[str, Any]:
+    """What finishes a batch of a pipeline: of several fields, each field's pipeline and not
+    where its bytes come from (a mix of WebDataset shards and Parquet files of the same
+    fields reads each field from a member in one, a column in the other)."""
+    if kind != "fields":
+        return kind, options
+    fields = options.get("fields", [])
+    return kind, [{k: v for k, v in f.items() if k != "source"} for f in fields]
 
 
 def _schema(pipeline: Pipeline) -> list[tuple[str, str, tuple[int, ...]]]:
