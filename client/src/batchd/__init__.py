@@ -18,6 +18,7 @@ from batchd._version import __version__
 if TYPE_CHECKING:
     from batchd._catalog import Catalog, DatasetInfo, SplitInfo
     from batchd._dataset import DataLoader, IterableDataset
+    from batchd._fields import Field, Fields
     from batchd._loader import Loader
     from batchd._media import Audio, Video
     from batchd._packing import Pack
@@ -32,6 +33,8 @@ __all__ = [
     "Custom",
     "DataLoader",
     "DatasetInfo",
+    "Field",
+    "Fields",
     "Image",
     "IterableDataset",
     "Loader",
@@ -54,6 +57,8 @@ _LAZY: dict[str, str] = {
     "Custom": "batchd._pipelines",
     "DataLoader": "batchd._dataset",
     "DatasetInfo": "batchd._catalog",
+    "Field": "batchd._fields",
+    "Fields": "batchd._fields",
     "Image": "batchd._pipelines",
     "IterableDataset": "batchd._dataset",
     "Loader": "batchd._loader",

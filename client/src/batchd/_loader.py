@@ -22,9 +22,10 @@ from batchd._catalog import DEFAULT_TIMEOUT_S
 from batchd._channel import ChannelSecurity
 from batchd._connection import Connection, SessionHandle, expect_batch, receive_batch
 from batchd._device import Batch, resolve_device
+from batchd._fields import AnyPipeline
 from batchd._options import LoaderOptions
 from batchd._packing import Pack
-from batchd._pipelines import PipelineSpec, check_int
+from batchd._pipelines import check_int
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._reconnect import DEFAULT_RECONNECT_TIMEOUT_S
 from batchd._replicas import open_replicas
@@ -149,7 +150,7 @@ class Loader(Closeable):
         rank: int | None = None,
         world_size: int | None = None,
         drop_last: bool = False,
-        pipeline: PipelineSpec | None = None,
+        pipeline: AnyPipeline | None = None,
         device: Any = None,
         prefetch: int = 4,
         transport: str = "auto",

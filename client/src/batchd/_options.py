@@ -8,13 +8,12 @@ from dataclasses import dataclass
 from typing import Final
 
 from batchd._catalog import DEFAULT_TIMEOUT_S
+from batchd._fields import AnyPipeline, any_pipeline
 from batchd._packing import Pack, check_pack
 from batchd._pipelines import (
-    PipelineSpec,
     check_choice,
     check_int,
     on_error_to_proto,
-    pipeline_or_default,
     resolve_rank,
     sampling_to_proto,
 )
@@ -57,7 +56,7 @@ class LoaderOptions:
     rank: int | None = None
     world_size: int | None = None
     drop_last: bool = False
-    pipeline: PipelineSpec | None = None
+    pipeline: AnyPipeline | None = None
     prefetch: int = 4
     transport: str = "auto"
     snapshot: str | None = None
@@ -111,7 +110,7 @@ class LoaderOptions:
         sampling_to_proto(self.sampling)
         on_error_to_proto(self.on_error)
         self._check_share(self.share)
-        self._set("pipeline", pipeline_or_default(self.pipeline))
+        self._set("pipeline", any_pipeline(self.pipeline))
         check_pack(self.pack, self.pipeline)
         rank, world_size = resolve_rank(self.rank, self.world_size)
         self._set("rank", rank)
@@ -182,7 +181,7 @@ class LoaderOptions:
             world_size=self.world_size,
             drop_last=self.drop_last,
             sampling=sampling_to_proto(self.sampling),
-            pipeline=self.pipeline._to_proto(),
+            pipeline=any_pipeline(self.pipeline)._to_proto(),
             prefetch=self.prefetch,
             snapshot=snapshot or self.snapshot or "",
             on_error=on_error_to_proto(self.on_error),

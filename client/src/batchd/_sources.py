@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from batchd._pipelines import PipelineSpec, pipeline_or_default
+from batchd._fields import AnyPipeline, any_pipeline
 from batchd._proto.batchd.v1 import loader_pb2
 from batchd._wire.mix import MAX_MIX_SOURCES, MAX_STOP, finite_sum, valid_weight
 from batchd._wire.schedule import WeightSchedule
@@ -46,7 +46,7 @@ class Source:
     split: str = "train"
     version: str | None = None
     """The dataset version; default the newest."""
-    pipeline: PipelineSpec | None = None
+    pipeline: AnyPipeline | None = None
     """This source's pipeline; default the Loader's."""
 
     def __post_init__(self) -> None:
@@ -58,7 +58,7 @@ class Source:
                 f"a mix source's version={self.version!r} must be a non-empty string or None"
             )
         if self.pipeline is not None:
-            pipeline_or_default(self.pipeline)  # a spec, or InvalidArgument
+            object.__setattr__(self, "pipeline", any_pipeline(self.pipeline))
 
     @classmethod
     def parse(cls, text: str) -> Source:
@@ -260,7 +260,7 @@ class Mix:
                 dataset=s.dataset, version=s.version or "", split=s.split, weight=w
             )
             if s.pipeline is not None:
-                source.pipeline.CopyFrom(s.pipeline._to_proto())
+                source.pipeline.CopyFrom(any_pipeline(s.pipeline)._to_proto())
             sources.append(source)
         stop = 0 if self._stop == "first" else int(self._stop)
         mix = loader_pb2.Mix(sources=sources, stop_samples=stop)

@@ -23,8 +23,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
+from batchd_server.catalog.members import load_members
 from batchd_server.catalog.reader import current_snapshot, load_split
 from batchd_server.catalog.types import DatasetRef, Snapshot, SplitArrays
 from batchd_server.errors import ResourceExhausted
@@ -45,7 +46,9 @@ _MAX_ALIASES = 256
 _LOAD_POLL_S = 1.0
 
 _Key = tuple[int, str, str]
-"""(dataset id, split, the canonical snapshot token of the rows)."""
+"""(dataset id, split, the canonical snapshot token of the rows); the split's name ends in
+``_MEMBERS`` for the entry with its tar members' ranges."""
+_MEMBERS: Final = "\x00members"
 
 # NOTE [ One entry per row set ]
 # A snapshot token s1.N.C pins the C verified rows of the split with id <= N. Ids are global
@@ -84,9 +87,18 @@ class CatalogCache:
         self._loading: dict[_Key, threading.Event] = {}
 
     def acquire(
-        self, dataset: str, version: str | None, split: str, snapshot: str | None
+        self,
+        dataset: str,
+        version: str | None,
+        split: str,
+        snapshot: str | None,
+        *,
+        members: bool = False,
     ) -> CatalogEntry:
-        """The split's arrays at ``snapshot`` (None: as the catalog is now), referenced once.
+        """The split's arrays at ``snapshot`` (None: as the catalog is now), referenced once;
+        ``members``: with every tar member's range where the dataset records them (for a
+        session of several fields: ``catalog/members.py``), an entry of its own, so that a
+        session of one field never loads them.
 
         Raises:
             NotFound, SnapshotMismatch, InvalidArgument, ResourceExhausted, Unavailable.
@@ -94,7 +106,7 @@ class CatalogCache:
         pinned = None if snapshot is None else Snapshot.parse(snapshot)
         ref, now = current_snapshot(self._engine, dataset, split, version=version)
         wanted = now if pinned is None or _same_rows(pinned, now) else pinned
-        key = (ref.id, split, wanted.token())
+        key = (ref.id, split + _MEMBERS if members and ref.members else split, wanted.token())
         while True:
             with self._lock:
                 key = self._aliases.get(key, key)
@@ -134,7 +146,7 @@ class CatalogCache:
         arrays = load_split(self._engine, dataset, split, version=ref.version, snapshot=wanted)
         record_catalog_load(ref.name, time.monotonic() - started)
         pins = _pinned_by(arrays)
-        canonical = (ref.id, split, pins.token())
+        canonical = (ref.id, key[1], pins.token())
         if canonical != key:
             arrays = dataclasses.replace(arrays, snapshot=pins)
             with self._lock:
@@ -143,9 +155,10 @@ class CatalogCache:
             if entry is not None:
                 return entry
         purpose = f"the catalog rows of {dataset!r} split {split!r} ({len(arrays)} samples)"
-        segment = self._with_room(
-            lambda: pack_arrays(self._registry, arrays.columns(), purpose=purpose)
-        )
+        columns = arrays.columns()
+        if key[1].endswith(_MEMBERS):  # every tar member's range, for a session of fields
+            columns.update(load_members(self._engine, arrays))
+        segment = self._with_room(lambda: pack_arrays(self._registry, columns, purpose=purpose))
         with self._lock:
             entry = self._take(canonical)  # another token of the same rows, loaded meanwhile
             if entry is None:

@@ -299,7 +299,7 @@ def test_builtin_kinds_build_from_options() -> None:
 def test_unknown_kinds_and_options_are_invalid_arguments() -> None:
     """The message lists the kinds, or the options the kind takes."""
     with pytest.raises(
-        InvalidArgument, match="array, audio, chat, custom, image, text, tokens, video"
+        InvalidArgument, match="array, audio, chat, custom, fields, image, text, tokens, video"
     ):
         build_pipeline("hologram", {})
     with pytest.raises(InvalidArgument, match=r"unknown options \['colour'\]"):

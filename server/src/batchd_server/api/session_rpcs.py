@@ -101,8 +101,25 @@ def _pipeline(spec: pb.Pipeline) -> tuple[str, dict[str, Any]]:
         if not isinstance(custom_options, dict):
             raise InvalidArgument("custom pipeline options must be a JSON object")
         return "custom", {"name": spec.custom.name, "options": custom_options}
+    if kind == "fields":
+        fields = []
+        for f in spec.fields.fields:
+            if f.pipeline.WhichOneof("kind") == "fields":
+                raise InvalidArgument(f"field {f.name!r}: a field's pipeline cannot be fields")
+            inner_kind, inner = _pipeline(f.pipeline)
+            fields.append(
+                {
+                    "name": f.name,
+                    "source": f.source,
+                    "optional": f.optional,
+                    "kind": inner_kind,
+                    "options": inner,
+                }
+            )
+        return "fields", {"fields": fields}
     raise InvalidArgument(
-        "OpenSession needs a pipeline: image, array, tokens, text, video, audio or custom "
+        "OpenSession needs a pipeline: image, array, tokens, text, video, audio, custom or "
+        "fields "
         "(batchd.Image(), batchd.Array(...), batchd.Tokens(...), batchd.Text(...), "
         "batchd.Chat(...), batchd.Video(...), batchd.Audio(...), batchd.Custom(...))"
     )

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from batchd_server.catalog.db import connect
+from batchd_server.catalog.members import MEMBERS_ATTR
 from batchd_server.catalog.migrate import require_schema
 from batchd_server.catalog.schema import datasets, samples
 from batchd_server.catalog.types import DatasetRef
@@ -78,6 +79,7 @@ def resolve_dataset(conn: sa.Connection, name: str, version: str | None = None) 
         root=row.root,
         parquet_payload=str(parquet.get("payload", "")),
         text_identity=str(text.get("identity") or ""),
+        members=bool((row.attrs or {}).get(MEMBERS_ATTR)),
     )
 
 

@@ -6,13 +6,15 @@ sample. Nothing is extracted: each sample becomes one catalog row whose ``path``
 and whose byte range is its *payload* member's data inside the tar (the image, ``.npy`` or
 token file), so the decode pipelines read it like any other byte range. The label comes from
 a ``.cls`` member (an integer), a ``.json`` member (the field ``label_key``) or a ``.txt``
-member holding an integer; the sample's other members are listed with their byte ranges in
-``attrs["members"]``.
+member holding an integer. The payload is the first member in tar order that is not one of
+those; ``attrs["payload"]`` is its extension and ``attrs["members"]`` lists the sample's
+other members with their byte ranges (a sample of several fields reads each from there:
+``catalog/members.py``).
 
 Only headers and the small label members are read: ``tarfile`` in seekable mode skips every
 member's data with a seek. A shard that is compressed (gzip, bzip2, xz, zstd) is refused: a
 byte range inside compressed data cannot be read without decompressing everything before it.
-A sample that cannot be cataloged (no payload, two payloads, a bad label, data past the end
+A sample that cannot be cataloged (no payload, a bad label, data past the end
 of a truncated shard) is skipped and described in ``skipped``; the rest of the shard goes in.
 """
 
@@ -246,11 +248,9 @@ class TarSamples:
         where = f"{rel}: sample {sample.key!r}"
         payloads = [e for e in sample.members if e.split(".")[-1] not in LABEL_EXTENSIONS]
         problems = list(sample.problems)
-        if len(payloads) != 1:
+        if not payloads:
             found = ", ".join(f".{e}" for e in sample.members) or "nothing"
-            problems.append(
-                f"needs exactly one payload member besides .cls/.json/.txt; has {found}"
-            )
+            problems.append(f"needs a payload member besides .cls/.json/.txt; has {found}")
         label = None
         if not problems:
             try:
@@ -261,8 +261,10 @@ class TarSamples:
             self.skipped.append(f"{where}: {'; '.join(problems)}; skipped")
             return None
         offset, length = sample.members[payloads[0]]
+        # Every member's range (the payload's is the row's own): what a session of several
+        # fields reads each field from (``catalog/members.py``).
         others = {e: [o, n] for e, (o, n) in sample.members.items() if e != payloads[0]}
-        attrs = json.dumps({"members": others}) if others else None
+        attrs = json.dumps({"payload": payloads[0], "members": others})
         key = f"{rel}#{sample.key}"
         return (key, rel, offset, length, label, split, None, 1.0, attrs, True, length)
 

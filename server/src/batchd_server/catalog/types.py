@@ -42,6 +42,9 @@ class DatasetRef:
     text_identity: str = ""
     """What made its rows' ``length`` token counts (``datasets.attrs["text"]["identity"]``:
     the encoding and its tokenizer file's digest, see ``pipelines/text.py``); "" for none."""
+    members: bool = False
+    """Its samples' attrs hold every tar member's range (``datasets.attrs["tar_members"]``,
+    set by the tar ingest): a load reads them for sessions of several fields."""
 
 
 @dataclass(frozen=True)
@@ -186,3 +189,9 @@ class SplitArrays(SampleColumns):
 
 COLUMNS: Final = (*_SAMPLE_COLUMNS, "weights")
 """The names of a split's column arrays: ``SplitArrays.columns()``, a catalog segment's."""
+
+
+def member_names(ext: str) -> tuple[str, str]:
+    """The catalog segment's arrays of the ranges of each sample's ``.ext`` tar member
+    (``catalog/members.py``): its offsets and its lengths, -1 where a sample has none."""
+    return f"member.{ext}.offset", f"member.{ext}.length"

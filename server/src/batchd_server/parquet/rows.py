@@ -179,6 +179,22 @@ class ParquetRows:
         start, end = int(group.starts[row]), int(group.starts[row + 1])
         return group.data[start:end].data, group.numeric
 
+    def chunk_of(self, path: str, row_group: int) -> tuple[int, int]:
+        """The byte range of ``row_group``'s chunk of this column in ``path``, by its footer
+        (for a column the catalog does not hold the chunks of: another field's).
+
+        Raises:
+            BadSample: As :meth:`value`, for the file or a row group it does not have.
+        """
+        file = self._file(path)
+        if not 0 <= row_group < file.metadata.num_row_groups:
+            raise BadSample(
+                "corrupt",
+                f"{path}: has {file.metadata.num_row_groups} row groups, not a row group "
+                f"{row_group}: the file changed since it was ingested; re-ingest it",
+            )
+        return chunk_range(file.metadata.row_group(row_group), file.payload.leaves)
+
     def numeric(self, path: str) -> bool:
         """Whether the payload of ``path`` is numbers (a list or fixed-size list), not bytes.
 

@@ -93,6 +93,7 @@ class BadSample(Exception):
         "timeout",  # reading or decoding it hung past the task deadline, twice
         "truncated",  # media whose stream ends before the frames or samples it must give
         "empty",  # media with no frames or no audio samples at all
+        "missing_field",  # a sample of several fields has none of a required one
     )
 
     def __init__(self, kind: str, message: str) -> None:

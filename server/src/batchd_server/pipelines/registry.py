@@ -25,6 +25,7 @@ from batchd_server.pipelines.array import ArrayPipeline
 from batchd_server.pipelines.audio import AudioPipeline
 from batchd_server.pipelines.base import BadSample, Block, FieldSpec, Pipeline, SampleInfo
 from batchd_server.pipelines.chat import ChatPipeline
+from batchd_server.pipelines.fields import FIELDS, FieldsPipeline
 from batchd_server.pipelines.image import ImagePipeline
 from batchd_server.pipelines.text import TextPipeline
 from batchd_server.pipelines.tokens import TokensPipeline
@@ -69,9 +70,19 @@ def build_pipeline(kind: str, options: Mapping[str, Any]) -> Pipeline:
     """
     if kind == CUSTOM:
         return _build_custom(options)
+    if kind == FIELDS:
+        fields = options.get("fields")
+        if not isinstance(fields, list | tuple) or not all(isinstance(f, Mapping) for f in fields):
+            raise InvalidArgument(
+                "a fields pipeline needs options {'fields': [{...}, ...]}, got "
+                f"{dict(options)!r}"
+            )
+        pipeline: Pipeline = FieldsPipeline(fields, build_pipeline)
+        _check_fields("fields pipeline", pipeline)
+        return pipeline
     factory = BUILTIN.get(kind)
     if factory is None:
-        kinds = ", ".join(sorted([*BUILTIN, CUSTOM]))
+        kinds = ", ".join(sorted([*BUILTIN, CUSTOM, FIELDS]))
         raise InvalidArgument(f"pipeline kind {kind!r} is unknown; kinds: {kinds}")
     _check_keywords(f"{kind} pipeline", factory, options)
     try:

@@ -29,6 +29,7 @@ from batchd_server.sessions.session import Session
 from batchd_server.sessions.share_groups import ShareGroups, lent_slots
 from batchd_server.sessions.sources import (
     acquire_sources,
+    check_field_sources,
     check_source_pipelines,
     release_sources,
     snapshot_token,
@@ -288,6 +289,7 @@ class SessionManager:
         ring_bytes = slot_offset(slots, slot_bytes)
         entries = acquire_sources(self._catalog, options)
         try:
+            check_field_sources(options, entries)
             planned = self._charge_plan(client, options, entries)
         except BaseException:
             release_sources(self._catalog, entries)

@@ -9,16 +9,23 @@ split and snapshot) at its own snapshot; the session's snapshot token pins them 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from batchd_server.catalog_cache import CatalogCache, CatalogEntry
-from batchd_server.errors import InvalidArgument
+from batchd_server.errors import FailedPrecondition, InvalidArgument
 from batchd_server.pipelines.base import Pipeline
 from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.sessions.options import SessionOptions
 
-__all__ = ["acquire_sources", "check_source_pipelines", "release_sources", "snapshot_token"]
+__all__ = [
+    "acquire_sources",
+    "check_field_sources",
+    "check_source_pipelines",
+    "release_sources",
+    "snapshot_token",
+]
 
 
 def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[CatalogEntry, ...]:
@@ -43,7 +50,15 @@ def acquire_sources(cache: CatalogCache, options: SessionOptions) -> tuple[Catal
                         "mix, or none"
                     )
                 version = pinned_version
-            entries.append(cache.acquire(source.dataset, version, source.split, snapshot))
+            entries.append(
+                cache.acquire(
+                    source.dataset,
+                    version,
+                    source.split,
+                    snapshot,
+                    members=options.pipeline_kind == "fields",
+                )
+            )
     except BaseException:
         release_sources(cache, entries)
         raise
@@ -61,6 +76,26 @@ def snapshot_token(options: SessionOptions, entries: Sequence[CatalogEntry]) -> 
     return options.mixing.token(
         [(e.arrays.dataset.version, e.arrays.snapshot.token()) for e in entries]
     )
+
+
+def check_field_sources(options: SessionOptions, entries: Sequence[CatalogEntry]) -> None:
+    """Refuse a session of several fields on a source that cannot tell where each field is:
+    fields come from Parquet columns or from the tar members the tar ingest records.
+
+    Raises:
+        FailedPrecondition: which dataset, and how to ingest it so.
+    """
+    if options.pipeline_kind != "fields":
+        return
+    for entry in entries:
+        ref = entry.arrays.dataset
+        if not ref.parquet_payload and not ref.members:
+            raise FailedPrecondition(
+                f"dataset {ref.name!r} version {ref.version!r} has one field per sample; a "
+                "pipeline of several fields reads WebDataset shards (each field a member of a "
+                "key: ingest them with `batchd-server ingest tar`; re-ingest shards cataloged "
+                "before fields were recorded) or Parquet files (each field a column)"
+            )
 
 
 def check_source_pipelines(options: SessionOptions, pipeline: Pipeline) -> None:
@@ -88,13 +123,25 @@ def check_source_pipelines(options: SessionOptions, pipeline: Pipeline) -> None:
                 "it out to use the session's"
             )
         works_on_batch = type(own).finish is not Pipeline.finish
-        if works_on_batch and (source.pipeline_kind, source.pipeline_options) != session_pipeline:
+        if works_on_batch and _decoding(source.pipeline_kind, source.pipeline_options) != (
+            _decoding(*session_pipeline)
+        ):
             raise InvalidArgument(
                 f"mix source {source.name!r} has a {source.pipeline_kind} pipeline of its own, "
                 "but that pipeline finishes the whole batch (padding, a custom decoder's "
                 "collation), which one pipeline does for all sources; give every source the "
                 "session's pipeline"
             )
+
+
+def _decoding(kind: str, options: dict[str, Any]) -> tuple[str, Any]:
+    """What finishes a batch of a pipeline: of several fields, each field's pipeline and not
+    where its bytes come from (a mix of WebDataset shards and Parquet files of the same
+    fields reads each field from a member in one, a column in the other)."""
+    if kind != "fields":
+        return kind, options
+    fields = options.get("fields", [])
+    return kind, [{k: v for k, v in f.items() if k != "source"} for f in fields]
 
 
 def _schema(pipeline: Pipeline) -> list[tuple[str, str, tuple[int, ...]]]:

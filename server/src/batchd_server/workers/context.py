@@ -33,6 +33,7 @@ from batchd_server.pipelines.registry import build_pipeline
 from batchd_server.shm.arrays import attach_arrays
 from batchd_server.shm.segments import Attachment, attach
 from batchd_server.storage.cache import STATS as CACHE_STATS
+from batchd_server.workers.field_rows import ColumnRows
 from batchd_server.workers.fields import SampleField, open_fields
 from batchd_server.workers.packed import packed_fill, session_pipeline
 from batchd_server.workers.rows import RowReader, sample_path
@@ -64,7 +65,7 @@ class _Source:
     """Its first task position."""
     columns: SampleColumns
     fields: tuple[SampleField, ...]
-    """Its samples' fields (one today: the payload)."""
+    """Its samples' fields: the payload, or each of several (``workers/fields.py``)."""
     attachment: Attachment
 
     def path(self, position: int) -> str:
@@ -130,7 +131,7 @@ class SessionContext:
             if source.pipeline_kind:
                 pipeline = build_pipeline(source.pipeline_kind, source.pipeline_options)
             columns = SampleColumns.of(arrays)
-            fields = open_fields(source, columns, pipeline, self._cache, self.spec.read)
+            fields = open_fields(source, columns, pipeline, self._cache, self.spec.read, arrays)
             return _Source(source.start, columns, fields, attachment)
         except BaseException:
             attachment.close()
@@ -265,11 +266,14 @@ class SessionContext:
             data, starts, lengths, numbers = gathered
             pipeline = f.numbers if numbers and f.numbers is not None else f.pipeline
             decode_start = time.perf_counter()
-            decoded = pipeline.decode_batch(data, starts, lengths, block)
+            decoded = pipeline.decode_batch(data, starts, lengths, f.block(block))
             self._decode_s += time.perf_counter() - decode_start
             if not decoded:
                 return None
         rows = len(positions)
+        for f in source.fields:
+            if f.view is not None:
+                f.view.mark(block, slice(0, rows), True)
         block["sample_id"][:rows] = source.columns.ids[positions]
         block["label"][:rows] = source.columns.labels[positions]
         return rows
@@ -307,16 +311,38 @@ class SessionContext:
                     finally:
                         read_s += time.perf_counter() - read_start
 
-                pipeline, cached = f.decoder(position)
-                if cached is not None:
-                    cached.decode(info, offset, length, read, row)
-                else:
-                    pipeline.decode_into(read(), info, row)
+                if f.view is None:
+                    where, into = (offset, length), row
+                else:  # one of several fields: its own range, its own arrays
+                    where, into = self._field_range(f, position, offset, length), f.block(row)
+                try:
+                    pipeline, cached = f.decoder(position)
+                    if cached is not None:
+                        cached.decode(info, where[0], where[1], read, into)
+                    else:
+                        pipeline.decode_into(read(), info, into)
+                except BadSample as e:
+                    if f.view is None or not f.view.optional or e.kind != "missing_field":
+                        raise
+                    f.view.mark(row, (), False)
+                    continue
+                if f.view is not None:
+                    f.view.mark(row, (), True)
             row["sample_id"][...] = sample_id
             row["label"][...] = info.label
         finally:
             self._read_s += read_s
             self._decode_s += time.perf_counter() - start - read_s
+
+    @staticmethod
+    def _field_range(f: SampleField, position: int, offset: int, length: int) -> tuple[int, int]:
+        """Where field ``f`` of sample ``position`` is, for the decode cache's key: its own
+        member's range, or (a Parquet column) its column's chunk."""
+        if f.columns is not None:
+            return int(f.columns.byte_offsets[position]), int(f.columns.byte_lengths[position])
+        if isinstance(f.rows, ColumnRows):
+            return f.rows.range_of(position)
+        return offset, length
 
     def _decode_each(
         self, source: _Source, epoch: int, positions: npt.NDArray[np.int64], block: Block

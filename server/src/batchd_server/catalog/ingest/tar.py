@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from batchd_server.catalog.ingest.load import IngestReport, Source, Target, find_files, load
 from batchd_server.catalog.manifest import SPLIT_MAX_CHARS, check_name
+from batchd_server.catalog.members import MEMBERS_ATTR
 from batchd_server.catalog.tar_shards import TarSamples
+from batchd_server.catalog.types import DatasetRef
 from batchd_server.storage.options import DEFAULT_RETRY_S
 
 __all__ = ["ingest_tar"]
@@ -33,9 +36,10 @@ def ingest_tar(
     """Add the samples of WebDataset-style tar shards, as byte ranges inside them.
 
     Members are grouped by key (the name up to its first dot); each sample's payload member
-    (the one that is not ``.cls``/``.json``/``.txt``) is its row's byte range, the label is
+    (the first that is not ``.cls``/``.json``/``.txt``) is its row's byte range, the label is
     the ``.cls`` integer, the ``.json`` field ``label_key`` or an integer ``.txt``, and the
-    other members' ranges go to ``attrs["members"]``. Keys are ``<shard>#<key>``. Malformed
+    other members' ranges go to ``attrs["members"]`` (a session of several fields reads each
+    field's member from there). Keys are ``<shard>#<key>``. Malformed
     samples are skipped and listed in the report's ``skipped``; see ``tar_shards``.
 
     Args:
@@ -60,8 +64,18 @@ def ingest_tar(
         Source(
             root=stored_root,
             rows=samples.rows(),
+            attrs_update=_members_attrs,
             empty=f"no samples found in {len(samples.shards)} shard(s) under {stored_root}"
             + "".join(f"\n  {s}" for s in samples.skipped[:20]),
         ),
     )
     return dataclasses.replace(report, skipped=tuple(samples.skipped))
+
+
+def _members_attrs(ref: DatasetRef, attrs: dict[str, Any]) -> bool:
+    """Mark the dataset as one whose samples' attrs hold every member's range, which the
+    catalog load then reads for sessions of several fields (``catalog/members.py``)."""
+    if attrs.get(MEMBERS_ATTR):
+        return False
+    attrs[MEMBERS_ATTR] = True
+    return True

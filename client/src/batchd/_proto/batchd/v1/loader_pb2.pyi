@@ -207,12 +207,13 @@ class AudioPipeline(_message.Message):
     def __init__(self, sample_rate: _Optional[int] = ..., seconds: _Optional[float] = ..., stereo: _Optional[bool] = ..., crop: _Optional[str] = ..., dtype: _Optional[str] = ..., max_seconds: _Optional[float] = ...) -> None: ...
 
 class Pipeline(_message.Message):
-    __slots__ = ("image", "array", "tokens", "custom", "text", "video", "audio")
+    __slots__ = ("image", "array", "tokens", "custom", "text", "fields", "video", "audio")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     ARRAY_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     VIDEO_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     image: ImagePipeline
@@ -220,9 +221,28 @@ class Pipeline(_message.Message):
     tokens: TokensPipeline
     custom: CustomPipeline
     text: TextPipeline
+    fields: FieldsPipeline
     video: VideoPipeline
     audio: AudioPipeline
-    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ..., text: _Optional[_Union[TextPipeline, _Mapping]] = ..., video: _Optional[_Union[VideoPipeline, _Mapping]] = ..., audio: _Optional[_Union[AudioPipeline, _Mapping]] = ...) -> None: ...
+    def __init__(self, image: _Optional[_Union[ImagePipeline, _Mapping]] = ..., array: _Optional[_Union[ArrayPipeline, _Mapping]] = ..., tokens: _Optional[_Union[TokensPipeline, _Mapping]] = ..., custom: _Optional[_Union[CustomPipeline, _Mapping]] = ..., text: _Optional[_Union[TextPipeline, _Mapping]] = ..., fields: _Optional[_Union[FieldsPipeline, _Mapping]] = ..., video: _Optional[_Union[VideoPipeline, _Mapping]] = ..., audio: _Optional[_Union[AudioPipeline, _Mapping]] = ...) -> None: ...
+
+class SampleField(_message.Message):
+    __slots__ = ("name", "source", "optional", "pipeline")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONAL_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    optional: bool
+    pipeline: Pipeline
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., optional: _Optional[bool] = ..., pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
+
+class FieldsPipeline(_message.Message):
+    __slots__ = ("fields",)
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    fields: _containers.RepeatedCompositeFieldContainer[SampleField]
+    def __init__(self, fields: _Optional[_Iterable[_Union[SampleField, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("dataset", "version", "split", "batch_size", "shuffle", "seed", "rank", "world_size", "drop_last", "sampling", "pipeline", "prefetch", "snapshot", "on_error", "max_error_fraction", "mix", "no_decode_cache", "pack", "share")
