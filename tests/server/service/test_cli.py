@@ -153,7 +153,8 @@ def test_every_flag_of_each_ingest_kind_names_a_parameter_of_its_ingest_function
     )
     settings = {f.name for f, _ in declared(ServerConfig)} | {"log_level", "help"}
     passed_on = {"dataset_version", "progress_of"}  # cmd_ingest maps these itself
-    assert set(kinds_action.choices) == {"imagefolder", "manifest", "tar", "parquet", "jsonl"}
+    kinds = {"imagefolder", "manifest", "tar", "parquet", "jsonl", "videofolder", "audiofolder"}
+    assert set(kinds_action.choices) == kinds
     for kind, sub in kinds_action.choices.items():
         function = getattr(ingest, f"ingest_{kind}")
         parameters = set(inspect.signature(function).parameters)
